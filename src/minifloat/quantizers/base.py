@@ -1,0 +1,352 @@
+"""Quantizer (the builder) and QuantizedStorage (the data holder), common to every format.
+
+A storage holds the buffers of one format in two groups, rowwise and columnwise, plus the
+nominal (high-precision) dtype and logical shape. Buffers are 2D over the [M, K] view of the
+tensor, so reshapes that keep the last dim are free. The generic machinery here (usage updates,
+saving for backward, clone, device moves, pickling) works from the buffer names each family
+declares, so a family only writes what is specific to its format: quantize, dequantize and the
+derivation of one direction from the other.
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+from typing import Any, ClassVar
+
+import torch
+
+_FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
+
+
+class QuantizedStorage:
+    """Buffers of one quantized tensor, without the torch.Tensor wrapper.
+
+    Subclasses declare `rowwise_fields` and `columnwise_fields` (names of tensor attributes;
+    None when absent; the first name of each is the data), `shared_fields` (tensors both copies
+    use) and `metadata_fields` (plain values kept by clone/pickle), and implement
+    `_dequantize_impl`, optionally `_derive_rowwise` / `_derive_columnwise`.
+    """
+
+    rowwise_fields: ClassVar[tuple[str, ...]] = ()
+    columnwise_fields: ClassVar[tuple[str, ...]] = ()
+    shared_fields: ClassVar[tuple[str, ...]] = ()  # tensors both copies use (never dropped)
+    metadata_fields: ClassVar[tuple[str, ...]] = ()
+    format_name: ClassVar[str] = "quantized"
+
+    def __init__(
+        self,
+        *,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        quantizer: Quantizer | None = None,
+        **fields: Any,
+    ) -> None:
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.quantizer = quantizer
+        for name in self.tensor_fields():
+            setattr(self, name, fields.pop(name, None))
+        for name in self.metadata_fields:
+            setattr(self, name, fields.pop(name))
+        if fields:
+            raise TypeError(f"{type(self).__name__} got unknown fields {sorted(fields)}")
+
+    # ---- structure ----
+
+    @classmethod
+    def tensor_fields(cls) -> tuple[str, ...]:
+        return cls.rowwise_fields + cls.columnwise_fields + cls.shared_fields
+
+    def has_rowwise(self) -> bool:
+        return getattr(self, self.rowwise_fields[0]) is not None
+
+    def has_columnwise(self) -> bool:
+        return getattr(self, self.columnwise_fields[0]) is not None
+
+    def size(self, dim: int | None = None) -> torch.Size | int:
+        return self.shape if dim is None else self.shape[dim]
+
+    @property
+    def device(self) -> torch.device:
+        for name in self.tensor_fields():
+            buffer = getattr(self, name)
+            if buffer is not None:
+                return buffer.device
+        raise RuntimeError(f"{type(self).__name__} holds no data: every buffer was released")
+
+    @property
+    def matrix_shape(self) -> tuple[int, int]:
+        """[M, K] of the 2D view this storage's buffers are laid out over."""
+        k = self.shape[-1] if len(self.shape) else 1
+        m = self.shape.numel() // k if k else 0
+        return m, k
+
+    def _replace(self, transform) -> QuantizedStorage:
+        """A new storage of the same class with every present buffer mapped through `transform`."""
+        fields = {name: getattr(self, name) for name in self.metadata_fields}
+        for name in self.tensor_fields():
+            buffer = getattr(self, name)
+            fields[name] = None if buffer is None else transform(buffer)
+        return type(self)(shape=self.shape, dtype=self.dtype, quantizer=self.quantizer, **fields)
+
+    # ---- values ----
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """High-precision values in the logical shape (rowwise copy preferred)."""
+        dtype = self.dtype if dtype is None else dtype
+        if not (self.has_rowwise() or self.has_columnwise()):
+            raise RuntimeError(f"cannot dequantize {type(self).__name__}: it holds no data")
+        return self._dequantize_impl(dtype).reshape(self.shape)
+
+    def _dequantize_impl(self, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ---- directions ----
+
+    def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
+        """Keep, drop or derive each copy; None leaves a direction as it is.
+
+        Dropping is always allowed (but not of the last copy). A missing copy is derived where the
+        format allows it exactly (NUMERICS.md §9) and raises a clear error otherwise.
+        """
+        want_row = self.has_rowwise() if rowwise is None else rowwise
+        want_col = self.has_columnwise() if columnwise is None else columnwise
+        if not (want_row or want_col):
+            raise ValueError(
+                "update_usage would drop both the rowwise and the columnwise copy; keep one, or "
+                "release the tensor itself"
+            )
+        if want_row and not self.has_rowwise():
+            self._derive_rowwise()
+        if want_col and not self.has_columnwise():
+            self._derive_columnwise()
+        if not want_row:
+            self._drop(self.rowwise_fields)
+        if not want_col:
+            self._drop(self.columnwise_fields)
+
+    def _drop(self, names: tuple[str, ...]) -> None:
+        for name in names:
+            setattr(self, name, None)
+
+    def _derive_rowwise(self) -> None:
+        raise ValueError(
+            f"{self.format_name}: the rowwise copy cannot be derived from the columnwise one "
+            "(NUMERICS.md §9); quantize again from high precision with rowwise usage enabled"
+        )
+
+    def _derive_columnwise(self) -> None:
+        raise ValueError(
+            f"{self.format_name}: the columnwise copy cannot be derived from the rowwise one "
+            "(NUMERICS.md §9); quantize again from high precision with columnwise usage enabled"
+        )
+
+    # ---- autograd saving, copies, devices ----
+
+    def prepare_for_saving(self) -> tuple[list[torch.Tensor | None], QuantizedStorage]:
+        """Hand the buffers to ctx.save_for_backward; this object keeps only metadata."""
+        tensors = [getattr(self, name) for name in self.tensor_fields()]
+        self._drop(self.tensor_fields())
+        return tensors, self
+
+    def restore_from_saved(
+        self, tensors: list[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
+        """Take back the buffers from saved tensors; returns the tensors left over."""
+        names = self.tensor_fields()
+        for name, tensor in zip(names, tensors, strict=False):
+            setattr(self, name, tensor)
+        return list(tensors[len(names):])
+
+    def clone(self) -> QuantizedStorage:
+        return self._replace(lambda t: t.clone())
+
+    def detach(self) -> QuantizedStorage:
+        """A new storage object sharing the same buffers."""
+        return self._replace(lambda t: t.detach())
+
+    def to_device(self, device: torch.device | str) -> QuantizedStorage:
+        return self._replace(lambda t: t.to(device))
+
+    def copy_from(self, other: QuantizedStorage) -> None:
+        """Copy buffers of a storage of the same format and shape into this one's, in place."""
+        if type(other) is not type(self) or other.shape != self.shape:
+            raise ValueError(
+                f"cannot copy {type(other).__name__}{tuple(other.shape)} bytes into "
+                f"{type(self).__name__}{tuple(self.shape)}: requantize from high precision"
+            )
+        for name in self.tensor_fields():
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine is not None and theirs is not None:
+                mine.copy_(theirs)
+            elif mine is not None:
+                raise ValueError(
+                    f"cannot copy into {type(self).__name__}: the source lacks {name}; call "
+                    "update_usage on the source first"
+                )
+        for name in self.metadata_fields:
+            setattr(self, name, getattr(other, name))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle state. FP8 buffers travel as uint8 views: plain pickle of float8 tensors fails
+        in torch (its legacy storage loader has no float8 path), torch.save handles both."""
+        state = dict(self.__dict__)
+        state["shape"] = tuple(self.shape)
+        fp8_fields = {}
+        for name in self.tensor_fields():
+            buffer = state[name]
+            if buffer is not None and buffer.dtype in _FLOAT8_DTYPES:
+                fp8_fields[name] = buffer.dtype
+                state[name] = buffer.view(torch.uint8)
+        state["_fp8_fields"] = fp8_fields
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        state["shape"] = torch.Size(state["shape"])
+        for name, dtype in state.pop("_fp8_fields", {}).items():
+            state[name] = state[name].view(dtype)
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        directions = [d for d, ok in (("rowwise", self.has_rowwise()),
+                                      ("columnwise", self.has_columnwise())) if ok]
+        return (f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"copies={'+'.join(directions) or 'none'})")
+
+
+class Quantizer:
+    """Builds quantized tensors of one format for one tensor slot.
+
+    Holds plain values only (dtypes, bools, numbers; tensors for delayed-scaling state) so that it
+    pickles and can be a torch.compile constant. An amax reduction group may be set for the next
+    quantize call at the point of use (see DESIGN.md §5); it is never pickled or copied into
+    outputs.
+    """
+
+    storage_class: ClassVar[type[QuantizedStorage]]
+
+    def __init__(self, *, rowwise: bool = True, columnwise: bool = True, internal: bool = False):
+        self.rowwise_usage = rowwise
+        self.columnwise_usage = columnwise
+        self.internal = internal
+        self.amax_reduction_group = None
+
+    # ---- configuration ----
+
+    def set_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
+        if rowwise is not None:
+            self.rowwise_usage = rowwise
+        if columnwise is not None:
+            self.columnwise_usage = columnwise
+
+    def copy(self) -> Quantizer:
+        """A shallow copy: same configuration; shared delayed-scaling state tensors."""
+        clone = _copy.copy(self)
+        clone.__dict__ = dict(self.__dict__)
+        return clone
+
+    def is_quantizable(self, x: torch.Tensor) -> bool:
+        """Whether x's shape fits this format's block constraints (no error raised)."""
+        try:
+            self.check_shape(tuple(x.shape))
+        except ValueError:
+            return False
+        return True
+
+    def check_shape(self, shape: tuple[int, ...]) -> None:
+        """Raise a clear ValueError when this format cannot hold a tensor of `shape`."""
+        if len(shape) == 0:
+            raise ValueError("cannot quantize a 0-dim tensor: give it at least one dimension")
+
+    def is_requantization_safe(self) -> bool:
+        """Whether quantizing the same values twice gives the same bytes (False with SR)."""
+        return True
+
+    # ---- quantization ----
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor | QuantizedStorage:
+        """Quantize the usages this quantizer asks for; a QuantizedTensor unless `internal`."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+        if not (x.is_floating_point() and x.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+            raise TypeError(
+                f"quantize expects a float32, bfloat16 or float16 tensor, got {x.dtype}; "
+                "dequantize or cast it first"
+            )
+        if not (self.rowwise_usage or self.columnwise_usage):
+            raise ValueError(
+                f"{type(self).__name__} has neither rowwise nor columnwise usage; call "
+                "set_usage(rowwise=True) or set_usage(columnwise=True) first"
+            )
+        self.check_shape(tuple(x.shape))
+        storage = self._quantize_impl(x.detach(), self._output_quantizer())
+        return self._wrap(storage)
+
+    __call__ = quantize
+
+    def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> QuantizedStorage:
+        raise NotImplementedError
+
+    def _output_quantizer(self) -> Quantizer:
+        """The quantizer recorded on outputs: a copy with the reduction group stripped."""
+        owner = self.copy()
+        owner.amax_reduction_group = None
+        return owner
+
+    def _wrap(self, storage: QuantizedStorage) -> torch.Tensor | QuantizedStorage:
+        if self.internal:
+            return storage
+        from .tensor import QuantizedTensor
+
+        return QuantizedTensor(storage)
+
+    def reduce_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """All-reduce (MAX) an amax over this call's reduction group, when one is set."""
+        group = self.amax_reduction_group
+        if group is None:
+            return amax
+        import torch.distributed as dist
+
+        amax = amax.clone()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        return amax
+
+    def make_empty(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor | QuantizedStorage:
+        """An uninitialised quantized tensor of `shape` with this quantizer's usages."""
+        self.check_shape(tuple(shape))
+        placeholder = torch.zeros(shape, dtype=dtype, device=device)
+        return self._wrap(self._quantize_impl(placeholder, self._output_quantizer()))
+
+    def update_quantized(
+        self, src: torch.Tensor, dst: torch.Tensor | QuantizedStorage
+    ) -> torch.Tensor | QuantizedStorage:
+        """Requantize high-precision `src` into `dst`'s buffers in place; returns dst."""
+        from .tensor import as_storage
+
+        target = as_storage(dst)
+        if tuple(src.shape) != tuple(target.shape):
+            raise ValueError(
+                f"update_quantized: source shape {tuple(src.shape)} differs from the destination "
+                f"shape {tuple(target.shape)}"
+            )
+        quantizer = self.copy()
+        quantizer.set_usage(rowwise=target.has_rowwise(), columnwise=target.has_columnwise())
+        fresh = quantizer._quantize_impl(src.detach().to(target.device), self._output_quantizer())
+        target.copy_from(fresh)
+        return dst
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle plain configuration only; never a process group."""
+        state = dict(self.__dict__)
+        state["amax_reduction_group"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(rowwise={self.rowwise_usage}, "
+                f"columnwise={self.columnwise_usage}, internal={self.internal})")

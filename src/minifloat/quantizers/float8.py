@@ -1,0 +1,130 @@
+"""Per-tensor FP8: delayed scaling (Float8Quantizer) and current scaling (NUMERICS.md §2, §3).
+
+Both produce a Float8Storage: rowwise data [M, K], its byte transpose [K, M] as the columnwise
+copy, and one scale_inv shared by both (so either copy derives the other exactly).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from .. import numerics
+from .base import QuantizedStorage, Quantizer
+
+
+class Float8Storage(QuantizedStorage):
+    """Per-tensor scaled FP8: `data` [M, K], `data_transpose` [K, M], `scale_inv` (1 element)."""
+
+    rowwise_fields = ("data",)
+    columnwise_fields = ("data_transpose",)
+    shared_fields = ("scale_inv",)
+    metadata_fields = ("fp8_dtype",)
+    format_name: ClassVar[str] = "per-tensor FP8"
+
+    def _dequantize_impl(self, dtype: torch.dtype) -> torch.Tensor:
+        data = self.data if self.data is not None else self.data_transpose.t()
+        return numerics.dequantize_per_tensor(data, self.scale_inv, dtype)
+
+    def _derive_rowwise(self) -> None:
+        self.data = self.data_transpose.t().contiguous()
+
+    def _derive_columnwise(self) -> None:
+        self.data_transpose = self.data.t().contiguous()
+
+
+def _per_tensor_storage(
+    quantizer: Quantizer,
+    owner: Quantizer,
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fp8_dtype: torch.dtype,
+) -> Float8Storage:
+    """Lay out the requested copies of per-tensor data quantized over the [M, K] view."""
+    data2d = data.reshape(-1, x.shape[-1])
+    return Float8Storage(
+        shape=tuple(x.shape),
+        dtype=x.dtype,
+        quantizer=owner,
+        data=data2d if quantizer.rowwise_usage else None,
+        data_transpose=data2d.t().contiguous() if quantizer.columnwise_usage else None,
+        scale_inv=scale_inv.reshape(1),
+        fp8_dtype=fp8_dtype,
+    )
+
+
+class Float8Quantizer(Quantizer):
+    """Delayed scaling: casts with a scale from earlier steps and records this tensor's amax.
+
+    `scale` and `amax` are 1-element fp32 device tensors owned by the recipe state (shared, not
+    copied, by copy()). Each call folds max|x| into `amax`; the recipe state turns the history into
+    the next scale (NUMERICS.md §3).
+    """
+
+    storage_class = Float8Storage
+
+    def __init__(
+        self,
+        scale: torch.Tensor,
+        amax: torch.Tensor,
+        fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        internal: bool = False,
+    ) -> None:
+        super().__init__(rowwise=rowwise, columnwise=columnwise, internal=internal)
+        numerics.fp8_format(fp8_dtype)  # validates the dtype
+        if scale.numel() != 1 or amax.numel() != 1:
+            raise ValueError(
+                "Float8Quantizer needs 1-element scale and amax tensors (one slot of the recipe "
+                f"state); got {scale.numel()} and {amax.numel()} elements"
+            )
+        self.scale = scale
+        self.amax = amax
+        self.fp8_dtype = fp8_dtype
+
+    def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> Float8Storage:
+        amax = numerics.compute_amax(x).to(self.amax.device)
+        self.amax.copy_(torch.maximum(self.amax, amax.reshape(self.amax.shape)))
+        scale = self.scale.to(x.device)
+        data, scale_inv = numerics.quantize_with_scale(x, scale, self.fp8_dtype)
+        return _per_tensor_storage(self, owner, x, data, scale_inv, self.fp8_dtype)
+
+
+class Float8CurrentScalingQuantizer(Quantizer):
+    """Current scaling: the scale comes from this tensor's own amax (reduced across a group when
+    one is set for this call)."""
+
+    storage_class = Float8Storage
+
+    def __init__(
+        self,
+        fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+        *,
+        amax_epsilon: float = 0.0,
+        power_2_scale: bool = False,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        internal: bool = False,
+    ) -> None:
+        super().__init__(rowwise=rowwise, columnwise=columnwise, internal=internal)
+        numerics.fp8_format(fp8_dtype)
+        if amax_epsilon < 0:
+            raise ValueError(f"amax_epsilon must be >= 0, got {amax_epsilon}")
+        self.fp8_dtype = fp8_dtype
+        self.amax_epsilon = amax_epsilon
+        self.power_2_scale = power_2_scale
+
+    def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> Float8Storage:
+        amax = self.reduce_amax(numerics.compute_amax(x))
+        data, scale_inv = numerics.quantize_current_scaling(
+            x,
+            self.fp8_dtype,
+            amax=amax,
+            amax_epsilon=self.amax_epsilon,
+            power_2_scale=self.power_2_scale,
+        )
+        return _per_tensor_storage(self, owner, x, data, scale_inv, self.fp8_dtype)

@@ -1,0 +1,64 @@
+"""MXFP8: 32-element blocks with E8M0 scales (NUMERICS.md §5).
+
+Both copies use the [M, K] layout: rowwise blocks run along K, columnwise blocks along M. Neither
+derives from the other; each is quantized from high precision in the same call.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from .. import numerics
+from ..numerics.blocks import require_divisible
+from ..numerics.mxfp8 import BLOCK
+from .base import QuantizedStorage, Quantizer
+
+
+class MXFP8Storage(QuantizedStorage):
+    """Rowwise data [M, K] + E8M0 scale [M, K/32]; columnwise data [M, K] + scale [M/32, K]."""
+
+    rowwise_fields = ("rowwise_data", "rowwise_scale")
+    columnwise_fields = ("columnwise_data", "columnwise_scale")
+    metadata_fields = ("fp8_dtype",)
+    format_name: ClassVar[str] = "MXFP8"
+
+    def _dequantize_impl(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.has_rowwise():
+            return numerics.dequantize_mxfp8(self.rowwise_data, self.rowwise_scale, dtype=dtype)
+        return numerics.dequantize_mxfp8(
+            self.columnwise_data, self.columnwise_scale, columnwise=True, dtype=dtype
+        )
+
+
+class MXFP8Quantizer(Quantizer):
+    """MXFP8 with E4M3 elements (E5M2 allowed); M and K must be multiples of 32."""
+
+    storage_class = MXFP8Storage
+
+    def __init__(
+        self,
+        fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        internal: bool = False,
+    ) -> None:
+        super().__init__(rowwise=rowwise, columnwise=columnwise, internal=internal)
+        numerics.fp8_format(fp8_dtype)
+        self.fp8_dtype = fp8_dtype
+
+    def check_shape(self, shape: tuple[int, ...]) -> None:
+        super().check_shape(shape)
+        k = shape[-1]
+        require_divisible((torch.Size(shape).numel() // k if k else 0, k), BLOCK, "MXFP8")
+
+    def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> MXFP8Storage:
+        buffers = numerics.quantize_mxfp8(
+            x, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage, dtype=self.fp8_dtype
+        )
+        return MXFP8Storage(
+            shape=tuple(x.shape), dtype=x.dtype, quantizer=owner, fp8_dtype=self.fp8_dtype,
+            **buffers,
+        )

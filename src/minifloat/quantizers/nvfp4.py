@@ -1,0 +1,114 @@
+"""NVFP4: E2M1 elements, UE4M3 scales per 16 elements and an fp32 global scale (NUMERICS.md §6).
+
+Weights use 16x16 tiles (2D), whose columnwise copy is the exact nibble transpose of the rowwise
+one. Inputs and gradients use 1x16 blocks, optionally with the random Hadamard transform on the
+columnwise copy and stochastic rounding (gradients); those copies are quantized independently.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from .. import numerics
+from ..numerics.blocks import require_divisible
+from ..numerics.nvfp4 import BLOCK
+from .base import QuantizedStorage, Quantizer
+
+
+class NVFP4Storage(QuantizedStorage):
+    """Rowwise data [M, K/2] + scale [M, K/16] + amax_rowwise; columnwise data [K, M/2] + scale
+    [K, M/16] + amax_columnwise (the amax after the RHT when `with_rht`)."""
+
+    rowwise_fields = ("rowwise_data", "rowwise_scale", "amax_rowwise")
+    columnwise_fields = ("columnwise_data", "columnwise_scale", "amax_columnwise")
+    metadata_fields = ("two_dimensional", "with_rht")
+    format_name: ClassVar[str] = "NVFP4"
+
+    def _dequantize_impl(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.has_rowwise():
+            return numerics.dequantize_nvfp4(
+                self.rowwise_data, self.rowwise_scale, self.amax_rowwise, dtype
+            )
+        values_t = numerics.dequantize_nvfp4(
+            self.columnwise_data, self.columnwise_scale, self.amax_columnwise
+        )
+        if self.with_rht:
+            # Only the RHT's inverse recovers x^T; this is close to, not bit-equal with, x^T.
+            values_t = numerics.inverse_random_hadamard_transform(values_t)
+        return values_t.t().to(dtype)
+
+    def _derive_rowwise(self) -> None:
+        if not self.two_dimensional:
+            super()._derive_rowwise()
+        self.rowwise_data, self.rowwise_scale = numerics.transpose_nvfp4_2d(
+            self.columnwise_data, self.columnwise_scale
+        )
+        self.amax_rowwise = self.amax_columnwise.clone()
+
+    def _derive_columnwise(self) -> None:
+        if not self.two_dimensional:
+            super()._derive_columnwise()
+        self.columnwise_data, self.columnwise_scale = numerics.transpose_nvfp4_2d(
+            self.rowwise_data, self.rowwise_scale
+        )
+        self.amax_columnwise = self.amax_rowwise.clone()
+
+
+class NVFP4Quantizer(Quantizer):
+    """NVFP4 quantizer. M and K must be multiples of 16.
+
+    with_2d_quantization: 16x16 tiles (weights); with_rht: Hadamard transform on the columnwise
+    copy (1D only); stochastic_rounding: SR on both copies (gradients), drawn from torch's
+    generator (reproducible under torch.manual_seed).
+    """
+
+    storage_class = NVFP4Storage
+
+    def __init__(
+        self,
+        *,
+        with_rht: bool = False,
+        stochastic_rounding: bool = False,
+        with_2d_quantization: bool = False,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        internal: bool = False,
+    ) -> None:
+        super().__init__(rowwise=rowwise, columnwise=columnwise, internal=internal)
+        if with_rht and with_2d_quantization:
+            raise ValueError(
+                "NVFP4 2D (weight) quantization takes no RHT: set with_rht=False or "
+                "with_2d_quantization=False"
+            )
+        self.with_rht = with_rht
+        self.stochastic_rounding = stochastic_rounding
+        self.with_2d_quantization = with_2d_quantization
+
+    def check_shape(self, shape: tuple[int, ...]) -> None:
+        super().check_shape(shape)
+        k = shape[-1]
+        require_divisible((torch.Size(shape).numel() // k if k else 0, k), BLOCK, "NVFP4")
+
+    def is_requantization_safe(self) -> bool:
+        return not self.stochastic_rounding
+
+    def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> NVFP4Storage:
+        buffers = numerics.quantize_nvfp4(
+            x,
+            rowwise=self.rowwise_usage,
+            columnwise=self.columnwise_usage,
+            two_dimensional=self.with_2d_quantization,
+            with_rht=self.with_rht,
+            stochastic_rounding=self.stochastic_rounding,
+            reduce_amax=self.reduce_amax,
+        )
+        return NVFP4Storage(
+            shape=tuple(x.shape),
+            dtype=x.dtype,
+            quantizer=owner,
+            two_dimensional=self.with_2d_quantization,
+            with_rht=self.with_rht,
+            **buffers,
+        )

@@ -1,0 +1,159 @@
+"""QuantizedTensor: a torch.Tensor wrapper subclass over any QuantizedStorage.
+
+Its nominal dtype is the high-precision dtype, so modules and optimizers see an ordinary
+parameter. `__torch_dispatch__` handles a small explicit table of ops on the quantized bytes
+(detach, clone, copy_, device moves, reshapes that keep the last dim); every other op dequantizes
+its quantized arguments and runs in high precision.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .base import QuantizedStorage
+
+aten = torch.ops.aten
+
+
+def as_storage(x: torch.Tensor | QuantizedStorage) -> QuantizedStorage:
+    """The storage behind a QuantizedTensor (a bare storage is returned as is)."""
+    if isinstance(x, QuantizedTensor):
+        return x._storage
+    if isinstance(x, QuantizedStorage):
+        return x
+    raise TypeError(f"expected a QuantizedTensor or QuantizedStorage, got {type(x).__name__}")
+
+
+def _rebuild_quantized_tensor(storage: QuantizedStorage, requires_grad: bool) -> QuantizedTensor:
+    """Unpickling entry point (registered as a torch.serialization safe global)."""
+    return QuantizedTensor(storage, requires_grad=requires_grad)
+
+
+class QuantizedTensor(torch.Tensor):
+    """A quantized tensor that behaves like its high-precision self wherever it is not special."""
+
+    _storage: QuantizedStorage
+
+    @staticmethod
+    def __new__(cls, storage: QuantizedStorage, requires_grad: bool = False) -> QuantizedTensor:
+        instance = torch.Tensor._make_wrapper_subclass(
+            cls,
+            storage.shape,
+            dtype=storage.dtype,
+            device=storage.device,
+            requires_grad=requires_grad,
+        )
+        instance._storage = storage
+        return instance
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # ---- the storage's API, reachable from the tensor ----
+
+    @property
+    def quantized_storage(self) -> QuantizedStorage:
+        return self._storage
+
+    @property
+    def quantizer(self):
+        return self._storage.quantizer
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self._storage.dequantize(dtype)
+
+    def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
+        self._storage.update_usage(rowwise=rowwise, columnwise=columnwise)
+
+    def prepare_for_saving(self) -> tuple[list[torch.Tensor | None], QuantizedStorage]:
+        return self._storage.prepare_for_saving()
+
+    def restore_from_saved(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        return self._storage.restore_from_saved(tensors)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return f"QuantizedTensor({self._storage!r}, values={self.dequantize()})"
+
+    def __reduce_ex__(self, protocol: int):
+        return _rebuild_quantized_tensor, (self._storage, self.requires_grad)
+
+    # ---- dispatch ----
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            result = handler(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+
+        def unwrap(value):
+            return value.dequantize() if isinstance(value, QuantizedTensor) else value
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+def _detach(tensor: QuantizedTensor) -> QuantizedTensor:
+    return QuantizedTensor(tensor._storage.detach())
+
+
+def _clone(tensor: QuantizedTensor, memory_format=None) -> QuantizedTensor:
+    return QuantizedTensor(tensor._storage.clone())
+
+
+def _copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    if not isinstance(dst, QuantizedTensor):
+        dst.copy_(src.dequantize(dst.dtype), non_blocking=non_blocking)
+        return dst
+    if isinstance(src, QuantizedTensor) and type(src._storage) is type(dst._storage):
+        dst._storage.copy_from(src._storage)
+        return dst
+    source = src.dequantize() if isinstance(src, QuantizedTensor) else src
+    quantizer = dst._storage.quantizer
+    if quantizer is None:
+        raise RuntimeError("cannot copy into a QuantizedTensor that has no quantizer")
+    quantizer.update_quantized(source.expand(dst.shape), dst)
+    return dst
+
+
+def _to_copy(tensor: QuantizedTensor, *, dtype=None, device=None, **kwargs) -> torch.Tensor:
+    if dtype is not None and dtype != tensor.dtype:
+        return tensor.dequantize(dtype).to(device=device) if device else tensor.dequantize(dtype)
+    if device is None or torch.device(device) == tensor.device:
+        return QuantizedTensor(tensor._storage.clone())
+    return QuantizedTensor(tensor._storage.to_device(device))
+
+
+def _view(tensor: QuantizedTensor, shape) -> torch.Tensor:
+    """Reshape over the [M, K] buffers: exact (a metadata change) when the last dim is kept."""
+    new_shape = _infer_shape(list(shape), tensor.numel())
+    if len(new_shape) == 0 or new_shape[-1] != tensor.shape[-1]:
+        return NotImplemented  # would mix rows and blocks: fall back to high precision
+    storage = tensor._storage.detach()
+    storage.shape = torch.Size(new_shape)
+    return QuantizedTensor(storage)
+
+
+def _infer_shape(shape: list[int], numel: int) -> list[int]:
+    if -1 in shape:
+        known = 1
+        for size in shape:
+            if size != -1:
+                known *= size
+        shape[shape.index(-1)] = numel // known if known else 0
+    return shape
+
+
+_HANDLERS = {
+    aten.detach.default: _detach,
+    aten.alias.default: _detach,
+    aten.clone.default: _clone,
+    aten.copy_.default: _copy_,
+    aten._to_copy.default: _to_copy,
+    aten.view.default: _view,
+    aten._unsafe_view.default: _view,
+    aten.reshape.default: _view,
+}
