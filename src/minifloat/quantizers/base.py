@@ -101,6 +101,12 @@ class QuantizedStorage:
     def _dequantize_impl(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def gemm_operand(self, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(values, alpha) of one copy for an emulated GEMM: fp32 values with the reduction dim
+        last (the rowwise copy gives x [M, K], the columnwise copy x^T [K, M]), exactly as the
+        format decodes them, and an optional per-tensor factor applied after accumulation."""
+        raise NotImplementedError
+
     # ---- directions ----
 
     def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
@@ -258,6 +264,11 @@ class Quantizer:
         """Raise a clear ValueError when this format cannot hold a tensor of `shape`."""
         if len(shape) == 0:
             raise ValueError("cannot quantize a 0-dim tensor: give it at least one dimension")
+
+    def state_version(self) -> int:
+        """Changes whenever state that affects the bytes changes (delayed-scaling scales), so
+        caches of quantized weights know to requantize. Stateless quantizers return 0."""
+        return 0
 
     def is_requantization_safe(self) -> bool:
         """Whether quantizing the same values twice gives the same bytes (False with SR)."""

@@ -24,7 +24,8 @@ class Float8BlockStorage(QuantizedStorage):
     metadata_fields = ("block_scaling_dim",)
     format_name: ClassVar[str] = "FP8 block scaling"
 
-    def _dequantize(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype) -> torch.Tensor:
+    def _dequantize(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype=None) -> torch.Tensor:
+        dtype = torch.float32 if dtype is None else dtype
         if self.block_scaling_dim == 2:
             return numerics.dequantize_block_2d(data, scale_inv, dtype)
         return numerics.dequantize_block_1d(data, scale_inv, dtype)
@@ -33,6 +34,12 @@ class Float8BlockStorage(QuantizedStorage):
         if self.has_rowwise():
             return self._dequantize(self.rowwise_data, self.rowwise_scale_inv, dtype)
         return self._dequantize(self.columnwise_data, self.columnwise_scale_inv, dtype).t()
+
+    def gemm_operand(self, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Dequantized blocks with the reduction dim last ([M, K] or [K, M])."""
+        if columnwise:
+            return self._dequantize(self.columnwise_data, self.columnwise_scale_inv, None), None
+        return self._dequantize(self.rowwise_data, self.rowwise_scale_inv, None), None
 
     def _derive_rowwise(self) -> None:
         if self.block_scaling_dim != 2:

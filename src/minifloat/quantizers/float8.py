@@ -27,6 +27,11 @@ class Float8Storage(QuantizedStorage):
         data = self.data if self.data is not None else self.data_transpose.t()
         return numerics.dequantize_per_tensor(data, self.scale_inv, dtype)
 
+    def gemm_operand(self, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Exact fp8 values with K last (x or x^T); scale_inv goes to the GEMM's alpha."""
+        data = self.data_transpose if columnwise else self.data
+        return data.float(), self.scale_inv
+
     def _derive_rowwise(self) -> None:
         self.data = self.data_transpose.t().contiguous()
 
@@ -85,6 +90,9 @@ class Float8Quantizer(Quantizer):
         self.scale = scale
         self.amax = amax
         self.fp8_dtype = fp8_dtype
+
+    def state_version(self) -> int:
+        return self.scale._version
 
     def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> Float8Storage:
         amax = numerics.compute_amax(x).to(self.amax.device)

@@ -25,6 +25,10 @@ class IdentityStorage(QuantizedStorage):
         data = self.rowwise_data if self.rowwise_data is not None else self.columnwise_data
         return data.to(dtype)
 
+    def gemm_operand(self, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        data = self.columnwise_data if columnwise else self.rowwise_data
+        return (data.t() if columnwise else data), None
+
     def _derive_rowwise(self) -> None:
         self.rowwise_data = self.columnwise_data
 

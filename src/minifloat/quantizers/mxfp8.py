@@ -32,6 +32,16 @@ class MXFP8Storage(QuantizedStorage):
         )
 
 
+    def gemm_operand(self, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Dequantized values (exact) with the reduction dim last: x, or x^T for columnwise."""
+        if columnwise:
+            values = numerics.dequantize_mxfp8(
+                self.columnwise_data, self.columnwise_scale, columnwise=True
+            )
+            return values.t(), None
+        return numerics.dequantize_mxfp8(self.rowwise_data, self.rowwise_scale), None
+
+
 class MXFP8Quantizer(Quantizer):
     """MXFP8 with E4M3 elements (E5M2 allowed); M and K must be multiples of 32."""
 

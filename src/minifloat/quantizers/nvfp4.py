@@ -39,6 +39,17 @@ class NVFP4Storage(QuantizedStorage):
             values_t = numerics.inverse_random_hadamard_transform(values_t)
         return values_t.t().to(dtype)
 
+    def gemm_operand(self, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q * s_b (exact) with the reduction dim last; S_dec goes to the GEMM's alpha.
+
+        The columnwise operand of an RHT tensor is RHT(x^T): only another RHT operand may meet it.
+        """
+        if columnwise:
+            values = numerics.dequantize_nvfp4_blocks(self.columnwise_data, self.columnwise_scale)
+            return values, numerics.global_decode_scale(self.amax_columnwise)
+        values = numerics.dequantize_nvfp4_blocks(self.rowwise_data, self.rowwise_scale)
+        return values, numerics.global_decode_scale(self.amax_rowwise)
+
     def _derive_rowwise(self) -> None:
         if not self.two_dimensional:
             super()._derive_rowwise()

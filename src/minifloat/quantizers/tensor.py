@@ -93,7 +93,13 @@ class QuantizedTensor(torch.Tensor):
         def unwrap(value):
             return value.dequantize() if isinstance(value, QuantizedTensor) else value
 
-        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        result = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        target = args[0] if args else None
+        if func.overloadpacket.__name__.endswith("_") and isinstance(target, QuantizedTensor):
+            # An in-place op (an optimizer step, say): compute in high precision, requantize.
+            _copy_(target, result)
+            return target
+        return result
 
 
 def _detach(tensor: QuantizedTensor) -> QuantizedTensor:

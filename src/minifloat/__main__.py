@@ -1,0 +1,5 @@
+import sys
+
+from .lab.cli import main
+
+sys.exit(main())
