@@ -1,0 +1,94 @@
+"""general_gemm: one entry point for the three GEMMs of a linear layer (DESIGN.md §3-4).
+
+Every operand is given with the copy the GEMM needs: `rowwise` (the tensor as stored, reduction
+over its last dim) or `columnwise` (its transpose, reduction over its first dim). The result is
+A @ B^T in the TN convention, with A's and B's reduction dims last:
+
+    fprop  Y  = X W^T    general_gemm(x, w)                                     [M, N]
+    dgrad  dX = dY W     general_gemm(dy, w, b_columnwise=True)                 [M, K]
+    wgrad  dW = dY^T X   general_gemm(dy, x, a_columnwise=True, b_columnwise=True)  [N, K]
+
+Operands may be QuantizedTensors, bare storages or plain tensors, of any two families. This
+module runs the exact emulation everywhere: both operands decoded exactly (per-tensor factors
+kept aside), fp32 accumulation, factors applied after the accumulation, then bias and the output
+cast. Fast CUDA paths (per-tensor and block FP8 through torch scaled-mm) plug in behind the same
+call and must equal this result up to summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import numerics
+from .quantizers import NVFP4Storage, QuantizedStorage, QuantizedTensor, as_storage
+
+Operand = torch.Tensor | QuantizedStorage
+
+
+def _operand(x: Operand, columnwise: bool, label: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(values [rows, reduction] fp32, optional per-tensor factor) of one operand's copy."""
+    if isinstance(x, QuantizedTensor | QuantizedStorage):
+        storage = as_storage(x)
+        has_copy = storage.has_columnwise() if columnwise else storage.has_rowwise()
+        if not has_copy:
+            direction = "columnwise" if columnwise else "rowwise"
+            raise ValueError(
+                f"general_gemm: operand {label} ({storage!r}) lacks the {direction} copy this "
+                f"GEMM needs; quantize it with {direction} usage or call update_usage"
+            )
+        return storage.gemm_operand(columnwise)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"general_gemm: operand {label} must be a tensor, got {type(x).__name__}")
+    matrix = x.reshape(-1, x.shape[-1])
+    return (matrix.t() if columnwise else matrix).float(), None
+
+
+def _uses_rht(x: Operand, columnwise: bool) -> bool:
+    if not columnwise or not isinstance(x, QuantizedTensor | QuantizedStorage):
+        return False
+    storage = as_storage(x)
+    return isinstance(storage, NVFP4Storage) and storage.with_rht
+
+
+def general_gemm(
+    a: Operand,
+    b: Operand,
+    *,
+    a_columnwise: bool = False,
+    b_columnwise: bool = False,
+    out_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
+    accumulate_into: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A @ B^T with the requested copies; see the module docstring for the three GEMMs.
+
+    out_dtype defaults to the nominal dtype of A. With `accumulate_into` (an fp32 `main_grad`
+    of shape [rows(A), rows(B)]) the product is added into it in fp32 and it is returned.
+    """
+    if _uses_rht(a, a_columnwise) != _uses_rht(b, b_columnwise):
+        raise ValueError(
+            "general_gemm: only one operand carries the random Hadamard transform, so it would "
+            "not cancel; give both wgrad operands RHT (NVFP4 inputs and gradients) or neither"
+        )
+    a_values, a_alpha = _operand(a, a_columnwise, "A")
+    b_values, b_alpha = _operand(b, b_columnwise, "B")
+    if a_values.shape[1] != b_values.shape[1]:
+        raise ValueError(
+            f"general_gemm: reduction dims differ: A gives {tuple(a_values.shape)} and B gives "
+            f"{tuple(b_values.shape)} (both [rows, reduction])"
+        )
+    alpha = None
+    for factor in (a_alpha, b_alpha):
+        if factor is not None:
+            alpha = factor.float() if alpha is None else alpha * factor.float()
+    if out_dtype is None:
+        out_dtype = a.dtype if isinstance(a, torch.Tensor | QuantizedStorage) else torch.float32
+    if accumulate_into is not None:
+        if accumulate_into.dtype != torch.float32:
+            raise TypeError(f"main_grad must be float32 to accumulate into, got "
+                            f"{accumulate_into.dtype}")
+        product = numerics.emulated_gemm_tn(a_values, b_values, alpha=alpha, bias=bias)
+        accumulate_into.add_(product.reshape(accumulate_into.shape))
+        return accumulate_into
+    return numerics.emulated_gemm_tn(a_values, b_values, alpha=alpha, bias=bias,
+                                     out_dtype=out_dtype)

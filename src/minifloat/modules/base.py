@@ -1,0 +1,128 @@
+"""What every quantized module shares: slot roles, recipe states, the weight cache.
+
+Slots follow the linear layout: forward [input, weight, output], backward [grad_output,
+grad_input]. The output slot carries the role of its consumer's input and the grad_input slot
+the role of its consumer's grad_output (QuantizerRole has no "output" type, see seed 001).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..autocast import get_autocast_state
+from ..quantizers import QuantizedStorage, QuantizedTensor, Quantizer, as_storage
+from ..recipe_state import DelayedScalingRecipeState, RecipeState
+from ..recipes import QuantizerRole, Recipe
+
+FORWARD_SLOTS = ("input", "weight", "output")
+BACKWARD_SLOTS = ("grad_output", "grad_input")
+
+
+class QuantizedModule(nn.Module):
+    """Base of minifloat's GEMM modules: roles, per-recipe quantizers and the weight cache."""
+
+    module_type = "linear"
+
+    def __init__(self, name: str | None = None) -> None:
+        super().__init__()
+        self.name = name or ""
+        self.output_consumer_role: QuantizerRole | None = None
+        self.grad_input_consumer_role: QuantizerRole | None = None
+        self._recipe_states: dict[Recipe, tuple[RecipeState, RecipeState]] = {}
+        self._quantizers: dict[Recipe, tuple[list[Quantizer], list[Quantizer]]] = {}
+        self._weight_cache: dict[str, object] | None = None
+
+    # ---- roles ----
+
+    def get_quantizer_roles(self, forward: bool) -> list[QuantizerRole]:
+        """Roles of this module's forward or backward slots, in slot order."""
+        if forward:
+            return [
+                QuantizerRole(self.module_type, "input", self.name),
+                QuantizerRole(self.module_type, "weight", self.name),
+                self.output_consumer_role or QuantizerRole("linear", "input", self.name),
+            ]
+        return [
+            QuantizerRole(self.module_type, "grad_output", self.name),
+            self.grad_input_consumer_role or QuantizerRole("linear", "grad_output", self.name),
+        ]
+
+    def set_consumer_roles(
+        self, output: QuantizerRole | None = None, grad_input: QuantizerRole | None = None
+    ) -> None:
+        """Say who consumes this module's output (and so its grad_input)."""
+        if output is not None:
+            self.output_consumer_role = output
+        if grad_input is not None:
+            self.grad_input_consumer_role = grad_input
+        self._recipe_states.clear()
+        self._quantizers.clear()
+
+    # ---- quantizers ----
+
+    def recipe_states(self, recipe: Recipe) -> tuple[RecipeState, RecipeState]:
+        """Forward and backward states for `recipe` (created once, kept across steps)."""
+        if recipe not in self._recipe_states:
+            device = self._state_device()
+            forward = RecipeState.create(
+                recipe, "forward", len(FORWARD_SLOTS), self.get_quantizer_roles(True), device
+            )
+            backward = RecipeState.create(
+                recipe, "backward", len(BACKWARD_SLOTS), self.get_quantizer_roles(False), device
+            )
+            self._recipe_states[recipe] = (forward, backward)
+        return self._recipe_states[recipe]
+
+    def quantizers(self, recipe: Recipe) -> tuple[list[Quantizer], list[Quantizer]]:
+        """(forward, backward) quantizers for `recipe`, built once and reused."""
+        if recipe not in self._quantizers:
+            forward, backward = self.recipe_states(recipe)
+            self._quantizers[recipe] = (forward.make_quantizers(), backward.make_quantizers())
+        return self._quantizers[recipe]
+
+    def _state_device(self) -> torch.device:
+        for parameter in self.parameters():
+            return parameter.device
+        return torch.device("cpu")
+
+    def register_delayed_scaling(self, recipe: Recipe) -> bool:
+        """Enrol this module's delayed-scaling states in the autocast round; True if first."""
+        forward, backward = self.recipe_states(recipe)
+        delayed_round = get_autocast_state().delayed_round
+        if delayed_round is None or not isinstance(forward, DelayedScalingRecipeState):
+            return False
+        return delayed_round.register(forward, backward)
+
+    # ---- the weight cache ----
+
+    def quantized_weight(
+        self, weight: torch.Tensor, quantizer: Quantizer, *, rowwise: bool, columnwise: bool
+    ) -> QuantizedStorage:
+        """The weight in the quantizer's format, cached across micro-batches.
+
+        Reused while the weight is unchanged (same tensor, same version counter, same quantizer);
+        usages already present are kept (OR-merged) so that a no-grad step does not leave a stale
+        or missing columnwise copy for the next training step (seed 002).
+        """
+        if isinstance(weight, QuantizedTensor):
+            storage = as_storage(weight)
+            storage.update_usage(rowwise=rowwise or None, columnwise=columnwise or None)
+            return storage
+        key = (id(weight), weight._version, id(quantizer), quantizer.state_version())
+        cache = self._weight_cache
+        if cache is not None and cache["key"] == key:
+            storage = cache["storage"]
+            missing_row = rowwise and not storage.has_rowwise()
+            missing_col = columnwise and not storage.has_columnwise()
+            if not (missing_row or missing_col):
+                return storage
+            rowwise, columnwise = rowwise or storage.has_rowwise(), columnwise or (
+                storage.has_columnwise()
+            )
+        # Configure the quantizer fully, then quantize (seed 002).
+        quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
+        quantizer.internal = True
+        storage = quantizer(weight.detach())
+        self._weight_cache = {"key": key, "storage": storage}
+        return storage

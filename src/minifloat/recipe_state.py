@@ -1,0 +1,194 @@
+"""RecipeState: turns a recipe and the roles of a module's slots into quantizers.
+
+`RecipeState.create(recipe, mode, num_quantizers, roles)` returns the state for one module and
+one direction ("forward" slots: input, weight, output...; "backward" slots: grad_output,
+grad_input...). `make_quantizers()` builds one quantizer per slot. Delayed-scaling state (scales
+and amax history) lives on the state object, so rebuilding quantizers keeps it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import numerics
+from .quantizers import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    Quantizer,
+)
+from .recipes import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    QuantizerRole,
+    Recipe,
+)
+
+MODES = ("forward", "backward")
+
+
+def default_roles(mode: str, num_quantizers: int, name: str = "") -> list[QuantizerRole]:
+    """Roles of linear-layer slots when a caller gives none: forward [input, weight, output]
+    repeated (output = the next linear's input), backward [grad_output, grad_input] repeated
+    (grad_input = the previous linear's grad_output)."""
+    if mode == "forward":
+        cycle = ("input", "weight", "input")
+    else:
+        cycle = ("grad_output", "grad_output")
+    return [
+        QuantizerRole("linear", cycle[i % len(cycle)], name) for i in range(num_quantizers)
+    ]
+
+
+def fp8_dtype_for(fmt: Format, role: QuantizerRole) -> torch.dtype:
+    """E4M3 or E5M2 for a role: HYBRID gives gradients E5M2 and everything else E4M3."""
+    if fmt == Format.E5M2 or (fmt == Format.HYBRID and role.is_gradient):
+        return torch.float8_e5m2
+    return torch.float8_e4m3fn
+
+
+class RecipeState:
+    """Quantizer configuration for one module and one direction."""
+
+    def __init__(self, recipe: Recipe, mode: str, roles: list[QuantizerRole]) -> None:
+        self.recipe = recipe
+        self.mode = mode
+        self.roles = roles
+
+    @staticmethod
+    def create(
+        recipe: Recipe,
+        mode: str = "forward",
+        num_quantizers: int = 1,
+        roles: Sequence[QuantizerRole] | None = None,
+        device: torch.device | str | None = None,
+    ) -> RecipeState:
+        if mode not in MODES:
+            raise ValueError(f"RecipeState mode must be 'forward' or 'backward', got {mode!r}")
+        if roles is None:
+            roles = default_roles(mode, num_quantizers)
+        roles = list(roles)
+        if len(roles) != num_quantizers:
+            raise ValueError(
+                f"RecipeState.create got {len(roles)} roles for {num_quantizers} quantizers"
+            )
+        for role in roles:
+            if not isinstance(role, QuantizerRole):
+                raise TypeError(f"roles must be QuantizerRole objects, got {type(role).__name__}")
+        if isinstance(recipe, DelayedScaling):
+            return DelayedScalingRecipeState(recipe, mode, roles, device)
+        if isinstance(recipe, CustomRecipe | Float8CurrentScaling | Float8BlockScaling
+                      | MXFP8BlockScaling | NVFP4BlockScaling):
+            return RecipeState(recipe, mode, roles)
+        raise TypeError(f"unknown recipe type {type(recipe).__name__}")
+
+    def make_quantizers(self) -> list[Quantizer]:
+        return [self._make_quantizer(index, role) for index, role in enumerate(self.roles)]
+
+    def _make_quantizer(self, index: int, role: QuantizerRole) -> Quantizer:
+        recipe = self.recipe
+        if isinstance(recipe, CustomRecipe):
+            quantizer = recipe.qfactory(role)
+            if quantizer is None:
+                raise ValueError(
+                    f"CustomRecipe factory returned None for {role}; return an "
+                    "IdentityQuantizer() to keep this slot in high precision"
+                )
+            if not isinstance(quantizer, Quantizer):
+                raise TypeError(
+                    f"CustomRecipe factory returned {type(quantizer).__name__} for {role}; it "
+                    "must return a minifloat Quantizer"
+                )
+            return quantizer
+        return quantizer_for_role(recipe, role)
+
+
+def quantizer_for_role(recipe: Recipe, role: QuantizerRole) -> Quantizer:
+    """The quantizer a built-in (stateless) recipe assigns to a role."""
+    if isinstance(recipe, Float8CurrentScaling):
+        return Float8CurrentScalingQuantizer(
+            fp8_dtype_for(recipe.fp8_format, role),
+            amax_epsilon=recipe.amax_epsilon,
+            power_2_scale=recipe.power_2_scale,
+        )
+    if isinstance(recipe, Float8BlockScaling):
+        if role.tensor_type == "weight":
+            dim = recipe.w_block_scaling_dim
+        elif role.is_gradient:
+            dim = recipe.grad_block_scaling_dim
+        else:
+            dim = recipe.x_block_scaling_dim
+        return Float8BlockQuantizer(
+            dim, power_2_scale=recipe.power_2_scale, amax_epsilon=recipe.amax_epsilon
+        )
+    if isinstance(recipe, MXFP8BlockScaling):
+        return MXFP8Quantizer(fp8_dtype_for(recipe.fp8_format, role))
+    if isinstance(recipe, NVFP4BlockScaling):
+        if role.tensor_type == "weight":
+            return NVFP4Quantizer(with_2d_quantization=not recipe.disable_2d_quantization)
+        return NVFP4Quantizer(
+            with_rht=not recipe.disable_rht,
+            stochastic_rounding=role.is_gradient and not recipe.disable_stochastic_rounding,
+        )
+    raise TypeError(f"{type(recipe).__name__} has no stateless per-role quantizer")
+
+
+class DelayedScalingRecipeState(RecipeState):
+    """Delayed scaling: one scale and one amax-history column per slot (NUMERICS.md §3).
+
+    Quantizers get 1-element views of `scale` and of row 0 of `amax_history`, so they record into
+    this state and see updated scales without being rebuilt.
+    """
+
+    def __init__(
+        self,
+        recipe: DelayedScaling,
+        mode: str,
+        roles: list[QuantizerRole],
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(recipe, mode, roles)
+        slots = len(roles)
+        self.scale = torch.ones(slots, dtype=torch.float32, device=device)
+        self.amax_history = torch.zeros(
+            recipe.amax_history_len, slots, dtype=torch.float32, device=device
+        )
+        self.fp8_dtypes = [fp8_dtype_for(recipe.fp8_format, role) for role in roles]
+        self.fp8_max = torch.tensor(
+            [numerics.fp8_format(dtype).max_value for dtype in self.fp8_dtypes],
+            dtype=torch.float32,
+            device=device,
+        )
+
+    def _make_quantizer(self, index: int, role: QuantizerRole) -> Quantizer:
+        return Float8Quantizer(
+            self.scale[index : index + 1],
+            self.amax_history[0, index : index + 1],
+            self.fp8_dtypes[index],
+        )
+
+    def update(self, amax_reduction_group=None) -> None:
+        """Reduce slot-0 amaxes over the group (when reduce_amax), then roll and rescale."""
+        recipe = self.recipe
+        if amax_reduction_group is not None and recipe.reduce_amax:
+            import torch.distributed as dist
+
+            dist.all_reduce(self.amax_history[0], op=dist.ReduceOp.MAX, group=amax_reduction_group)
+        history, scale = numerics.delayed_scaling_update(
+            self.amax_history,
+            self.scale,
+            self.fp8_max,
+            margin=recipe.margin,
+            amax_compute_algo=recipe.amax_compute_algo,
+        )
+        self.amax_history.copy_(history)
+        self.scale.copy_(scale)
