@@ -3,7 +3,11 @@ chosen by role and by direction. Pure Python: exact emulation everywhere, Triton
 scaled-matmul fast paths on NVIDIA GPUs.
 """
 
-from . import numerics
+from . import factories, numerics
+from .autocast import autocast, quantized_model_init
+from .convert import convert_model
+from .gemm import general_gemm
+from .modules import Linear
 from .quantizers import (
     Float8BlockQuantizer,
     Float8BlockStorage,
@@ -20,6 +24,18 @@ from .quantizers import (
     QuantizedTensor,
     Quantizer,
 )
+from .recipe_state import RecipeState
+from .recipes import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    QuantizerRole,
+    Recipe,
+)
 from .serialization import register_safe_globals
 
 __version__ = "0.1.0"
@@ -27,6 +43,22 @@ __version__ = "0.1.0"
 register_safe_globals()
 
 __all__ = [
+    "CustomRecipe",
+    "DelayedScaling",
+    "Float8BlockScaling",
+    "Float8CurrentScaling",
+    "Format",
+    "Linear",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
+    "QuantizerRole",
+    "Recipe",
+    "RecipeState",
+    "autocast",
+    "convert_model",
+    "factories",
+    "general_gemm",
+    "quantized_model_init",
     "Float8BlockQuantizer",
     "Float8BlockStorage",
     "Float8CurrentScalingQuantizer",

@@ -91,7 +91,8 @@ def autocast(
     if enabled and isinstance(recipe, DelayedScaling) and delayed_round is None:
         delayed_round = DelayedScalingRound(amax_reduction_group=amax_reduction_group)
         owns_round = True
-    _STATE = AutocastState(enabled, recipe if enabled else None, amax_reduction_group, delayed_round)
+    active_recipe = recipe if enabled else None
+    _STATE = AutocastState(enabled, active_recipe, amax_reduction_group, delayed_round)
     try:
         yield
     finally:

@@ -40,10 +40,8 @@ def default_roles(mode: str, num_quantizers: int, name: str = "") -> list[Quanti
     """Roles of linear-layer slots when a caller gives none: forward [input, weight, output]
     repeated (output = the next linear's input), backward [grad_output, grad_input] repeated
     (grad_input = the previous linear's grad_output)."""
-    if mode == "forward":
-        cycle = ("input", "weight", "input")
-    else:
-        cycle = ("grad_output", "grad_output")
+    forward_cycle, backward_cycle = ("input", "weight", "input"), ("grad_output", "grad_output")
+    cycle = forward_cycle if mode == "forward" else backward_cycle
     return [
         QuantizerRole("linear", cycle[i % len(cycle)], name) for i in range(num_quantizers)
     ]

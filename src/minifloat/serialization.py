@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import torch
 
-from . import quantizers
+from . import quantizers, recipes
 from .quantizers.tensor import _rebuild_quantized_tensor
 
 
 def safe_globals() -> list:
     """Every class and function a pickled minifloat tensor refers to."""
     classes = [getattr(quantizers, name) for name in quantizers.__all__ if name[0].isupper()]
-    return [*classes, _rebuild_quantized_tensor]
+    recipe_classes = [
+        recipes.Format, recipes.QuantizerRole, recipes.DelayedScaling,
+        recipes.Float8CurrentScaling, recipes.Float8BlockScaling, recipes.MXFP8BlockScaling,
+        recipes.NVFP4BlockScaling,
+    ]
+    return [*classes, *recipe_classes, _rebuild_quantized_tensor]
 
 
 def register_safe_globals() -> None:

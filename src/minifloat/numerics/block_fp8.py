@@ -48,7 +48,10 @@ def quantize_block_1d(
 def quantize_block_1d_columnwise(
     x: torch.Tensor, *, power_2_scale: bool = True, amax_epsilon: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Columnwise copy: x^T [K, M] in 1x128 runs along M -> (data [K, M], scale_inv [K, ceil(M/128)])."""
+    """Columnwise copy: x^T [K, M] in 1x128 runs along M.
+
+    Returns (data [K, M], scale_inv [K, ceil(M/128)]).
+    """
     return _quantize_tiles(as_2d(x).t(), 1, BLOCK, power_2_scale, amax_epsilon)
 
 

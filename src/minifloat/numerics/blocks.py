@@ -41,7 +41,9 @@ def tile_amax(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return torch.amax(tiles, dim=(1, 3))
 
 
-def expand_tiles(values: torch.Tensor, rows: int, cols: int, shape: tuple[int, int]) -> torch.Tensor:
+def expand_tiles(
+    values: torch.Tensor, rows: int, cols: int, shape: tuple[int, int]
+) -> torch.Tensor:
     """Broadcast per-tile values [tm, tk] back to elements, cropped to `shape` [M, K]."""
     expanded = values.repeat_interleave(rows, dim=0).repeat_interleave(cols, dim=1)
     return expanded[: shape[0], : shape[1]]

@@ -138,7 +138,8 @@ def encode_e2m1(values: torch.Tensor) -> torch.Tensor:
     code = torch.where(
         magnitude < 2.0,
         magnitude * 2.0,  # 0, 0.5, 1, 1.5 -> 0..3
-        torch.where(magnitude < 4.0, magnitude + 2.0, magnitude * 0.5 + 4.0),  # 2,3 -> 4,5; 4,6 -> 6,7
+        # 2, 3 -> codes 4, 5; 4, 6 -> codes 6, 7
+        torch.where(magnitude < 4.0, magnitude + 2.0, magnitude * 0.5 + 4.0),
     ).to(torch.uint8)
     sign = torch.signbit(values).to(torch.uint8) << 3
     return code | sign

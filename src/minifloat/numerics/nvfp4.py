@@ -5,7 +5,7 @@ Storage layout (compact):
 - columnwise: quantization of x^T: data [K, M/2], scale [K, M/16], amax_columnwise
 - 2D (weights): 16x16 tiles; each tile's scale is replicated over its 16 scale rows, so the
   columnwise copy is the exact nibble transpose of the rowwise one (derivable both ways).
-Tensors keep the global amax A, not S_enc: the encode scale is recomputed with `global_encode_scale`.
+Tensors keep the global amax A, not S_enc: `global_encode_scale` recomputes the encode scale.
 """
 
 from __future__ import annotations

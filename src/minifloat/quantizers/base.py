@@ -280,7 +280,7 @@ class Quantizer:
         """Quantize the usages this quantizer asks for; a QuantizedTensor unless `internal`."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
-        if not (x.is_floating_point() and x.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(
                 f"quantize expects a float32, bfloat16 or float16 tensor, got {x.dtype}; "
                 "dequantize or cast it first"

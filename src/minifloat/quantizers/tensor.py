@@ -90,16 +90,24 @@ class QuantizedTensor(torch.Tensor):
             if result is not NotImplemented:
                 return result
 
+        decoded: dict[int, torch.Tensor] = {}
+
         def unwrap(value):
-            return value.dequantize() if isinstance(value, QuantizedTensor) else value
+            if isinstance(value, QuantizedTensor):
+                decoded[id(value)] = value.dequantize()
+                return decoded[id(value)]
+            return value
 
         result = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
-        target = args[0] if args else None
-        if func.overloadpacket.__name__.endswith("_") and isinstance(target, QuantizedTensor):
-            # An in-place op (an optimizer step, say): compute in high precision, requantize.
-            _copy_(target, result)
-            return target
-        return result
+        if not func.overloadpacket.__name__.endswith("_"):
+            return result
+        # An in-place op (an optimizer step, plain or _foreach_): it mutated the decoded copies;
+        # requantize each quantized target from its copy so the update is not lost.
+        targets = args[0] if isinstance(args[0], list | tuple) else [args[0]]
+        for target in targets:
+            if isinstance(target, QuantizedTensor):
+                _copy_(target, decoded[id(target)])
+        return args[0] if isinstance(result, torch.Tensor) else result
 
 
 def _detach(tensor: QuantizedTensor) -> QuantizedTensor:
