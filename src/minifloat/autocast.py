@@ -3,7 +3,8 @@
 `autocast(recipe=...)` makes minifloat modules quantize their GEMM operands inside it. It nests
 and restores the previous state on exit. Under DelayedScaling it also closes the loop of
 NUMERICS.md §3: forward slots update at the exit of the outermost autocast that ran them;
-backward slots update after the backward of the first module (the last one to run backward).
+backward slots update once the last pending backward of the round has run (the first module's,
+in a plain network).
 
 `quantized_model_init(recipe=...)` makes modules built inside it hold QuantizedTensor weights.
 """
@@ -24,17 +25,23 @@ class DelayedScalingRound:
     amax_reduction_group: object = None
     forward_states: list = field(default_factory=list)
     backward_states: list = field(default_factory=list)
-    first_module_seen: bool = False
+    pending_backwards: int = 0
 
-    def register(self, forward_state, backward_state) -> bool:
-        """Record a module's states; True for the first module of the round."""
-        first = not self.first_module_seen
-        self.first_module_seen = True
-        if forward_state not in self.forward_states:
+    def register(self, forward_state, backward_state, will_run_backward: bool) -> None:
+        """Record a module call's states; count it when its backward will run."""
+        if not any(state is forward_state for state in self.forward_states):
             self.forward_states.append(forward_state)
-        if backward_state not in self.backward_states:
+        if not any(state is backward_state for state in self.backward_states):
             self.backward_states.append(backward_state)
-        return first
+        if will_run_backward:
+            self.pending_backwards += 1
+
+    def backward_done(self) -> None:
+        """Called by each counted backward; the last one updates every backward slot, so a
+        frozen first layer (no backward) does not leave the round without an update."""
+        self.pending_backwards -= 1
+        if self.pending_backwards == 0:
+            self.update_backward()
 
     def update_forward(self) -> None:
         for state in self.forward_states:

@@ -88,7 +88,12 @@ def general_gemm(
             raise TypeError(f"main_grad must be float32 to accumulate into, got "
                             f"{accumulate_into.dtype}")
         product = numerics.emulated_gemm_tn(a_values, b_values, alpha=alpha, bias=bias)
-        accumulate_into.add_(product.reshape(accumulate_into.shape))
+        if accumulate_into.shape != product.shape:
+            raise ValueError(
+                f"general_gemm: main_grad has shape {tuple(accumulate_into.shape)}, the product "
+                f"{tuple(product.shape)}; give a main_grad shaped like the weight"
+            )
+        accumulate_into.add_(product)
         return accumulate_into
     return numerics.emulated_gemm_tn(a_values, b_values, alpha=alpha, bias=bias,
                                      out_dtype=out_dtype)

@@ -86,13 +86,17 @@ class QuantizedModule(nn.Module):
             return parameter.device
         return torch.device("cpu")
 
-    def register_delayed_scaling(self, recipe: Recipe) -> bool:
-        """Enrol this module's delayed-scaling states in the autocast round; True if first."""
+    def register_delayed_scaling(self, recipe: Recipe, will_run_backward: bool):
+        """Enrol this call's delayed-scaling states in the autocast round.
+
+        Returns the callback its backward must call (None when there is nothing to update).
+        """
         forward, backward = self.recipe_states(recipe)
         delayed_round = get_autocast_state().delayed_round
         if delayed_round is None or not isinstance(forward, DelayedScalingRecipeState):
-            return False
-        return delayed_round.register(forward, backward)
+            return None
+        delayed_round.register(forward, backward, will_run_backward)
+        return delayed_round.backward_done if will_run_backward else None
 
     # ---- the weight cache ----
 

@@ -23,15 +23,13 @@ from .base import QuantizedModule
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, module, input_quantizer, weight_quantizer,
-                grad_output_quantizer, update_backward_round):
+                grad_output_quantizer, need_dgrad, need_wgrad, backward_done):
         in_features = weight.shape[-1]
         if x.shape[-1] != in_features:
             raise ValueError(
                 f"Linear expects inputs with last dim {in_features}, got shape {tuple(x.shape)}"
             )
         x2d = x.reshape(-1, in_features)
-        # needs_input_grad is False for every input under no_grad: then no columnwise copies.
-        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         input_quantizer.set_usage(rowwise=True, columnwise=need_wgrad)
         input_quantizer.internal = True
         x_q = input_quantizer(x2d)
@@ -51,7 +49,7 @@ class _LinearFunction(torch.autograd.Function):
         ctx.need_wgrad, ctx.need_dgrad = need_wgrad, need_dgrad
         ctx.has_bias = bias is not None
         ctx.x_shape, ctx.out_dtype = x.shape, out_dtype
-        ctx.update_backward_round = update_backward_round
+        ctx.backward_done = backward_done
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -79,9 +77,9 @@ class _LinearFunction(torch.autograd.Function):
                                            out_dtype=ctx.weight.dtype)
         if ctx.has_bias:
             grad_bias = dy2d.sum(dim=0)
-        if ctx.update_backward_round is not None:
-            ctx.update_backward_round()
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None
+        if ctx.backward_done is not None:
+            ctx.backward_done()
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 class Linear(QuantizedModule):
@@ -140,12 +138,16 @@ class Linear(QuantizedModule):
             return F.linear(x, weight, self.bias)
         recipe = state.recipe
         forward_quantizers, backward_quantizers = self.quantizers(recipe)
-        first = self.register_delayed_scaling(recipe)
-        update_backward = state.delayed_round.update_backward if first else None
+        # Decided here, not from ctx.needs_input_grad (which ignores torch.no_grad): under
+        # no_grad no columnwise copy is made and nothing is saved.
+        grad_enabled = torch.is_grad_enabled()
+        need_dgrad = grad_enabled and x.requires_grad
+        need_wgrad = grad_enabled and self.weight.requires_grad
+        backward_done = self.register_delayed_scaling(recipe, need_dgrad or need_wgrad)
         input_quantizer: Quantizer = forward_quantizers[0]
         return _LinearFunction.apply(
             x, self.weight, self.bias, self, input_quantizer, forward_quantizers[1],
-            backward_quantizers[0], update_backward,
+            backward_quantizers[0], need_dgrad, need_wgrad, backward_done,
         )
 
     def extra_repr(self) -> str:

@@ -193,6 +193,18 @@ def e8m0_to_float(biased: torch.Tensor) -> torch.Tensor:
     return torch.where(biased == E8M0_NAN, torch.full_like(value, float("nan")), value)
 
 
+def fp32_divide(numerator: float | torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """numerator / denominator as one correctly rounded fp32 division.
+
+    `python_float / tensor` is not that: torch evaluates it as reciprocal(tensor) * float, two
+    roundings, which changes scales (448 / 3 gives 0x43155556 instead of 0x43155555).
+    """
+    denominator = denominator.float()
+    if not isinstance(numerator, torch.Tensor):
+        numerator = torch.full_like(denominator, numerator)
+    return torch.div(numerator.float(), denominator)
+
+
 def float_bits(x: torch.Tensor) -> torch.Tensor:
     """Bit pattern of fp32 values as int32 (a view, no conversion)."""
     return x.float().contiguous().view(torch.int32)

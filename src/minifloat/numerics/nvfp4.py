@@ -22,6 +22,7 @@ from .formats import (
     cast_to_e2m1,
     cast_to_fp8,
     e2m1_to_float,
+    fp32_divide,
     pack_nibbles,
     unpack_nibbles,
 )
@@ -36,7 +37,7 @@ ONE_SIXTH_FP32 = 1.0 / 6.0  # used as fp32(1/6): see _quantize_direction
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     """S_enc = 2688 / A in fp32; 1 when A is 0 or the quotient is 0 (A = inf); capped at FLT_MAX."""
     amax = amax.float()
-    s_enc = GLOBAL_SCALE_NUMERATOR / amax
+    s_enc = fp32_divide(GLOBAL_SCALE_NUMERATOR, amax)
     s_enc = torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
     return torch.clamp(s_enc, max=FLT_MAX)  # clamp keeps NaN (a NaN amax poisons everything)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import FLT_MAX, cast_to_fp8, clear_mantissa, fp8_format
+from .formats import FLT_MAX, cast_to_fp8, clear_mantissa, fp8_format, fp32_divide
 
 
 def compute_amax(x: torch.Tensor) -> torch.Tensor:
@@ -34,7 +34,7 @@ def scale_from_amax(
     """
     amax = amax.float()
     amax = torch.where(amax < amax_epsilon, torch.full_like(amax, amax_epsilon), amax)
-    scale = fp8_max / amax
+    scale = fp32_divide(fp8_max, amax)
     degenerate = (amax == 0) | torch.isinf(amax) | torch.isnan(amax)
     scale = torch.where(degenerate, torch.ones_like(scale), scale)
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, overflow_value), scale)
@@ -103,7 +103,7 @@ def delayed_scaling_update(
         )
     new_history = torch.roll(amax_history, shifts=-1, dims=0)
     new_history[0].zero_()
-    candidate = (fp8_max / amax.float()) / (2.0**margin)
+    candidate = fp32_divide(fp8_max, amax.float()) / (2.0**margin)
     valid = (amax > 0) & torch.isfinite(amax)
     candidate = torch.where(torch.isinf(candidate), torch.full_like(candidate, FLT_MAX), candidate)
     new_scale = torch.where(valid, candidate, scale.float())

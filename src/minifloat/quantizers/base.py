@@ -10,7 +10,6 @@ derivation of one direction from the other.
 
 from __future__ import annotations
 
-import copy as _copy
 from typing import Any, ClassVar
 
 import torch
@@ -174,12 +173,20 @@ class QuantizedStorage:
     def to_device(self, device: torch.device | str) -> QuantizedStorage:
         return self._replace(lambda t: t.to(device))
 
+    def same_format(self, other: QuantizedStorage) -> bool:
+        """Same class, shape and metadata (element dtype, 1D/2D, RHT): bytes copy over as is."""
+        return (
+            type(other) is type(self)
+            and other.shape == self.shape
+            and all(getattr(self, n) == getattr(other, n) for n in self.metadata_fields)
+        )
+
     def copy_from(self, other: QuantizedStorage) -> None:
         """Copy buffers of a storage of the same format and shape into this one's, in place."""
-        if type(other) is not type(self) or other.shape != self.shape:
+        if not self.same_format(other):
             raise ValueError(
-                f"cannot copy {type(other).__name__}{tuple(other.shape)} bytes into "
-                f"{type(self).__name__}{tuple(self.shape)}: requantize from high precision"
+                f"cannot copy {other!r} bytes into {self!r}: the formats differ; requantize "
+                "from high precision"
             )
         for name in self.tensor_fields():
             mine, theirs = getattr(self, name), getattr(other, name)
@@ -248,8 +255,8 @@ class Quantizer:
 
     def copy(self) -> Quantizer:
         """A shallow copy: same configuration; shared delayed-scaling state tensors."""
-        clone = _copy.copy(self)
-        clone.__dict__ = dict(self.__dict__)
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)  # not copy.copy: __getstate__ strips the group
         return clone
 
     def is_quantizable(self, x: torch.Tensor) -> bool:

@@ -59,7 +59,8 @@ class IdentityQuantizer(Quantizer):
 
     def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> IdentityStorage:
         dtype = x.dtype if self.dtype is None else self.dtype
-        values = x.reshape(-1, x.shape[-1]).to(dtype)
+        # a copy, never a view: in-place updates of the result must not reach the caller's x
+        values = x.reshape(-1, x.shape[-1]).to(dtype=dtype, copy=True)
         return IdentityStorage(
             shape=tuple(x.shape),
             dtype=dtype,

@@ -122,7 +122,7 @@ def _copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> 
     if not isinstance(dst, QuantizedTensor):
         dst.copy_(src.dequantize(dst.dtype), non_blocking=non_blocking)
         return dst
-    if isinstance(src, QuantizedTensor) and type(src._storage) is type(dst._storage):
+    if isinstance(src, QuantizedTensor) and dst._storage.same_format(src._storage):
         dst._storage.copy_from(src._storage)
         return dst
     source = src.dequantize() if isinstance(src, QuantizedTensor) else src
