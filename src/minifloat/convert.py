@@ -18,7 +18,7 @@ def _fits_recipe(layer: nn.Linear, recipe: Recipe | None, name: str) -> bool:
     if recipe is None:
         return True
     probe = Linear(1, 1, bias=False, device="meta", name=name)
-    forward, _ = RecipeState.create(recipe, "forward", 3, probe.get_quantizer_roles(True)), None
+    forward = RecipeState.create(recipe, "forward", 3, probe.get_quantizer_roles(True))
     weight_quantizer = forward.make_quantizers()[1]
     return weight_quantizer.is_quantizable(torch.empty(layer.weight.shape, device="meta"))
 

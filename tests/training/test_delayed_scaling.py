@@ -177,7 +177,7 @@ def test_tiny_amax_gives_flt_max_scale():
     assert fwd_state.scale[0].item() == FLT_MAX
 
 
-def test_backward_slots_update_once_per_step_after_the_backward_of_the_first_module():
+def test_backward_slots_update_once_after_the_last_backward_of_the_step():
     recipe = mf.DelayedScaling(amax_history_len=4)
     torch.manual_seed(5)
     fc1 = mf.Linear(IN_FEATURES, 64, name="fc1")

@@ -239,7 +239,7 @@ def test_saved_buffers_travel_through_saved_tensor_hooks(kind):
 
 
 class QuantizeSpy:
-    """Records every quantization: (quantizer type, input shape, has rowwise, has columnwise)."""
+    """Records each quantization: (quantizer, input shape, rowwise?, columnwise?, storage)."""
 
     def __init__(self, monkeypatch):
         self.calls = []
@@ -424,6 +424,12 @@ def test_rowwise_only_weight_request_keeps_cached_columnwise_copy(kind):
     # and a later rowwise-only request keeps (OR-merges) the columnwise copy
     again = lin.quantized_weight(lin.weight, weight_quantizer, rowwise=True, columnwise=False)
     assert again.has_rowwise() and again.has_columnwise()
+    # after a weight change: a columnwise-only request, then a rowwise-only one, ends with both
+    with torch.no_grad():
+        lin.weight.mul_(0.5)
+    lin.quantized_weight(lin.weight, weight_quantizer, rowwise=False, columnwise=True)
+    merged = lin.quantized_weight(lin.weight, weight_quantizer, rowwise=True, columnwise=False)
+    assert merged.has_rowwise() and merged.has_columnwise()
 
 
 @pytest.mark.parametrize("kind", ["mxfp8", "nvfp4"])
