@@ -119,7 +119,6 @@ class Linear(QuantizedModule):
             return weight
         if init["keep_high_precision_copy"]:
             self.weight_hp_init = weight.detach().clone()
-        _, _ = self.recipe_states(init["recipe"])
         weight_quantizer = self.quantizers(init["recipe"])[0][1].copy()
         weight_quantizer.set_usage(rowwise=True, columnwise=True)
         weight_quantizer.internal = False
