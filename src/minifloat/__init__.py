@@ -5,6 +5,7 @@ scaled-matmul fast paths on NVIDIA GPUs.
 
 from . import factories, numerics
 from .autocast import autocast, quantized_model_init
+from .checkpoint import checkpoint
 from .convert import convert_model
 from .gemm import general_gemm
 from .modules import Linear
@@ -14,6 +15,9 @@ from .quantizers import (
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
     Float8Storage,
+    HybridQuantizedTensor,
+    HybridQuantizer,
+    HybridStorage,
     IdentityQuantizer,
     IdentityStorage,
     MXFP8Quantizer,
@@ -31,6 +35,7 @@ from .recipes import (
     Float8BlockScaling,
     Float8CurrentScaling,
     Format,
+    HybridRecipe,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
     QuantizerRole,
@@ -48,6 +53,7 @@ __all__ = [
     "Float8BlockScaling",
     "Float8CurrentScaling",
     "Format",
+    "HybridRecipe",
     "Linear",
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",
@@ -55,6 +61,7 @@ __all__ = [
     "Recipe",
     "RecipeState",
     "autocast",
+    "checkpoint",
     "convert_model",
     "factories",
     "general_gemm",
@@ -64,6 +71,9 @@ __all__ = [
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
     "Float8Storage",
+    "HybridQuantizedTensor",
+    "HybridQuantizer",
+    "HybridStorage",
     "IdentityQuantizer",
     "IdentityStorage",
     "MXFP8Quantizer",

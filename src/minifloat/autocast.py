@@ -58,6 +58,9 @@ class AutocastState:
     recipe: Recipe | None = None
     amax_reduction_group: object = None
     delayed_round: DelayedScalingRound | None = None
+    # Set inside minifloat.checkpoint: the record of delayed scales its forward used, replayed
+    # by the recompute (see checkpoint.py).
+    recompute_record: object = None
 
 
 _STATE = AutocastState()
@@ -70,6 +73,18 @@ def default_recipe() -> Recipe:
 
 def get_autocast_state() -> AutocastState:
     return _STATE
+
+
+@contextlib.contextmanager
+def autocast_state_scope(state: AutocastState) -> Iterator[None]:
+    """Make `state` the active autocast state inside the block (activation recompute)."""
+    global _STATE
+    previous = _STATE
+    _STATE = state
+    try:
+        yield
+    finally:
+        _STATE = previous
 
 
 def is_quantization_enabled() -> bool:
@@ -94,12 +109,14 @@ def autocast(
     previous = _STATE
     recipe = recipe if recipe is not None else default_recipe()
     delayed_round = previous.delayed_round
+    record = previous.recompute_record
     owns_round = False
-    if enabled and isinstance(recipe, DelayedScaling) and delayed_round is None:
+    if enabled and recipe.uses_delayed_scaling() and delayed_round is None:
         delayed_round = DelayedScalingRound(amax_reduction_group=amax_reduction_group)
-        owns_round = True
+        # a recompute replays the scales of the original forward and must not update them
+        owns_round = not getattr(record, "replaying", False)
     active_recipe = recipe if enabled else None
-    _STATE = AutocastState(enabled, active_recipe, amax_reduction_group, delayed_round)
+    _STATE = AutocastState(enabled, active_recipe, amax_reduction_group, delayed_round, record)
     try:
         yield
     finally:

@@ -46,7 +46,7 @@ def _operand(x: Operand, columnwise: bool, label: str) -> tuple[torch.Tensor, to
 def _uses_rht(x: Operand, columnwise: bool) -> bool:
     if not columnwise or not isinstance(x, QuantizedTensor | QuantizedStorage):
         return False
-    storage = as_storage(x)
+    storage = as_storage(x).direction_storage(columnwise=True)
     return isinstance(storage, NVFP4Storage) and storage.with_rht
 
 

@@ -17,6 +17,8 @@ from .quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
+    HybridQuantizer,
+    IdentityQuantizer,
     MXFP8Quantizer,
     NVFP4Quantizer,
     Quantizer,
@@ -27,6 +29,7 @@ from .recipes import (
     Float8BlockScaling,
     Float8CurrentScaling,
     Format,
+    HybridRecipe,
     MXFP8BlockScaling,
     NVFP4BlockScaling,
     QuantizerRole,
@@ -57,6 +60,14 @@ def fp8_dtype_for(fmt: Format, role: QuantizerRole) -> torch.dtype:
 class RecipeState:
     """Quantizer configuration for one module and one direction."""
 
+    # True where the state keeps amax histories that autocast updates (DelayedScaling).
+    tracks_amax_history = False
+
+    def delayed_states(self) -> list[DelayedScalingRecipeState]:
+        """The delayed-scaling states inside this one (itself, a hybrid's sub-states, or none):
+        what activation recompute must snapshot to replay a forward with the same scales."""
+        return []
+
     def __init__(self, recipe: Recipe, mode: str, roles: list[QuantizerRole]) -> None:
         self.recipe = recipe
         self.mode = mode
@@ -84,6 +95,8 @@ class RecipeState:
                 raise TypeError(f"roles must be QuantizerRole objects, got {type(role).__name__}")
         if isinstance(recipe, DelayedScaling):
             return DelayedScalingRecipeState(recipe, mode, roles, device)
+        if isinstance(recipe, HybridRecipe):
+            return HybridRecipeState(recipe, mode, roles, device)
         if isinstance(recipe, CustomRecipe | Float8CurrentScaling | Float8BlockScaling
                       | MXFP8BlockScaling | NVFP4BlockScaling):
             return RecipeState(recipe, mode, roles)
@@ -147,6 +160,11 @@ class DelayedScalingRecipeState(RecipeState):
     this state and see updated scales without being rebuilt.
     """
 
+    tracks_amax_history = True
+
+    def delayed_states(self) -> list[DelayedScalingRecipeState]:
+        return [self]
+
     def __init__(
         self,
         recipe: DelayedScaling,
@@ -190,3 +208,47 @@ class DelayedScalingRecipeState(RecipeState):
         )
         self.amax_history.copy_(history)
         self.scale.copy_(scale)
+
+
+class HybridRecipeState(RecipeState):
+    """A HybridRecipe's slots: one sub-state per distinct GEMM recipe, over the same roles.
+
+    Slot i's rowwise child comes from the sub-state of the GEMM its rowwise copy feeds and its
+    columnwise child from the other's (recipes.HYBRID_DIRECTIONS), so delayed-scaling children
+    of one recipe share that sub-state's scale and amax history for the slot.
+    """
+
+    def __init__(
+        self,
+        recipe: HybridRecipe,
+        mode: str,
+        roles: list[QuantizerRole],
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(recipe, mode, roles)
+        self.sub_states: dict[Recipe, RecipeState] = {}
+        for sub in (recipe.fprop, recipe.dgrad, recipe.wgrad):
+            if sub is not None and sub not in self.sub_states:
+                self.sub_states[sub] = RecipeState.create(sub, mode, len(roles), roles, device)
+        self.tracks_amax_history = any(state.tracks_amax_history
+                                       for state in self.sub_states.values())
+
+    def _make_quantizer(self, index: int, role: QuantizerRole) -> Quantizer:
+        recipe = self.recipe
+        if recipe.keeps_high_precision(role):
+            return IdentityQuantizer()
+        children = []
+        for sub in recipe.direction_recipes(role):
+            if sub is None:
+                children.append(IdentityQuantizer())
+            else:
+                children.append(self.sub_states[sub]._make_quantizer(index, role))
+        return HybridQuantizer(*children)
+
+    def delayed_states(self) -> list[DelayedScalingRecipeState]:
+        return [s for state in self.sub_states.values() for s in state.delayed_states()]
+
+    def update(self, amax_reduction_group=None) -> None:
+        """Roll and rescale the delayed-scaling sub-states (the others keep no history)."""
+        for state in self.delayed_states():
+            state.update(amax_reduction_group)

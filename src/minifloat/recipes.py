@@ -11,6 +11,7 @@ import enum
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Any
 
 TENSOR_TYPES = ("input", "weight", "grad_output")
@@ -62,6 +63,10 @@ def _require(condition: bool, message: str) -> None:
 class Recipe:
     """Base of all recipes (for isinstance checks)."""
 
+    def uses_delayed_scaling(self) -> bool:
+        """Whether some slot keeps an amax history that autocast must update each step."""
+        return False
+
 
 @dataclass(frozen=True)
 class DelayedScaling(Recipe):
@@ -82,6 +87,9 @@ class DelayedScaling(Recipe):
         _require(self.amax_compute_algo in ("max", "most_recent"),
                  "DelayedScaling.amax_compute_algo must be 'max' or 'most_recent', got "
                  f"{self.amax_compute_algo!r}")
+
+    def uses_delayed_scaling(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True)
@@ -184,3 +192,81 @@ class CustomRecipe(Recipe):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         object.__setattr__(self, "__dict__", dict(state))
+
+
+# Which GEMM each copy of each tensor feeds (DESIGN.md §3): (rowwise, columnwise).
+HYBRID_DIRECTIONS = {
+    "input": ("fprop", "wgrad"),
+    "weight": ("fprop", "dgrad"),
+    "grad_output": ("dgrad", "wgrad"),
+}
+
+
+@dataclass(frozen=True)
+class HybridRecipe(Recipe):
+    """A recipe per GEMM: `fprop`, `dgrad` and `wgrad` each name the recipe whose formats the
+    operands of that GEMM use (None keeps that GEMM in high precision).
+
+    A tensor's two copies feed different GEMMs, so each slot becomes a HybridQuantizer:
+
+        tensor        rowwise copy   columnwise copy
+        input X       fprop          wgrad
+        weight W      fprop          dgrad
+        grad dY       dgrad          wgrad
+
+    e.g. `HybridRecipe(fprop=MXFP8BlockScaling(), dgrad=NVFP4BlockScaling(),
+    wgrad=NVFP4BlockScaling())` is MXFP8 forward with NVFP4 backward. Each copy is quantized the
+    way its GEMM's recipe quantizes that role (NVFP4 weights 16x16, RHT on the wgrad copies...).
+
+    `high_precision` keeps chosen slots out of quantization (IdentityQuantizer) by pattern:
+    "glob" matches the layer name of a role ("layers.0.*", "lm_head"), "glob:tensor_type" one
+    operand of those layers ("*:grad_output", "head:weight").
+    """
+
+    fprop: Recipe | None
+    dgrad: Recipe | None
+    wgrad: Recipe | None
+    high_precision: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for gemm in ("fprop", "dgrad", "wgrad"):
+            sub = getattr(self, gemm)
+            if sub is not None and not isinstance(sub, Recipe):
+                raise TypeError(
+                    f"HybridRecipe.{gemm} must be a minifloat Recipe or None (high precision), "
+                    f"got {type(sub).__name__}"
+                )
+            if isinstance(sub, HybridRecipe):
+                raise TypeError(f"HybridRecipe.{gemm} cannot itself be a HybridRecipe")
+        patterns = self.high_precision
+        if isinstance(patterns, str):
+            raise TypeError(
+                "HybridRecipe.high_precision is a tuple of patterns; write "
+                f"high_precision=({patterns!r},)"
+            )
+        object.__setattr__(self, "high_precision", tuple(patterns))
+        for pattern in self.high_precision:
+            if not isinstance(pattern, str):
+                raise TypeError(f"HybridRecipe.high_precision patterns must be strings, got "
+                                f"{pattern!r}")
+            _, _, tensor_type = pattern.partition(":")
+            _require(tensor_type in ("", *TENSOR_TYPES),
+                     f"HybridRecipe.high_precision pattern {pattern!r}: the part after ':' must "
+                     f"be one of {TENSOR_TYPES}")
+
+    def uses_delayed_scaling(self) -> bool:
+        return any(sub is not None and sub.uses_delayed_scaling()
+                   for sub in (self.fprop, self.dgrad, self.wgrad))
+
+    def keeps_high_precision(self, role: QuantizerRole) -> bool:
+        """Whether a high_precision pattern selects this slot."""
+        for pattern in self.high_precision:
+            name_glob, _, tensor_type = pattern.partition(":")
+            if fnmatchcase(role.name, name_glob) and tensor_type in ("", role.tensor_type):
+                return True
+        return False
+
+    def direction_recipes(self, role: QuantizerRole) -> tuple[Recipe | None, Recipe | None]:
+        """(recipe of the rowwise copy, recipe of the columnwise copy) of a slot."""
+        row_gemm, col_gemm = HYBRID_DIRECTIONS[role.tensor_type]
+        return getattr(self, row_gemm), getattr(self, col_gemm)

@@ -15,7 +15,7 @@ def safe_globals() -> list:
     recipe_classes = [
         recipes.Format, recipes.QuantizerRole, recipes.DelayedScaling,
         recipes.Float8CurrentScaling, recipes.Float8BlockScaling, recipes.MXFP8BlockScaling,
-        recipes.NVFP4BlockScaling,
+        recipes.NVFP4BlockScaling, recipes.HybridRecipe,
     ]
     return [*classes, *recipe_classes, _rebuild_quantized_tensor]
 

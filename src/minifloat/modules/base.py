@@ -7,12 +7,14 @@ the role of its consumer's grad_output (QuantizerRole has no "output" type, see 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from ..autocast import get_autocast_state
 from ..quantizers import QuantizedStorage, QuantizedTensor, Quantizer, as_storage
-from ..recipe_state import DelayedScalingRecipeState, RecipeState
+from ..recipe_state import RecipeState
 from ..recipes import QuantizerRole, Recipe
 
 FORWARD_SLOTS = ("input", "weight", "output")
@@ -86,17 +88,30 @@ class QuantizedModule(nn.Module):
             return parameter.device
         return torch.device("cpu")
 
-    def register_delayed_scaling(self, recipe: Recipe, will_run_backward: bool):
-        """Enrol this call's delayed-scaling states in the autocast round.
+    @contextlib.contextmanager
+    def delayed_scaling_scope(self, recipe: Recipe, will_run_backward: bool):
+        """Enrol this call's delayed-scaling states in the autocast round for the forward run
+        inside the block; yields the callback its backward must call (None when there is
+        nothing to update).
 
-        Returns the callback its backward must call (None when there is nothing to update).
+        Inside minifloat.checkpoint the forward's scales are recorded; during the recompute
+        they are put back for the block and nothing is enrolled or recorded into the history.
         """
         forward, backward = self.recipe_states(recipe)
-        delayed_round = get_autocast_state().delayed_round
-        if delayed_round is None or not isinstance(forward, DelayedScalingRecipeState):
-            return None
-        delayed_round.register(forward, backward, will_run_backward)
-        return delayed_round.backward_done if will_run_backward else None
+        state = get_autocast_state()
+        record = state.recompute_record
+        if not forward.tracks_amax_history:
+            yield None
+        elif record is not None and record.replaying:
+            with record.replay(forward.delayed_states()):
+                yield None  # the recomputed graph is never run backward
+        elif state.delayed_round is None:
+            yield None
+        else:
+            if record is not None:
+                record.stash(forward.delayed_states())
+            state.delayed_round.register(forward, backward, will_run_backward)
+            yield state.delayed_round.backward_done if will_run_backward else None
 
     # ---- the weight cache ----
 

@@ -142,12 +142,12 @@ class Linear(QuantizedModule):
         grad_enabled = torch.is_grad_enabled()
         need_dgrad = grad_enabled and x.requires_grad
         need_wgrad = grad_enabled and self.weight.requires_grad
-        backward_done = self.register_delayed_scaling(recipe, need_dgrad or need_wgrad)
         input_quantizer: Quantizer = forward_quantizers[0]
-        return _LinearFunction.apply(
-            x, self.weight, self.bias, self, input_quantizer, forward_quantizers[1],
-            backward_quantizers[0], need_dgrad, need_wgrad, backward_done,
-        )
+        with self.delayed_scaling_scope(recipe, need_dgrad or need_wgrad) as backward_done:
+            return _LinearFunction.apply(
+                x, self.weight, self.bias, self, input_quantizer, forward_quantizers[1],
+                backward_quantizers[0], need_dgrad, need_wgrad, backward_done,
+            )
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

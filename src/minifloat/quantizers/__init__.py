@@ -3,6 +3,7 @@
 from .base import QuantizedStorage, Quantizer
 from .blockwise import Float8BlockQuantizer, Float8BlockStorage
 from .float8 import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Storage
+from .hybrid import HybridQuantizedTensor, HybridQuantizer, HybridStorage
 from .identity import IdentityQuantizer, IdentityStorage
 from .mxfp8 import MXFP8Quantizer, MXFP8Storage
 from .nvfp4 import NVFP4Quantizer, NVFP4Storage
@@ -14,6 +15,9 @@ __all__ = [
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
     "Float8Storage",
+    "HybridQuantizedTensor",
+    "HybridQuantizer",
+    "HybridStorage",
     "IdentityQuantizer",
     "IdentityStorage",
     "MXFP8Quantizer",

@@ -100,6 +100,11 @@ class QuantizedStorage:
     def _dequantize_impl(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def direction_storage(self, columnwise: bool) -> QuantizedStorage:
+        """The storage that holds the copy of one direction: this one (a hybrid storage answers
+        with the sub-storage of that direction, whose format may differ)."""
+        return self
+
     def gemm_operand(self, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(values, alpha) of one copy for an emulated GEMM: fp32 values with the reduction dim
         last (the rowwise copy gives x [M, K], the columnwise copy x^T [K, M]), exactly as the
@@ -280,6 +285,25 @@ class Quantizer:
     def is_requantization_safe(self) -> bool:
         """Whether quantizing the same values twice gives the same bytes (False with SR)."""
         return True
+
+    def format_signature(self) -> tuple:
+        """Everything that decides the bytes this quantizer writes, usages aside: two quantizers
+        with equal signatures produce identical storages for the same input. State tensors
+        (delayed scaling) count by identity of their memory, not by value."""
+
+        def describe(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return ("tensor", value.device, value.data_ptr(), value.storage_offset(),
+                        tuple(value.shape), value.dtype)
+            if isinstance(value, Quantizer):
+                return value.format_signature()
+            return value
+
+        skip = ("rowwise_usage", "columnwise_usage", "internal", "amax_reduction_group")
+        return (type(self).__qualname__,) + tuple(
+            (name, describe(value)) for name, value in sorted(self.__dict__.items())
+            if name not in skip
+        )
 
     # ---- quantization ----
 

@@ -27,6 +27,15 @@ def as_storage(x: torch.Tensor | QuantizedStorage) -> QuantizedStorage:
     raise TypeError(f"expected a QuantizedTensor or QuantizedStorage, got {type(x).__name__}")
 
 
+_TENSOR_CLASSES: dict[type[QuantizedStorage], type[QuantizedTensor]] = {}
+
+
+def register_tensor_class(storage_class: type[QuantizedStorage], tensor_class: type) -> None:
+    """Make QuantizedTensor(storage) build `tensor_class` for storages of `storage_class` (a
+    subclass adding that family's accessors, e.g. HybridQuantizedTensor)."""
+    _TENSOR_CLASSES[storage_class] = tensor_class
+
+
 def _rebuild_quantized_tensor(storage: QuantizedStorage, requires_grad: bool) -> QuantizedTensor:
     """Unpickling entry point (registered as a torch.serialization safe global)."""
     return QuantizedTensor(storage, requires_grad=requires_grad)
@@ -39,6 +48,8 @@ class QuantizedTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, storage: QuantizedStorage, requires_grad: bool = False) -> QuantizedTensor:
+        if cls is QuantizedTensor:
+            cls = _TENSOR_CLASSES.get(type(storage), cls)
         instance = torch.Tensor._make_wrapper_subclass(
             cls,
             storage.shape,
@@ -69,6 +80,25 @@ class QuantizedTensor(torch.Tensor):
 
     def prepare_for_saving(self) -> tuple[list[torch.Tensor | None], QuantizedStorage]:
         return self._storage.prepare_for_saving()
+
+    @property
+    def data(self) -> torch.Tensor:
+        """A detached alias sharing the quantized buffers (as torch's .data is)."""
+        return _detach(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """`param.data = t` requantizes t into this tensor's buffers, every copy it holds (a
+        quantized t of the same format is copied byte for byte)."""
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"QuantizedTensor.data must be a tensor, got {type(value).__name__}")
+        if tuple(value.shape) != tuple(self.shape):
+            raise ValueError(
+                f"cannot assign .data of shape {tuple(value.shape)} to a QuantizedTensor of "
+                f"shape {tuple(self.shape)}; a quantized parameter keeps its shape"
+            )
+        with torch.no_grad():
+            _copy_(self, value)
 
     def restore_from_saved(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         return self._storage.restore_from_saved(tensors)
