@@ -8,8 +8,13 @@ A @ B^T in the TN convention, with A's and B's reduction dims last:
     dgrad  dX = dY W     general_gemm(dy, w, b_columnwise=True)                 [M, K]
     wgrad  dW = dY^T X   general_gemm(dy, x, a_columnwise=True, b_columnwise=True)  [N, K]
 
-Operands may be QuantizedTensors, bare storages or plain tensors, of any two families. This
-module runs the exact emulation everywhere: both operands decoded exactly (per-tensor factors
+Operands may be QuantizedTensors, bare storages or plain tensors, of any two families: a hybrid
+operand contributes the sub-storage of the direction asked for, so the two operands of one GEMM
+may be e.g. MXFP8 and NVFP4. Pairs with a hardware fast path (CUDA, Hopper): per-tensor FP8 x
+per-tensor FP8 (torch._scaled_mm; E4M3/E5M2 on either side, not E5M2 x E5M2) and block FP8
+1x128 x 128x128 or 1x128 x 1x128 (torch scaled-mm with block-wise scales). Every other pair
+(MXFP8, NVFP4, mixed families, high precision) runs by exact emulation. This module runs the
+exact emulation everywhere: both operands decoded exactly (per-tensor factors
 kept aside), fp32 accumulation, factors applied after the accumulation, then bias and the output
 cast. Fast CUDA paths (per-tensor and block FP8 through torch scaled-mm) plug in behind the same
 call and must equal this result up to summation order.
