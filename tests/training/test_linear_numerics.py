@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import minifloat as mf
-import minifloat.modules.linear as linear_module
+import minifloat.modules.linear_function as linear_function_module
 from minifloat import numerics
 from minifloat.autocast import get_autocast_state
+from minifloat.modules.weights import quantized_weight
 
 from ._reference import assert_bitwise_equal, linear_reference, rel_err
 
@@ -320,7 +321,7 @@ class GemmSpy:
     def __init__(self, monkeypatch):
         self.fprop_weights = []
         self.dgrad_weights = []
-        original = linear_module.general_gemm
+        original = linear_function_module.general_gemm
 
         def recording_gemm(a, b, **kwargs):
             if not kwargs.get("a_columnwise") and not kwargs.get("b_columnwise"):
@@ -329,7 +330,7 @@ class GemmSpy:
                 self.dgrad_weights.append(b)
             return original(a, b, **kwargs)
 
-        monkeypatch.setattr(linear_module, "general_gemm", recording_gemm)
+        monkeypatch.setattr(linear_function_module, "general_gemm", recording_gemm)
 
 
 @pytest.mark.parametrize("kind", ["current", "block", "mxfp8", "nvfp4"])
@@ -414,7 +415,7 @@ def test_rowwise_only_weight_request_keeps_cached_columnwise_copy(kind):
     torch.optim.SGD(lin.parameters(), lr=0.5).step()
     lin.zero_grad()
     weight_quantizer = lin.quantizers(recipe)[0][1]
-    storage = lin.quantized_weight(lin.weight, weight_quantizer, rowwise=True, columnwise=False)
+    storage = quantized_weight(lin._weight_cache, lin.weight, weight_quantizer, columnwise=False)
     assert storage.has_rowwise()
     _, dx = run_step(lin, recipe, x2, dy2)
     _, ref_dx, ref_dw, _ = linear_reference(kind, x2, lin.weight.detach(), lin.bias.detach(),
@@ -422,13 +423,13 @@ def test_rowwise_only_weight_request_keeps_cached_columnwise_copy(kind):
     assert_bitwise_equal(dx, ref_dx, "dx")
     assert_bitwise_equal(lin.weight.grad, ref_dw, "dw")
     # and a later rowwise-only request keeps (OR-merges) the columnwise copy
-    again = lin.quantized_weight(lin.weight, weight_quantizer, rowwise=True, columnwise=False)
+    again = quantized_weight(lin._weight_cache, lin.weight, weight_quantizer, columnwise=False)
     assert again.has_rowwise() and again.has_columnwise()
-    # after a weight change: a columnwise-only request, then a rowwise-only one, ends with both
+    # after a weight change: a columnwise request, then a rowwise-only one, ends with both
     with torch.no_grad():
         lin.weight.mul_(0.5)
-    lin.quantized_weight(lin.weight, weight_quantizer, rowwise=False, columnwise=True)
-    merged = lin.quantized_weight(lin.weight, weight_quantizer, rowwise=True, columnwise=False)
+    quantized_weight(lin._weight_cache, lin.weight, weight_quantizer, columnwise=True)
+    merged = quantized_weight(lin._weight_cache, lin.weight, weight_quantizer, columnwise=False)
     assert merged.has_rowwise() and merged.has_columnwise()
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..autocast import get_autocast_state
-from ..quantizers import QuantizedStorage, QuantizedTensor, Quantizer, as_storage
+from ..quantizers import Quantizer
 from ..recipe_state import RecipeState
 from ..recipes import QuantizerRole, Recipe
 
@@ -33,7 +33,7 @@ class QuantizedModule(nn.Module):
         self.grad_input_consumer_role: QuantizerRole | None = None
         self._recipe_states: dict[Recipe, tuple[RecipeState, RecipeState]] = {}
         self._quantizers: dict[Recipe, tuple[list[Quantizer], list[Quantizer]]] = {}
-        self._weight_cache: dict[str, object] | None = None
+        self._weight_cache: dict[int, dict] = {}  # id(weight) -> its cached quantization
 
     # ---- roles ----
 
@@ -112,36 +112,3 @@ class QuantizedModule(nn.Module):
                 record.stash(forward.delayed_states())
             state.delayed_round.register(forward, backward, will_run_backward)
             yield state.delayed_round.backward_done if will_run_backward else None
-
-    # ---- the weight cache ----
-
-    def quantized_weight(
-        self, weight: torch.Tensor, quantizer: Quantizer, *, rowwise: bool, columnwise: bool
-    ) -> QuantizedStorage:
-        """The weight in the quantizer's format, cached across micro-batches.
-
-        Reused while the weight is unchanged (same tensor, same version counter, same quantizer);
-        usages already present are kept (OR-merged) so that a no-grad step does not leave a stale
-        or missing columnwise copy for the next training step (seed 002).
-        """
-        if isinstance(weight, QuantizedTensor):
-            storage = as_storage(weight)
-            storage.update_usage(rowwise=rowwise or None, columnwise=columnwise or None)
-            return storage
-        key = (id(weight), weight._version, id(quantizer), quantizer.state_version())
-        cache = self._weight_cache
-        if cache is not None and cache["key"] == key:
-            storage = cache["storage"]
-            missing_row = rowwise and not storage.has_rowwise()
-            missing_col = columnwise and not storage.has_columnwise()
-            if not (missing_row or missing_col):
-                return storage
-            rowwise, columnwise = rowwise or storage.has_rowwise(), columnwise or (
-                storage.has_columnwise()
-            )
-        # Configure the quantizer fully, then quantize (seed 002).
-        quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
-        quantizer.internal = True
-        storage = quantizer(weight.detach())
-        self._weight_cache = {"key": key, "storage": storage}
-        return storage

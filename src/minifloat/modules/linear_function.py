@@ -1,0 +1,144 @@
+"""The autograd function behind Linear and GroupedLinear: G GEMM triples over row splits.
+
+For split i of the input (its rows m_splits[i]) and weight i:
+
+    fprop   y_i  = x_i W_i^T (+ b_i)     x_i rowwise, W_i rowwise
+    dgrad   dx_i = dy_i W_i              dy_i rowwise, W_i columnwise
+    wgrad   dW_i = dy_i^T x_i            dy_i columnwise, x_i columnwise
+
+Forward quantizes every split in one split_quantize call, rowwise plus columnwise when the
+weights need gradients, and saves only the columnwise copies, through save_for_backward (so
+saved-tensor hooks such as CPU offload and activation recompute see them). Backward quantizes dy
+in the directions its GEMMs need. Linear is the case of one split. Which copies are made is
+decided in the module's forward from torch.is_grad_enabled(), not from ctx.needs_input_grad
+(which ignores torch.no_grad): under no_grad no columnwise copy is made and nothing is saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..gemm import general_gemm
+from ..quantizers import QuantizedStorage, Quantizer
+from ..quantizers.split import check_splits, split_quantize
+from .weights import quantized_weight
+
+
+@dataclass
+class GemmCall:
+    """Everything one forward of a (grouped) linear needs besides the tensors."""
+
+    m_splits: list[int]
+    weight_cache: dict
+    input_quantizers: list[Quantizer]
+    weight_quantizers: list[Quantizer]
+    grad_output_quantizers: list[Quantizer]
+    need_dgrad: bool
+    need_wgrad: bool
+    backward_done: Callable[[], None] | None = None
+
+
+def quantize_for_gemms(
+    x2d: torch.Tensor, m_splits: list[int], quantizers: list[Quantizer], *, rowwise: bool,
+    columnwise: bool,
+) -> list[QuantizedStorage | None]:
+    """Configure each split's quantizer for the copies asked for, then quantize all splits."""
+    for quantizer in quantizers:
+        quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
+        quantizer.internal = True
+    return split_quantize(x2d, m_splits, quantizers)
+
+
+class LinearGemms(torch.autograd.Function):
+    """y = cat_i(x_i W_i^T + b_i); params = (W_0 .. W_{G-1}, b_0 .. b_{G-1}), biases may be None."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, call: GemmCall, *params):
+        count = len(call.m_splits)
+        weights, biases = params[:count], params[count:]
+        in_features = weights[0].shape[-1]
+        if x.shape[-1] != in_features:
+            raise ValueError(
+                f"expected inputs with last dim {in_features}, got shape {tuple(x.shape)}"
+            )
+        x2d = x.reshape(-1, in_features)
+        splits = check_splits(x2d.shape[0], call.m_splits, count)
+        x_qs = quantize_for_gemms(x2d, splits, call.input_quantizers, rowwise=True,
+                                  columnwise=call.need_wgrad)
+        out_dtype = x.dtype
+        outputs, w_qs = [], []
+        for x_q, weight, bias, quantizer in zip(x_qs, weights, biases, call.weight_quantizers,
+                                                strict=True):
+            w_q = quantized_weight(call.weight_cache, weight, quantizer,
+                                   columnwise=call.need_dgrad)
+            w_qs.append(w_q if call.need_dgrad else None)
+            if x_q is None:
+                outputs.append(x2d.new_zeros(0, weight.shape[0], dtype=out_dtype))
+            else:
+                outputs.append(general_gemm(x_q, w_q, out_dtype=out_dtype, bias=bias))
+        saved, kept = [], []
+        for x_q in x_qs:
+            if x_q is None or not call.need_wgrad:
+                kept.append(None)
+                continue
+            x_q.update_usage(rowwise=False)  # backward needs only the columnwise copy
+            tensors, meta = x_q.prepare_for_saving()
+            saved.extend(tensors)
+            kept.append(meta)
+        ctx.save_for_backward(*saved)
+        ctx.x_qs, ctx.w_qs, ctx.weights = kept, w_qs, weights
+        ctx.call, ctx.splits = call, splits
+        ctx.has_bias = [bias is not None for bias in biases]
+        ctx.x_shape, ctx.out_dtype = x.shape, out_dtype
+        y = torch.cat(outputs) if count > 1 else outputs[0]
+        return y.reshape(*x.shape[:-1], weights[0].shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        call, splits = ctx.call, ctx.splits
+        dy2d = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_x = None
+        grad_weights = [None] * len(splits)
+        grad_biases = [dy.sum(dim=0) if has_bias else None
+                       for dy, has_bias in zip(torch.split(dy2d, splits), ctx.has_bias,
+                                               strict=True)]
+        if call.need_dgrad or call.need_wgrad:
+            dy_qs = quantize_for_gemms(dy2d, splits, call.grad_output_quantizers,
+                                       rowwise=call.need_dgrad, columnwise=call.need_wgrad)
+        if call.need_dgrad:
+            pieces = []
+            for rows, dy_q, w_q in zip(splits, dy_qs, ctx.w_qs, strict=True):
+                if rows == 0:
+                    pieces.append(dy2d.new_zeros(0, ctx.x_shape[-1], dtype=ctx.out_dtype))
+                else:
+                    pieces.append(general_gemm(dy_q, w_q, b_columnwise=True,
+                                               out_dtype=ctx.out_dtype))
+            grad_x = (torch.cat(pieces) if len(pieces) > 1 else pieces[0]).reshape(ctx.x_shape)
+        if call.need_wgrad:
+            rest = list(ctx.saved_tensors)
+            for i, (x_q, dy_q, weight) in enumerate(zip(ctx.x_qs, dy_qs, ctx.weights,
+                                                        strict=True)):
+                if x_q is not None:
+                    rest = x_q.restore_from_saved(rest)
+                grad_weights[i] = _weight_gradient(x_q, dy_q, weight)
+        if call.backward_done is not None:
+            call.backward_done()
+        return (grad_x, None, *grad_weights, *grad_biases)
+
+
+def _weight_gradient(
+    x_q: QuantizedStorage | None, dy_q: QuantizedStorage | None, weight: torch.Tensor
+) -> torch.Tensor | None:
+    """dW = dy^T x for one split; accumulated into weight.main_grad (fp32, set by a distributed
+    optimizer) when present, then returning None so autograd leaves weight.grad alone."""
+    main_grad = getattr(weight, "main_grad", None)
+    if x_q is None:  # an expert that received no tokens
+        return None if main_grad is not None else torch.zeros(
+            weight.shape, dtype=weight.dtype, device=weight.device)
+    if main_grad is not None:
+        general_gemm(dy_q, x_q, a_columnwise=True, b_columnwise=True, accumulate_into=main_grad)
+        return None
+    return general_gemm(dy_q, x_q, a_columnwise=True, b_columnwise=True, out_dtype=weight.dtype)

@@ -1,0 +1,70 @@
+"""The quantized copy of a weight for one forward: cached, and with usages never removed.
+
+Two kinds of weight reach a GEMM module:
+- a high-precision parameter: quantized by the module's weight quantizer and cached until the
+  parameter changes (micro-batches of one step reuse it);
+- a QuantizedTensor parameter (quantized_model_init): it is its own copy. The module first
+  configures its weight quantizer completely (rowwise always, columnwise when grad is enabled),
+  then OR-merges those usages into the quantizer recorded on the weight, and makes the weight
+  hold the copies asked for. A usage is never removed: the weight lives across steps, and a
+  no-grad validation step must not strip the columnwise copy the next training step's dgrad
+  needs, nor leave it stale (seed 002).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..quantizers import QuantizedStorage, QuantizedTensor, Quantizer, as_storage
+
+
+def configure_weight_quantizer(quantizer: Quantizer, *, columnwise: bool) -> None:
+    """Step one: the module's weight quantizer, configured completely for this forward."""
+    quantizer.set_usage(rowwise=True, columnwise=columnwise)
+    quantizer.internal = True
+
+
+def merge_weight_usages(storage: QuantizedStorage, quantizer: Quantizer) -> None:
+    """Step two: OR-merge `quantizer`'s usages into the quantizer recorded on a quantized weight
+    (future casts, e.g. the optimizer step's requantization, follow it); never remove one."""
+    recorded = storage.quantizer
+    if recorded is None:
+        return
+    merged = recorded.copy()
+    merged.amax_reduction_group = None
+    merged.set_usage(
+        rowwise=recorded.rowwise_usage or quantizer.rowwise_usage,
+        columnwise=recorded.columnwise_usage or quantizer.columnwise_usage,
+    )
+    storage.quantizer = merged
+
+
+def quantized_weight(
+    cache: dict[int, dict],
+    weight: torch.Tensor,
+    quantizer: Quantizer,
+    *,
+    columnwise: bool,
+) -> QuantizedStorage:
+    """The weight's quantized storage with a rowwise copy (and a columnwise one if asked).
+
+    `cache` maps id(weight) to the last quantization of a high-precision weight; an entry is
+    reused while the weight (its version counter) and the quantizer's state are unchanged.
+    """
+    configure_weight_quantizer(quantizer, columnwise=columnwise)
+    if isinstance(weight, QuantizedTensor):
+        storage = as_storage(weight)
+        merge_weight_usages(storage, quantizer)
+        storage.update_usage(rowwise=True, columnwise=True if columnwise else None)
+        return storage
+    key = (weight._version, id(quantizer), quantizer.state_version())
+    entry = cache.get(id(weight))
+    if entry is not None and entry["weight"]() is weight and entry["key"] == key:
+        storage = entry["storage"]
+        if not columnwise or storage.has_columnwise():
+            return storage
+    storage = quantizer(weight.detach())
+    cache[id(weight)] = {"weight": weakref.ref(weight), "key": key, "storage": storage}
+    return storage
