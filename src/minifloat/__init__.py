@@ -8,7 +8,7 @@ from .autocast import autocast, quantized_model_init
 from .checkpoint import checkpoint
 from .convert import convert_model
 from .gemm import general_gemm
-from .modules import Linear
+from .modules import GroupedLinear, Linear
 from .quantizers import (
     Float8BlockQuantizer,
     Float8BlockStorage,
@@ -54,6 +54,7 @@ __all__ = [
     "Float8CurrentScaling",
     "Format",
     "HybridRecipe",
+    "GroupedLinear",
     "Linear",
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",

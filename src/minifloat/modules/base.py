@@ -1,30 +1,36 @@
-"""What every quantized module shares: slot roles, recipe states, the weight cache.
+"""What every quantized module shares: slot roles, recipe states, weights, running its GEMMs.
 
-Slots follow the linear layout: forward [input, weight, output], backward [grad_output,
-grad_input]. The output slot carries the role of its consumer's input and the grad_input slot
-the role of its consumer's grad_output (QuantizerRole has no "output" type, see seed 001).
+A module has `num_gemms` GEMMs; each owns the linear slot layout: forward [input, weight,
+output], backward [grad_output, grad_input], repeated per GEMM. An output slot carries the role
+of its consumer's input and a grad_input slot the role of its consumer's grad_output
+(QuantizerRole has no "output" type, see seed 001); modules with internal boundaries
+(LayerNormMLP: fc1 -> fc2) label them with the inner consumer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ..autocast import get_autocast_state
-from ..quantizers import Quantizer
+from ..autocast import get_autocast_state, get_quantized_init_state
+from ..quantizers import QuantizedTensor, Quantizer
 from ..recipe_state import RecipeState
 from ..recipes import QuantizerRole, Recipe
+from .linear_function import GemmCall, LinearGemms
 
-FORWARD_SLOTS = ("input", "weight", "output")
-BACKWARD_SLOTS = ("grad_output", "grad_input")
+FORWARD_SLOTS = ("input", "weight", "output")  # per GEMM
+BACKWARD_SLOTS = ("grad_output", "grad_input")  # per GEMM
 
 
 class QuantizedModule(nn.Module):
     """Base of minifloat's GEMM modules: roles, per-recipe quantizers and the weight cache."""
 
     module_type = "linear"
+    num_gemms = 1
 
     def __init__(self, name: str | None = None) -> None:
         super().__init__()
@@ -37,18 +43,32 @@ class QuantizedModule(nn.Module):
 
     # ---- roles ----
 
+    def gemm_name(self, gemm: int) -> str:
+        """The layer name in the roles of GEMM `gemm` (LayerNormMLP: fc1_name / fc2_name)."""
+        return self.name
+
+    def output_role(self, gemm: int) -> QuantizerRole:
+        """Role of GEMM `gemm`'s output slot: its consumer's input."""
+        return self.output_consumer_role or QuantizerRole("linear", "input", self.gemm_name(gemm))
+
+    def grad_input_role(self, gemm: int) -> QuantizerRole:
+        """Role of GEMM `gemm`'s grad_input slot: its consumer's grad_output."""
+        return self.grad_input_consumer_role or QuantizerRole(
+            "linear", "grad_output", self.gemm_name(gemm))
+
     def get_quantizer_roles(self, forward: bool) -> list[QuantizerRole]:
         """Roles of this module's forward or backward slots, in slot order."""
-        if forward:
-            return [
-                QuantizerRole(self.module_type, "input", self.name),
-                QuantizerRole(self.module_type, "weight", self.name),
-                self.output_consumer_role or QuantizerRole("linear", "input", self.name),
-            ]
-        return [
-            QuantizerRole(self.module_type, "grad_output", self.name),
-            self.grad_input_consumer_role or QuantizerRole("linear", "grad_output", self.name),
-        ]
+        roles = []
+        for gemm in range(self.num_gemms):
+            name = self.gemm_name(gemm)
+            if forward:
+                roles += [QuantizerRole(self.module_type, "input", name),
+                          QuantizerRole(self.module_type, "weight", name),
+                          self.output_role(gemm)]
+            else:
+                roles += [QuantizerRole(self.module_type, "grad_output", name),
+                          self.grad_input_role(gemm)]
+        return roles
 
     def set_consumer_roles(
         self, output: QuantizerRole | None = None, grad_input: QuantizerRole | None = None
@@ -67,12 +87,12 @@ class QuantizedModule(nn.Module):
         """Forward and backward states for `recipe` (created once, kept across steps)."""
         if recipe not in self._recipe_states:
             device = self._state_device()
-            forward = RecipeState.create(
-                recipe, "forward", len(FORWARD_SLOTS), self.get_quantizer_roles(True), device
-            )
-            backward = RecipeState.create(
-                recipe, "backward", len(BACKWARD_SLOTS), self.get_quantizer_roles(False), device
-            )
+            forward_roles = self.get_quantizer_roles(True)
+            backward_roles = self.get_quantizer_roles(False)
+            forward = RecipeState.create(recipe, "forward", len(forward_roles), forward_roles,
+                                         device)
+            backward = RecipeState.create(recipe, "backward", len(backward_roles),
+                                          backward_roles, device)
             self._recipe_states[recipe] = (forward, backward)
         return self._recipe_states[recipe]
 
@@ -112,3 +132,73 @@ class QuantizedModule(nn.Module):
                 record.stash(forward.delayed_states())
             state.delayed_round.register(forward, backward, will_run_backward)
             yield state.delayed_round.backward_done if will_run_backward else None
+
+    # ---- weights ----
+
+    def new_weight(self, out_features: int, in_features: int, dtype: torch.dtype,
+                   device: torch.device | str | None, gemm: int = 0) -> nn.Parameter:
+        """A weight initialised like nn.Linear's; a QuantizedTensor under quantized_model_init
+        (in the format of GEMM `gemm`'s weight slot, both copies)."""
+        weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        init = get_quantized_init_state()
+        if not init["enabled"]:
+            return nn.Parameter(weight)
+        if init["keep_high_precision_copy"]:
+            suffix = "" if self.num_gemms == 1 else str(gemm)
+            setattr(self, f"weight{suffix}_hp_init", weight.detach().clone())
+        weight_quantizer = self.quantizers(init["recipe"])[0][len(FORWARD_SLOTS) * gemm + 1]
+        weight_quantizer = weight_quantizer.copy()
+        weight_quantizer.set_usage(rowwise=True, columnwise=True)
+        weight_quantizer.internal = False
+        return nn.Parameter(weight_quantizer(weight))
+
+    @staticmethod
+    def new_bias(out_features: int, in_features: int, dtype: torch.dtype,
+                 device: torch.device | str | None) -> nn.Parameter:
+        bound = 1 / math.sqrt(in_features) if in_features else 0.0
+        return nn.Parameter(
+            torch.empty(out_features, dtype=dtype, device=device).uniform_(-bound, bound))
+
+    # ---- running GEMMs ----
+
+    def run_gemms(
+        self,
+        x: torch.Tensor,
+        m_splits: list[int],
+        weights: list[torch.Tensor],
+        biases: list[torch.Tensor | None],
+        gemms: list[int],
+    ) -> torch.Tensor:
+        """cat_i(x_i W_i^T + b_i) over the row splits, GEMM i using the slots of `gemms[i]`.
+
+        Outside autocast: plain F.linear per split (quantized weights dequantized).
+        """
+        state = get_autocast_state()
+        if not state.enabled:
+            pieces = torch.split(x.reshape(-1, x.shape[-1]), m_splits)
+            outputs = [F.linear(piece, plain_weight(w), b)
+                       for piece, w, b in zip(pieces, weights, biases, strict=True)]
+            y = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+            return y.reshape(*x.shape[:-1], weights[0].shape[0])
+        recipe = state.recipe
+        forward_quantizers, backward_quantizers = self.quantizers(recipe)
+        grad_enabled = torch.is_grad_enabled()
+        per_forward, per_backward = len(FORWARD_SLOTS), len(BACKWARD_SLOTS)
+        call = GemmCall(
+            m_splits=list(m_splits),
+            weight_cache=self._weight_cache,
+            input_quantizers=[forward_quantizers[per_forward * g] for g in gemms],
+            weight_quantizers=[forward_quantizers[per_forward * g + 1] for g in gemms],
+            grad_output_quantizers=[backward_quantizers[per_backward * g] for g in gemms],
+            need_dgrad=grad_enabled and x.requires_grad,
+            need_wgrad=grad_enabled and any(w.requires_grad for w in weights),
+        )
+        with self.delayed_scaling_scope(recipe, call.need_dgrad or call.need_wgrad) as done:
+            call.backward_done = done
+            return LinearGemms.apply(x, call, *weights, *biases)
+
+
+def plain_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A weight as a plain tensor for high-precision math (a QuantizedTensor is dequantized)."""
+    return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight

@@ -1,0 +1,74 @@
+"""GroupedLinear: one Linear per expert over row splits of one input (mixture of experts).
+
+`forward(x, m_splits)` takes the token count of each expert: rows [sum(m[:i]), sum(m[:i+1])) of
+x go through weight i. Splits may be uneven or empty (an expert without tokens contributes no
+rows and a zero weight gradient). Every split's operands are quantized in one split_quantize
+call, with a quantizer per expert (its own scale), and the GEMMs run per expert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .base import QuantizedModule
+
+
+class GroupedLinear(QuantizedModule):
+    """`num_gemms` linear layers of shape [out_features, in_features] applied to row splits.
+
+    Parameters are weight0..weight{G-1} and bias0..bias{G-1}. Roles have module_type
+    "grouped_linear" and the module's name for every expert.
+    """
+
+    module_type = "grouped_linear"
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        name: str | None = None,
+    ) -> None:
+        if num_gemms < 1:
+            raise ValueError(f"GroupedLinear needs num_gemms >= 1, got {num_gemms}")
+        super().__init__(name)
+        self.num_gemms = num_gemms
+        self.in_features, self.out_features = in_features, out_features
+        self.use_bias = bias
+        dtype = params_dtype or torch.get_default_dtype()
+        for gemm in range(num_gemms):
+            self.register_parameter(
+                f"weight{gemm}", self.new_weight(out_features, in_features, dtype, device, gemm))
+            self.register_parameter(
+                f"bias{gemm}",
+                self.new_bias(out_features, in_features, dtype, device) if bias else None)
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        return [getattr(self, f"weight{gemm}") for gemm in range(self.num_gemms)]
+
+    @property
+    def biases(self) -> list[torch.Tensor | None]:
+        return [getattr(self, f"bias{gemm}") for gemm in range(self.num_gemms)]
+
+    def _state_device(self) -> torch.device:
+        weight = getattr(self, "weight0", None)
+        return weight.device if weight is not None else torch.device("cpu")
+
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
+        """y[rows of expert i] = x[rows of expert i] W_i^T + b_i."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"GroupedLinear expects inputs with last dim {self.in_features}, got "
+                             f"shape {tuple(x.shape)}")
+        splits = [int(m) for m in m_splits]
+        return self.run_gemms(x, splits, self.weights, self.biases,
+                              gemms=list(range(self.num_gemms)))
+
+    def extra_repr(self) -> str:
+        return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.use_bias}, name={self.name!r}")
