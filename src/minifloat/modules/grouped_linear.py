@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..quantizers.split import check_splits
 from .base import QuantizedModule
 
 
@@ -65,7 +66,8 @@ class GroupedLinear(QuantizedModule):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"GroupedLinear expects inputs with last dim {self.in_features}, got "
                              f"shape {tuple(x.shape)}")
-        splits = [int(m) for m in m_splits]
+        splits = check_splits(x.numel() // self.in_features if self.in_features else 0,
+                              m_splits, self.num_gemms)
         return self.run_gemms(x, splits, self.weights, self.biases,
                               gemms=list(range(self.num_gemms)))
 

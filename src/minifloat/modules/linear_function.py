@@ -57,7 +57,7 @@ class LinearGemms(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, call: GemmCall, *params):
-        count = len(call.m_splits)
+        count = len(call.input_quantizers)
         weights, biases = params[:count], params[count:]
         in_features = weights[0].shape[-1]
         if x.shape[-1] != in_features:
