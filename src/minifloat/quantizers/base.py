@@ -175,6 +175,13 @@ class QuantizedStorage:
         """A new storage object sharing the same buffers."""
         return self._replace(lambda t: t.detach())
 
+    def with_shape(self, shape: tuple[int, ...]) -> QuantizedStorage:
+        """A storage sharing these buffers under another logical shape with the same last dim
+        (the buffers are laid out over [M, K], so this is exact)."""
+        storage = self.detach()
+        storage.shape = torch.Size(shape)
+        return storage
+
     def to_device(self, device: torch.device | str) -> QuantizedStorage:
         return self._replace(lambda t: t.to(device))
 

@@ -78,10 +78,14 @@ class HybridStorage(QuantizedStorage):
             )
         return sub
 
-    def _map_subs(self, transform) -> HybridStorage:
+    def with_shape(self, shape: tuple[int, ...]) -> HybridStorage:
+        return self._map_subs(lambda sub: sub.with_shape(shape), shape)
+
+    def _map_subs(self, transform, shape: tuple[int, ...] | None = None) -> HybridStorage:
         """A new HybridStorage whose present sub-storages are `transform(sub)`."""
         row, col = (None if sub is None else transform(sub) for sub in self._subs())
-        return HybridStorage(shape=self.shape, dtype=self.dtype, quantizer=self.quantizer,
+        return HybridStorage(shape=self.shape if shape is None else shape, dtype=self.dtype,
+                             quantizer=self.quantizer,
                              rowwise_storage=row, columnwise_storage=col)
 
     # ---- values ----
@@ -226,7 +230,8 @@ class HybridQuantizer(Quantizer):
     """Quantize the rowwise copy with one quantizer and the columnwise copy with another.
 
     The children are distinct objects (the same object passed twice is copied), each pinned to
-    its direction and set to return bare storages. Only the requested usages are quantized: with
+    its direction and set to return bare storages: the hybrid takes ownership of the quantizers
+    it is given and configures them. Only the requested usages are quantized: with
     rowwise usage only, the columnwise child is never called. An amax reduction group set on the
     hybrid for a call is handed to each child that quantizes in that call.
     """
@@ -323,6 +328,9 @@ class HybridQuantizer(Quantizer):
             call = child.copy()  # a throwaway copy carries this call's reduction group
             call.amax_reduction_group = self.amax_reduction_group
             call.internal = True
+            # pinned again per call: a child object shared with another hybrid may have been
+            # re-pinned there
+            call.set_usage(rowwise=direction == "rowwise", columnwise=direction == "columnwise")
             subs[direction] = call.quantize(x)
         return HybridStorage(
             shape=tuple(x.shape),

@@ -176,9 +176,7 @@ def _view(tensor: QuantizedTensor, shape) -> torch.Tensor:
     new_shape = _infer_shape(list(shape), tensor.numel())
     if len(new_shape) == 0 or new_shape[-1] != tensor.shape[-1]:
         return NotImplemented  # would mix rows and blocks: fall back to high precision
-    storage = tensor._storage.detach()
-    storage.shape = torch.Size(new_shape)
-    return QuantizedTensor(storage)
+    return QuantizedTensor(tensor._storage.with_shape(tuple(new_shape)))
 
 
 def _infer_shape(shape: list[int], numel: int) -> list[int]:
