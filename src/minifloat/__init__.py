@@ -8,7 +8,7 @@ from .autocast import autocast, quantized_model_init
 from .checkpoint import checkpoint
 from .convert import convert_model
 from .gemm import general_gemm
-from .modules import GroupedLinear, Linear
+from .modules import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
 from .quantizers import (
     Float8BlockQuantizer,
     Float8BlockStorage,
@@ -55,6 +55,8 @@ __all__ = [
     "Format",
     "HybridRecipe",
     "GroupedLinear",
+    "LayerNormLinear",
+    "LayerNormMLP",
     "Linear",
     "MXFP8BlockScaling",
     "NVFP4BlockScaling",

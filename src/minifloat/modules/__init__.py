@@ -2,6 +2,8 @@
 
 from .base import QuantizedModule
 from .grouped_linear import GroupedLinear
+from .layernorm_linear import LayerNormLinear
+from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
 
-__all__ = ["GroupedLinear", "Linear", "QuantizedModule"]
+__all__ = ["GroupedLinear", "LayerNormLinear", "LayerNormMLP", "Linear", "QuantizedModule"]

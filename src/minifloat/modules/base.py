@@ -104,9 +104,11 @@ class QuantizedModule(nn.Module):
         return self._quantizers[recipe]
 
     def _state_device(self) -> torch.device:
+        """Where recipe states (delayed-scaling scales, histories) live: with the parameters, or,
+        while the first weight is being built (quantized_model_init), where it is built."""
         for parameter in self.parameters():
             return parameter.device
-        return torch.device("cpu")
+        return getattr(self, "_device_hint", torch.device("cpu"))
 
     @contextlib.contextmanager
     def delayed_scaling_scope(self, recipe: Recipe, will_run_backward: bool):
@@ -141,6 +143,7 @@ class QuantizedModule(nn.Module):
         (in the format of GEMM `gemm`'s weight slot, both copies)."""
         weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
         nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        self._device_hint = weight.device
         init = get_quantized_init_state()
         if not init["enabled"]:
             return nn.Parameter(weight)

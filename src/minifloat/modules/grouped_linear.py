@@ -57,10 +57,6 @@ class GroupedLinear(QuantizedModule):
     def biases(self) -> list[torch.Tensor | None]:
         return [getattr(self, f"bias{gemm}") for gemm in range(self.num_gemms)]
 
-    def _state_device(self) -> torch.device:
-        weight = getattr(self, "weight0", None)
-        return weight.device if weight is not None else torch.device("cpu")
-
     def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
         """y[rows of expert i] = x[rows of expert i] W_i^T + b_i."""
         if x.shape[-1] != self.in_features:

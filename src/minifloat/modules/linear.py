@@ -37,10 +37,6 @@ class Linear(QuantizedModule):
         self.weight = self.new_weight(out_features, in_features, dtype, device)
         self.bias = self.new_bias(out_features, in_features, dtype, device) if bias else None
 
-    def _state_device(self) -> torch.device:
-        weight = getattr(self, "weight", None)
-        return weight.device if weight is not None else torch.device("cpu")
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         return self.run_gemms(x, [rows], [self.weight], [self.bias], gemms=[0])
