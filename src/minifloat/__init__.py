@@ -3,7 +3,7 @@ chosen by role and by direction. Pure Python: exact emulation everywhere, Triton
 scaled-matmul fast paths on NVIDIA GPUs.
 """
 
-from . import factories, numerics
+from . import factories, numerics, ops
 from .autocast import autocast, quantized_model_init
 from .checkpoint import checkpoint
 from .convert import convert_model
@@ -87,5 +87,6 @@ __all__ = [
     "QuantizedTensor",
     "Quantizer",
     "numerics",
+    "ops",
     "register_safe_globals",
 ]
