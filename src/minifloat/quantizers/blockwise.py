@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import torch
 
-from .. import numerics
+from .. import kernels, numerics
 from ..numerics.blocks import as_2d
 from .base import QuantizedStorage, Quantizer
 
@@ -88,7 +88,16 @@ class Float8BlockQuantizer(Quantizer):
     def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> Float8BlockStorage:
         options = {"power_2_scale": self.power_2_scale, "amax_epsilon": self.amax_epsilon}
         fields: dict[str, torch.Tensor | None] = {}
-        if self.block_scaling_dim == 2:
+        if kernels.available(x):
+            from ..kernels import block_fp8  # Triton: imported on the fast path only
+
+            if block_fp8.kernel_input(x):
+                quantize = (block_fp8.quantize_block_2d if self.block_scaling_dim == 2
+                            else block_fp8.quantize_block_1d)
+                (fields["rowwise_data"], fields["rowwise_scale_inv"], fields["columnwise_data"],
+                 fields["columnwise_scale_inv"]) = quantize(
+                    x, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage, **options)
+        if not fields and self.block_scaling_dim == 2:
             data, scale_inv = numerics.quantize_block_2d(x, **options)
             if self.rowwise_usage:
                 fields["rowwise_data"], fields["rowwise_scale_inv"] = data, scale_inv
@@ -96,7 +105,7 @@ class Float8BlockQuantizer(Quantizer):
                 fields["columnwise_data"], fields["columnwise_scale_inv"] = (
                     numerics.transpose_block_2d(data, scale_inv)
                 )
-        else:
+        elif not fields:
             x2d = as_2d(x)
             if self.rowwise_usage:
                 fields["rowwise_data"], fields["rowwise_scale_inv"] = (

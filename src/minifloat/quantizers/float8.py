@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import torch
 
-from .. import numerics
+from .. import kernels, numerics
 from .base import QuantizedStorage, Quantizer
 
 
@@ -43,18 +43,22 @@ def _per_tensor_storage(
     quantizer: Quantizer,
     owner: Quantizer,
     x: torch.Tensor,
-    data: torch.Tensor,
+    data: torch.Tensor | None,
     scale_inv: torch.Tensor,
     fp8_dtype: torch.dtype,
+    data_transpose: torch.Tensor | None = None,
 ) -> Float8Storage:
-    """Lay out the requested copies of per-tensor data quantized over the [M, K] view."""
-    data2d = data.reshape(-1, x.shape[-1])
+    """Lay out the requested copies of per-tensor data quantized over the [M, K] view (a kernel
+    hands over the transpose it wrote; otherwise it is taken from the data here)."""
+    data2d = None if data is None else data.reshape(-1, x.shape[-1])
+    if data_transpose is None and quantizer.columnwise_usage:
+        data_transpose = data2d.t().contiguous()
     return Float8Storage(
         shape=tuple(x.shape),
         dtype=x.dtype,
         quantizer=owner,
         data=data2d if quantizer.rowwise_usage else None,
-        data_transpose=data2d.t().contiguous() if quantizer.columnwise_usage else None,
+        data_transpose=data_transpose if quantizer.columnwise_usage else None,
         scale_inv=scale_inv.reshape(1),
         fp8_dtype=fp8_dtype,
     )
@@ -95,6 +99,16 @@ class Float8Quantizer(Quantizer):
         return self.scale._version
 
     def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> Float8Storage:
+        if kernels.available(x):
+            from ..kernels import per_tensor_fp8  # Triton: imported on the fast path only
+
+            if per_tensor_fp8.kernel_input(x, self.scale, self.amax):
+                data, data_t, scale_inv = per_tensor_fp8.quantize_delayed_scaling(
+                    x, self.scale, self.amax, self.fp8_dtype,
+                    rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
+                )
+                return _per_tensor_storage(self, owner, x, data, scale_inv, self.fp8_dtype,
+                                           data_t)
         amax = numerics.compute_amax(x).to(self.amax.device)
         self.amax.copy_(torch.maximum(self.amax, amax.reshape(self.amax.shape)))
         scale = self.scale.to(x.device)
@@ -127,6 +141,18 @@ class Float8CurrentScalingQuantizer(Quantizer):
         self.power_2_scale = power_2_scale
 
     def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> Float8Storage:
+        if kernels.available(x):
+            from ..kernels import amax as amax_kernel  # Triton: fast path only
+            from ..kernels import per_tensor_fp8
+
+            if per_tensor_fp8.kernel_input(x):
+                data, data_t, scale_inv = per_tensor_fp8.quantize_current_scaling(
+                    x, self.fp8_dtype, amax=self.reduce_amax(amax_kernel.compute_amax(x)),
+                    amax_epsilon=self.amax_epsilon, power_2_scale=self.power_2_scale,
+                    rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
+                )
+                return _per_tensor_storage(self, owner, x, data, scale_inv, self.fp8_dtype,
+                                           data_t)
         amax = self.reduce_amax(numerics.compute_amax(x))
         data, scale_inv = numerics.quantize_current_scaling(
             x,

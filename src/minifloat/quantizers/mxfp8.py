@@ -10,10 +10,12 @@ from typing import ClassVar
 
 import torch
 
-from .. import numerics
+from .. import kernels, numerics
 from ..numerics.blocks import require_divisible
 from ..numerics.mxfp8 import BLOCK
 from .base import QuantizedStorage, Quantizer
+
+KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class MXFP8Storage(QuantizedStorage):
@@ -65,7 +67,10 @@ class MXFP8Quantizer(Quantizer):
         require_divisible((torch.Size(shape).numel() // k if k else 0, k), BLOCK, "MXFP8")
 
     def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> MXFP8Storage:
-        buffers = numerics.quantize_mxfp8(
+        quantize = numerics.quantize_mxfp8
+        if kernels.available(x) and x.is_contiguous() and x.dtype in KERNEL_INPUT_DTYPES:
+            from ..kernels.mxfp8 import quantize_mxfp8 as quantize  # Triton: lazy import
+        buffers = quantize(
             x, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage, dtype=self.fp8_dtype
         )
         return MXFP8Storage(

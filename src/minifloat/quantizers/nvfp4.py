@@ -11,10 +11,12 @@ from typing import ClassVar
 
 import torch
 
-from .. import numerics
+from .. import kernels, numerics
 from ..numerics.blocks import require_divisible
 from ..numerics.nvfp4 import BLOCK
 from .base import QuantizedStorage, Quantizer
+
+KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class NVFP4Storage(QuantizedStorage):
@@ -106,7 +108,11 @@ class NVFP4Quantizer(Quantizer):
         return not self.stochastic_rounding
 
     def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> NVFP4Storage:
-        buffers = numerics.quantize_nvfp4(
+        quantize = numerics.quantize_nvfp4
+        if kernels.available(x) and x.is_contiguous() and x.dtype in KERNEL_INPUT_DTYPES:
+            # Triton (lazy import); it applies reduce_amax to the device amax between kernels
+            from ..kernels.nvfp4 import quantize_nvfp4 as quantize
+        buffers = quantize(
             x,
             rowwise=self.rowwise_usage,
             columnwise=self.columnwise_usage,

@@ -1,0 +1,22 @@
+"""Run every benchmark that exists, writing JSON under --out (scripts/gpu-check calls this)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import quantize_bandwidth  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    return quantize_bandwidth.main(["--out", str(args.out)])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

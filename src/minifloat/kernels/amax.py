@@ -1,0 +1,55 @@
+"""Per-tensor absolute maximum on device (NUMERICS.md §2 step 1), without a host sync.
+
+Grid-stride programs each reduce their share of the tensor to one value and fold it into a device
+fp32 scalar with one atomic max. The max runs on the int32 bit patterns of |x| (see fp8_common):
+non-negative floats order like their bits, and every NaN pattern with its sign cleared is larger
+than +inf, so a NaN anywhere gives a NaN amax, as numerics.compute_amax does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fp8_common import abs_bits, cdiv, jit, kernel_input, max_programs, tl
+
+AMAX_BLOCK = 4096
+
+
+@jit
+def _amax_kernel(x_ptr, amax_bits_ptr, n, iterations, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    running = tl.zeros([BLOCK], dtype=tl.int32)
+    # Grid-stride over blocks pid, pid + programs, ... A while loop, not range(iterations): the
+    # interpreter cannot take a runtime bound in range() with recent numpy.
+    i = 0
+    while i < iterations:
+        block = (pid + i * programs).to(tl.int64)
+        offsets = block * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0)
+        running = tl.maximum(running, abs_bits(x))
+        i += 1
+    tl.atomic_max(amax_bits_ptr, tl.max(running, axis=0))
+
+
+def compute_amax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """max|x| as a 0-dim fp32 device tensor (NaN if x holds a NaN; 0 for an empty tensor).
+
+    With `out` (fp32, on x's device) the result is folded into it in place, out = max(out, amax),
+    which is how delayed scaling records an amax; `out` is returned.
+    """
+    if not kernel_input(x):
+        raise ValueError(
+            "compute_amax kernel needs a non-empty contiguous float32/bfloat16/float16 tensor; "
+            f"got dtype {x.dtype}, shape {tuple(x.shape)}, contiguous={x.is_contiguous()}"
+        )
+    if out is None:
+        out = torch.zeros((), dtype=torch.float32, device=x.device)
+    elif out.dtype != torch.float32 or out.device != x.device or out.numel() != 1:
+        raise ValueError("compute_amax: `out` must be a 1-element float32 tensor on x's device")
+    n = x.numel()
+    blocks = cdiv(n, AMAX_BLOCK)
+    programs = min(blocks, max_programs(x.device))
+    _amax_kernel[(programs,)](x, out.view(torch.int32), n, cdiv(blocks, programs),
+                              BLOCK=AMAX_BLOCK, num_warps=8)
+    return out

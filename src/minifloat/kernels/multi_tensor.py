@@ -1,0 +1,361 @@
+"""Multi-tensor FP8 quantization: many (small) tensors, one kernel launch per phase.
+
+Grouped GEMMs, optimizer master-weight casts and FSDP shards quantize dozens of small tensors;
+one launch per tensor would be dominated by launch latency. Here every program of a single grid
+finds the tensor it works on in a device table:
+
+- one int64 table per call, uploaded with one asynchronous copy (pinned host memory,
+  non_blocking; no host sync): per tensor, its input offset in elements from a base tensor (all
+  inputs share one dtype, so the offset is the pointer difference), M, K and its output offsets,
+  then the running count of programs owned by the tensors before it;
+- a program finds its tensor by binary search over those running counts, then runs the same
+  tile code as the single-tensor kernels (per_tensor_fp8.cast_transpose_tile,
+  block_fp8.block_1d_tile), so the bytes are the single-tensor bytes;
+- outputs live in one flat buffer per kind (data, transpose, scales); each tensor's results are
+  views into it (16-byte aligned), which keeps the buffer alive while any view is.
+
+Per-tensor current scaling runs two launches (amax of every tensor, then every cast), with an
+optional amax reduction (e.g. an all-reduce over a group) in between, applied once to the
+stacked amaxes. Block FP8 1D needs no amax pass: one launch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .block_fp8 import BLOCK, CHUNK, block_1d_tile
+from .fp8_common import (
+    abs_bits,
+    cdiv,
+    dtype_max_bits,
+    float32_value,
+    is_e5m2,
+    jit,
+    kernel_input,
+    needs_wide_offsets,
+    reciprocal_rn,
+    scale_from_amax,
+    tl,
+)
+from .per_tensor_fp8 import TILE_K, TILE_M, cast_transpose_tile
+
+FIELDS = 8  # int64 entries per tensor in the table (unused ones are 0)
+AMAX_BLOCK = 4096
+AMAX_STEPS = 4  # loads per amax program: AMAX_BLOCK * AMAX_STEPS elements
+ALIGN = 16  # bytes; output views start on 16-byte boundaries
+
+
+@jit
+def _owner(starts_ptr, pid, n, STEPS: tl.constexpr):
+    """Largest i < n with starts[i] <= pid (starts non-decreasing, starts[0] = 0)."""
+    lo = pid * 0
+    hi = lo + n
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi) // 2
+        right = tl.load(starts_ptr + mid) <= pid
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@jit
+def _multi_amax_kernel(x_base, table_ptr, starts_ptr, amax_bits_ptr, n, STEPS: tl.constexpr,
+                       FIELDS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+    pid = tl.program_id(0)
+    i = _owner(starts_ptr, pid, n, STEPS)
+    row = table_ptr + i * FIELDS
+    numel = tl.load(row + 1) * tl.load(row + 2)
+    x_ptr = x_base + tl.load(row + 0)
+    first = (pid - tl.load(starts_ptr + i)).to(tl.int64) * (BLOCK * SUB)
+    running = tl.zeros([BLOCK], dtype=tl.int32)
+    for s in range(SUB):
+        offsets = first + s * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0)
+        running = tl.maximum(running, abs_bits(x))
+    tl.atomic_max(amax_bits_ptr + i, tl.max(running, axis=0))
+
+
+@jit
+def _multi_cast_kernel(x_base, data_base, data_t_base, table_ptr, starts_ptr, amax_ptr,
+                       scale_inv_ptr, eps, n, E5M2: tl.constexpr, POW2: tl.constexpr,
+                       ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, STEPS: tl.constexpr,
+                       FIELDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                       WIDE: tl.constexpr):
+    pid = tl.program_id(0)
+    i = _owner(starts_ptr, pid, n, STEPS)
+    row = table_ptr + i * FIELDS
+    M = tl.load(row + 1)
+    K = tl.load(row + 2)
+    if not WIDE:
+        M = M.to(tl.int32)
+        K = K.to(tl.int32)
+    local = pid - tl.load(starts_ptr + i)
+    tiles_k = tl.maximum(tl.cdiv(K, BLOCK_K), 1)  # an empty tensor still owns one program
+    scale = scale_from_amax(tl.load(amax_ptr + i), eps, E5M2, POW2, 0x7F7FFFFF)
+    cast_transpose_tile(x_base + tl.load(row + 0), data_base + tl.load(row + 3),
+                        data_t_base + tl.load(row + 4), amax_ptr, scale, M, K, local // tiles_k,
+                        local % tiles_k, E5M2, ROWWISE, COLUMNWISE, False, BLOCK_M, BLOCK_K,
+                        WIDE)
+    if local == 0:
+        tl.store(scale_inv_ptr + i, reciprocal_rn(scale))
+
+
+@jit
+def _multi_block_1d_kernel(x_base, row_data_base, row_si_base, col_data_base, col_si_base,
+                           table_ptr, starts_ptr, eps, n, POW2: tl.constexpr,
+                           OVERFLOW_BITS: tl.constexpr, ROWWISE: tl.constexpr,
+                           COLUMNWISE: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
+                           BLOCK: tl.constexpr, CHUNK: tl.constexpr, WIDE: tl.constexpr):
+    pid = tl.program_id(0)
+    i = _owner(starts_ptr, pid, n, STEPS)
+    row = table_ptr + i * FIELDS
+    M = tl.load(row + 1)
+    K = tl.load(row + 2)
+    if not WIDE:
+        M = M.to(tl.int32)
+        K = K.to(tl.int32)
+    local = pid - tl.load(starts_ptr + i)
+    tiles_k = tl.cdiv(K, BLOCK)
+    block_1d_tile(x_base + tl.load(row + 0), row_data_base + tl.load(row + 3),
+                  row_si_base + tl.load(row + 5), col_data_base + tl.load(row + 4),
+                  col_si_base + tl.load(row + 6), eps, M, K, local // tiles_k, local % tiles_k,
+                  POW2, OVERFLOW_BITS, ROWWISE, COLUMNWISE, BLOCK, CHUNK, WIDE)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side: tables and flat output buffers
+# ---------------------------------------------------------------------------------------------
+
+
+def _matrix_shape(t: torch.Tensor) -> tuple[int, int]:
+    if t.dim() == 0:
+        raise ValueError("cannot quantize a 0-dim tensor: give it at least one dimension")
+    k = t.shape[-1]
+    return (t.numel() // k if k else math.prod(t.shape[:-1])), k
+
+
+def _check_group(tensors: Sequence[torch.Tensor]) -> None:
+    if len(tensors) == 0:
+        raise ValueError("multi-tensor quantization needs at least one tensor")
+    first = tensors[0]
+    for t in tensors:
+        if t.device != first.device or t.dtype != first.dtype:
+            raise ValueError(
+                "multi-tensor quantization needs every tensor on one device with one dtype; got "
+                f"{t.dtype} on {t.device} next to {first.dtype} on {first.device}: group them "
+                "by dtype and device"
+            )
+        if t.numel() and not kernel_input(t):
+            raise ValueError(
+                "multi-tensor FP8 kernels need contiguous float32/bfloat16/float16 tensors; got "
+                f"dtype {t.dtype}, shape {tuple(t.shape)}, contiguous={t.is_contiguous()}"
+            )
+
+
+def _input_offsets(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """A base tensor and each tensor's element offset from it (the kernel's pointer table)."""
+    base = next((t for t in tensors if t.numel()), tensors[0])
+    size = base.element_size()
+    offsets = []
+    for t in tensors:
+        delta = t.data_ptr() - base.data_ptr() if t.numel() else 0
+        if delta % size:
+            raise ValueError("multi-tensor quantization: a tensor is not aligned to its dtype")
+        offsets.append(delta // size)
+    return base, offsets
+
+
+def _aligned_offsets(sizes: Sequence[int], align: int) -> tuple[list[int], int]:
+    """Start offsets of consecutive regions of `sizes`, each rounded up to `align`; and total."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += cdiv(size, align) * align
+    return offsets, total
+
+
+def _starts(counts: Sequence[int]) -> list[int]:
+    starts, total = [], 0
+    for count in counts:
+        starts.append(total)
+        total += count
+    return starts
+
+
+def _upload(rows: Sequence[Sequence[int]], extra: Sequence[Sequence[int]],
+            device: torch.device) -> torch.Tensor:
+    """Tables to the device in one asynchronous copy (pinned host memory on CUDA)."""
+    values = [v for row in rows for v in (*row, *([0] * (FIELDS - len(row))))]
+    for column in extra:
+        values.extend(column)
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def _search_steps(n: int) -> int:
+    return max(1, math.ceil(math.log2(n))) + 1
+
+
+def _view(flat: torch.Tensor, offset: int, shape: tuple[int, int]) -> torch.Tensor:
+    return flat[offset:offset + shape[0] * shape[1]].view(shape)
+
+
+def quantize_current_scaling_multi(
+    tensors: Sequence[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    *,
+    amax_epsilon: float = 0.0,
+    power_2_scale: bool = False,
+    rowwise: bool = True,
+    columnwise: bool = True,
+    reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]]:
+    """Per-tensor current scaling of many tensors: one amax launch and one cast launch.
+
+    Each tensor gets its own amax and scale; returns per tensor (data [M, K] or None,
+    data_t [K, M] or None, scale_inv [1]), the bytes of per_tensor_fp8.quantize_current_scaling
+    (and so of numerics.quantize_current_scaling). `reduce_amax`, when given, maps the stacked
+    fp32 amaxes [n] to reduced ones (e.g. an all-reduce MAX over a group) between the launches.
+    """
+    if not (rowwise or columnwise):
+        raise ValueError("multi-tensor FP8 kernel: ask for the rowwise or the columnwise copy")
+    _check_group(tensors)
+    e5m2 = is_e5m2(fp8_dtype)
+    device, n = tensors[0].device, len(tensors)
+    shapes = [_matrix_shape(t) for t in tensors]
+    sizes = [m * k for m, k in shapes]
+    base, x_offsets = _input_offsets(tensors)
+    data_offsets, data_total = _aligned_offsets(sizes, ALIGN)
+    chunk_counts = [cdiv(size, AMAX_BLOCK * AMAX_STEPS) for size in sizes]
+    tile_counts = [max(1, cdiv(m, TILE_M) * cdiv(k, TILE_K)) for m, k in shapes]
+    rows = [(x_offsets[i], m, k, data_offsets[i], data_offsets[i]) for i, (m, k) in
+            enumerate(shapes)]
+    table = _upload(rows, (_starts(chunk_counts), _starts(tile_counts)), device)
+    meta = table[: n * FIELDS]
+    chunk_starts = table[n * FIELDS: n * FIELDS + n]
+    tile_starts = table[n * FIELDS + n:]
+    steps = _search_steps(n)
+
+    amax = torch.zeros(n, dtype=torch.float32, device=device)
+    if sum(chunk_counts):
+        _multi_amax_kernel[(sum(chunk_counts),)](
+            base, meta, chunk_starts, amax.view(torch.int32), n, STEPS=steps, FIELDS=FIELDS,
+            BLOCK=AMAX_BLOCK, SUB=AMAX_STEPS, num_warps=8,
+        )
+    if reduce_amax is not None:
+        amax = reduce_amax(amax)
+
+    data = torch.empty(max(data_total, 1), dtype=torch.uint8, device=device) if rowwise else None
+    data_t = (torch.empty(max(data_total, 1), dtype=torch.uint8, device=device) if columnwise
+              else None)
+    scale_inv = torch.empty(n, dtype=torch.float32, device=device)
+    placeholder = data if data is not None else data_t
+    _multi_cast_kernel[(sum(tile_counts),)](
+        base,
+        data if data is not None else placeholder,
+        data_t if data_t is not None else placeholder,
+        meta,
+        tile_starts,
+        amax,
+        scale_inv,
+        float32_value(amax_epsilon),
+        n,
+        E5M2=e5m2,
+        POW2=power_2_scale,
+        ROWWISE=rowwise,
+        COLUMNWISE=columnwise,
+        STEPS=steps,
+        FIELDS=FIELDS,
+        BLOCK_M=TILE_M,
+        BLOCK_K=TILE_K,
+        WIDE=any(needs_wide_offsets(m, k, max(TILE_M, TILE_K)) for m, k in shapes),
+        num_warps=4,
+    )
+    results = []
+    for i, (m, k) in enumerate(shapes):
+        results.append((
+            None if data is None else _view(data, data_offsets[i], (m, k)).view(fp8_dtype),
+            None if data_t is None else _view(data_t, data_offsets[i], (k, m)).view(fp8_dtype),
+            scale_inv[i:i + 1],
+        ))
+    return results
+
+
+def quantize_block_1d_multi(
+    tensors: Sequence[torch.Tensor],
+    *,
+    rowwise: bool = True,
+    columnwise: bool = True,
+    power_2_scale: bool = True,
+    amax_epsilon: float = 0.0,
+) -> list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
+                torch.Tensor | None]]:
+    """1x128 block FP8 (E4M3) of many tensors in one launch.
+
+    Returns per tensor (rowwise data [M, K], rowwise scale_inv [M, ceil(K/128)], columnwise
+    data [K, M], columnwise scale_inv [K, ceil(M/128)]), None for a copy not asked for; the bytes
+    of block_fp8.quantize_block_1d (and so of the numerics reference).
+    """
+    if not (rowwise or columnwise):
+        raise ValueError("multi-tensor FP8 kernel: ask for the rowwise or the columnwise copy")
+    _check_group(tensors)
+    device, n = tensors[0].device, len(tensors)
+    shapes = [_matrix_shape(t) for t in tensors]
+    base, x_offsets = _input_offsets(tensors)
+    data_offsets, data_total = _aligned_offsets([m * k for m, k in shapes], ALIGN)
+    row_si_offsets, row_si_total = _aligned_offsets(
+        [m * cdiv(k, BLOCK) for m, k in shapes], ALIGN // 4)
+    col_si_offsets, col_si_total = _aligned_offsets(
+        [k * cdiv(m, BLOCK) for m, k in shapes], ALIGN // 4)
+    tile_counts = [cdiv(m, BLOCK) * cdiv(k, BLOCK) for m, k in shapes]
+    rows = [(x_offsets[i], m, k, data_offsets[i], data_offsets[i], row_si_offsets[i],
+             col_si_offsets[i]) for i, (m, k) in enumerate(shapes)]
+    table = _upload(rows, (_starts(tile_counts),), device)
+
+    def buffer(wanted: bool, total: int, dtype: torch.dtype) -> torch.Tensor | None:
+        return torch.empty(max(total, 1), dtype=dtype, device=device) if wanted else None
+
+    row_data = buffer(rowwise, data_total, torch.uint8)
+    row_si = buffer(rowwise, row_si_total, torch.float32)
+    col_data = buffer(columnwise, data_total, torch.uint8)
+    col_si = buffer(columnwise, col_si_total, torch.float32)
+    some_data = row_data if row_data is not None else col_data
+    some_si = row_si if row_si is not None else col_si
+    if sum(tile_counts):
+        _multi_block_1d_kernel[(sum(tile_counts),)](
+            base,
+            row_data if row_data is not None else some_data,
+            row_si if row_si is not None else some_si,
+            col_data if col_data is not None else some_data,
+            col_si if col_si is not None else some_si,
+            table[: n * FIELDS],
+            table[n * FIELDS:],
+            float32_value(amax_epsilon),
+            n,
+            POW2=power_2_scale,
+            OVERFLOW_BITS=dtype_max_bits(tensors[0].dtype),
+            ROWWISE=rowwise,
+            COLUMNWISE=columnwise,
+            STEPS=_search_steps(n),
+            FIELDS=FIELDS,
+            BLOCK=BLOCK,
+            CHUNK=CHUNK,
+            WIDE=any(needs_wide_offsets(m, k, BLOCK) for m, k in shapes),
+            num_warps=8,
+        )
+    e4m3 = torch.float8_e4m3fn
+    results = []
+    for i, (m, k) in enumerate(shapes):
+        kb, mb = cdiv(k, BLOCK), cdiv(m, BLOCK)
+        results.append((
+            None if row_data is None else _view(row_data, data_offsets[i], (m, k)).view(e4m3),
+            None if row_si is None else _view(row_si, row_si_offsets[i], (m, kb)),
+            None if col_data is None else _view(col_data, data_offsets[i], (k, m)).view(e4m3),
+            None if col_si is None else _view(col_si, col_si_offsets[i], (k, mb)),
+        ))
+    return results

@@ -1,0 +1,193 @@
+"""MXFP8 quantization in Triton (NUMERICS.md §5), bit-exact against numerics.mxfp8.
+
+One pass over the input: each program loads a BLOCK_M x BLOCK_K tile once and writes whichever
+copies are asked for. Both copies keep the [M, K] layout of the input (no transpose):
+- rowwise: 1x32 blocks along K -> data [M, K], E8M0 scales [M, K/32]
+- columnwise: 32x1 blocks along M -> data [M, K], E8M0 scales [M/32, K]
+Scales are compact (no padding), as numerics stores them. Elements are rounded with the integer
+casts of element_cast (Triton's float8 conversions do not match the contract everywhere).
+
+Imported lazily by the MXFP8 quantizer once `minifloat.kernels.available(x)` holds.
+"""
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from ..numerics.blocks import as_2d, require_divisible
+from ..numerics.formats import fp8_format
+from ..numerics.mxfp8 import BLOCK
+from .element_cast import (
+    E4M3_CONSTANTS,
+    E5M2_CONSTANTS,
+    FP8_NAN_CODE,
+    FP32_INF_BITS,
+    expand_blocks,
+    kernel_view,
+    load_as_float,
+    magnitude_bits,
+    round_to_code,
+    sign_bit,
+    split_magnitude,
+)
+from .element_cast import e8m0_exponent as e8m0_from_amax
+
+# Tile shape: 32 x 64 elements, 8 warps (8 elements a thread). ptxas for sm_90 reports about
+# 80 registers, no spills, for both directions at once (64 x 128 spills: 255 registers), so three
+# programs fit an SM; each row of a tile is a full 128-byte line of bf16 input.
+BLOCK_M = 32
+BLOCK_K = 64
+NUM_WARPS = 8
+
+E8M0_NAN = tl.constexpr(0xFF)
+E8M0_BIAS = tl.constexpr(127)
+
+
+def _reciprocal_bits(element_max: float) -> int:
+    """Bits of fp32(1/element_max) (nearest), the constant the E8M0 rule multiplies by."""
+    return struct.unpack("<i", struct.pack("<f", 1.0 / element_max))[0]
+
+
+@triton.jit
+def _fp8_codes(
+    x,
+    scale_exponent,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
+    MAX_CODE: tl.constexpr,
+):
+    """FP8 bytes of x * 2^-(e - 127) for fp32 elements x and their block's E8M0 exponent e
+    broadcast to them. The power of two only shifts the exponent (exact, like numerics'
+    exp2_exact product), except that an infinity stays infinite and saturates.
+    e = 255 (a NaN in the block) gives the NaN byte 0x7F for every element of the block: the
+    reference multiplies by a positive NaN scale, which yields a positive NaN (on CPU the scale's
+    NaN wins the product, on CUDA NaN results are canonical) whatever the element."""
+    magnitude = magnitude_bits(x)
+    mantissa, exponent = split_magnitude(magnitude)
+    code = round_to_code(
+        mantissa, exponent + E8M0_BIAS - scale_exponent, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE
+    )
+    code = tl.where(magnitude == FP32_INF_BITS, MAX_CODE, code) | (sign_bit(x) << 7)
+    return tl.where(scale_exponent == E8M0_NAN, FP8_NAN_CODE, code).to(tl.uint8)
+
+
+@triton.jit
+def _mxfp8_kernel(
+    x_ptr,
+    row_data_ptr,
+    row_scale_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    M,
+    K,
+    BF16_BITS: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
+    MAX_CODE: tl.constexpr,
+    RECIPROCAL_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+):
+    """One tile: rowwise and/or columnwise MXFP8 from a single load of x.
+
+    Addresses are a 64-bit tile origin plus 32-bit offsets inside the tile (BLOCK_M * K < 2^31),
+    which keeps per-element registers low.
+    """
+    row_start = tl.program_id(0) * BLOCK_M
+    col_start = tl.program_id(1) * BLOCK_K
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    mask = ((row_start + rows)[:, None] < M) & ((col_start + cols)[None, :] < K)
+    origin = row_start.to(tl.int64) * K + col_start
+    offsets = rows[:, None] * K + cols[None, :]
+    # Masked elements load as 0: they cannot raise a block's amax, and M, K are multiples of 32,
+    # so blocks are either entirely inside the tensor or entirely outside (never stored).
+    x = load_as_float(x_ptr + origin, offsets, mask, BF16_BITS)
+    magnitude = magnitude_bits(x)
+
+    if ROWWISE:
+        runs = tl.reshape(magnitude, [BLOCK_M, BLOCK_K // SCALE_BLOCK, SCALE_BLOCK])
+        block_amax = tl.max(runs, axis=2).to(tl.float32, bitcast=True)
+        scale = e8m0_from_amax(block_amax, RECIPROCAL_BITS)  # [BLOCK_M, BLOCK_K // 32]
+        element_scale = expand_blocks(scale, BLOCK_M, BLOCK_K, SCALE_BLOCK)
+        data = _fp8_codes(x, element_scale, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
+        tl.store(row_data_ptr + origin + offsets, data, mask=mask)
+        scale_cols = tl.arange(0, BLOCK_K // SCALE_BLOCK)
+        scale_origin = row_start.to(tl.int64) * (K // SCALE_BLOCK) + col_start // SCALE_BLOCK
+        scale_offsets = rows[:, None] * (K // SCALE_BLOCK) + scale_cols[None, :]
+        scale_mask = ((row_start + rows)[:, None] < M) & (
+            (col_start // SCALE_BLOCK + scale_cols)[None, :] < K // SCALE_BLOCK
+        )
+        tl.store(
+            row_scale_ptr + scale_origin + scale_offsets, scale.to(tl.uint8), mask=scale_mask
+        )
+
+    if COLUMNWISE:
+        runs = tl.reshape(magnitude, [BLOCK_M // SCALE_BLOCK, SCALE_BLOCK, BLOCK_K])
+        block_amax = tl.max(runs, axis=1).to(tl.float32, bitcast=True)
+        scale = e8m0_from_amax(block_amax, RECIPROCAL_BITS)  # [BLOCK_M // 32, BLOCK_K]
+        repeated = tl.broadcast_to(
+            scale[:, None, :], [BLOCK_M // SCALE_BLOCK, SCALE_BLOCK, BLOCK_K]
+        )
+        element_scale = tl.reshape(repeated, [BLOCK_M, BLOCK_K])
+        data = _fp8_codes(x, element_scale, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
+        tl.store(col_data_ptr + origin + offsets, data, mask=mask)
+        scale_rows = tl.arange(0, BLOCK_M // SCALE_BLOCK)
+        scale_origin = (row_start // SCALE_BLOCK).to(tl.int64) * K + col_start
+        scale_offsets = scale_rows[:, None] * K + cols[None, :]
+        scale_mask = ((row_start // SCALE_BLOCK + scale_rows)[:, None] < M // SCALE_BLOCK) & (
+            (col_start + cols)[None, :] < K
+        )
+        tl.store(
+            col_scale_ptr + scale_origin + scale_offsets, scale.to(tl.uint8), mask=scale_mask
+        )
+
+
+def quantize_mxfp8(
+    x: torch.Tensor,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+) -> dict[str, torch.Tensor]:
+    """Drop-in for numerics.quantize_mxfp8 on a contiguous float32/bfloat16/float16 tensor:
+    the same dict of buffers (`rowwise_data` [M, K] in `dtype`, `rowwise_scale` [M, K/32] uint8,
+    `columnwise_data` [M, K], `columnwise_scale` [M/32, K]), the same bytes, one kernel launch."""
+    fmt = fp8_format(dtype)
+    if not x.is_contiguous():
+        raise ValueError("the MXFP8 kernel needs a contiguous input; call .contiguous() first")
+    x2d = as_2d(x)
+    m, k = x2d.shape
+    require_divisible((m, k), BLOCK, "MXFP8")
+    device = x.device
+    out: dict[str, torch.Tensor] = {}
+    dummy = torch.empty(0, dtype=torch.uint8, device=device)
+    row_data = row_scale = col_data = col_scale = dummy
+    if rowwise:
+        row_data = torch.empty((m, k), dtype=torch.uint8, device=device)
+        row_scale = torch.empty((m, k // BLOCK), dtype=torch.uint8, device=device)
+        out["rowwise_data"], out["rowwise_scale"] = row_data.view(dtype), row_scale
+    if columnwise:
+        col_data = torch.empty((m, k), dtype=torch.uint8, device=device)
+        col_scale = torch.empty((m // BLOCK, k), dtype=torch.uint8, device=device)
+        out["columnwise_data"], out["columnwise_scale"] = col_data.view(dtype), col_scale
+    if out and m * k:
+        mantissa_bits, min_exponent, max_code = (
+            E4M3_CONSTANTS if dtype == torch.float8_e4m3fn else E5M2_CONSTANTS
+        )
+        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))
+        x_view, bf16_bits = kernel_view(x2d)
+        _mxfp8_kernel[grid](
+            x_view, row_data, row_scale, col_data, col_scale, m, k,
+            BF16_BITS=bf16_bits, ROWWISE=rowwise, COLUMNWISE=columnwise,
+            MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent, MAX_CODE=max_code,
+            RECIPROCAL_BITS=_reciprocal_bits(fmt.max_value),
+            BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, SCALE_BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )
+    return out

@@ -1,0 +1,205 @@
+"""NVFP4 1D quantization of many tensors in two launches (amax, then cast) instead of two each.
+
+Why: a layer group (experts, a grouped linear, the parameters of a model) holds many small
+tensors; launching per tensor costs more than the work. Each program looks up which tensor and
+which tile it serves in a tile table built on the host from shapes only (no device values are
+read), then runs the same per-tile bodies as kernels.nvfp4, so every tensor gets the bytes its own
+`quantize_nvfp4` call (and the numerics reference) would give it.
+
+Tables travel to the device through pinned memory with non_blocking copies: no host sync.
+Imported lazily, like the other kernel modules, once `minifloat.kernels.available` holds.
+"""
+
+from collections.abc import Callable, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ..numerics.blocks import as_2d, require_divisible
+from .element_cast import kernel_view
+from .nvfp4 import (
+    BLOCK,
+    BLOCK_K,
+    BLOCK_M,
+    NUM_WARPS,
+    NUM_WARPS_STOCHASTIC,
+    amax_tile,
+    empty_buffers,
+    quantize_1d_tile,
+)
+
+# A row of the per-tensor table (int64): addresses of the input, rowwise data, rowwise scale,
+# columnwise data, columnwise scale; then M, K and one pad column. The tile table (int32) holds
+# (tensor index, tile_m, tile_k) per program.
+TABLE_WIDTH = tl.constexpr(8)
+TORCH_TO_TRITON = {torch.float32: tl.float32, torch.float16: tl.float16, torch.int16: tl.int16}
+
+
+@triton.jit
+def _tile_lookup(tensor_table_ptr, tile_table_ptr):
+    """(tensor index, its row of the tensor table, tile_m, tile_k) of this program."""
+    entry = tile_table_ptr + tl.program_id(0) * 3
+    index = tl.load(entry)
+    row = tensor_table_ptr + index.to(tl.int64) * TABLE_WIDTH
+    return index, row, tl.load(entry + 1), tl.load(entry + 2)
+
+
+@triton.jit
+def _multi_amax_kernel(
+    tensor_table_ptr,
+    tile_table_ptr,
+    amax_bits_ptr,
+    X_DTYPE: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    PLAIN: tl.constexpr,
+    RHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """amax_bits[t, 0] / [t, 1]: plain and post-RHT amax bits of tensor t."""
+    index, row, tile_m, tile_k = _tile_lookup(tensor_table_ptr, tile_table_ptr)
+    x_ptr = tl.load(row).to(tl.pointer_type(X_DTYPE))
+    amax_tile(
+        x_ptr, amax_bits_ptr + index * 2, tl.load(row + 5), tl.load(row + 6), tile_m, tile_k,
+        BF16_BITS, PLAIN, RHT, BLOCK_M, BLOCK_K,
+    )
+
+
+@triton.jit
+def _multi_1d_kernel(
+    tensor_table_ptr,
+    tile_table_ptr,
+    row_amax_ptr,
+    col_amax_ptr,
+    seed_ptr,
+    X_DTYPE: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    RHT: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Rowwise / columnwise 1x16 NVFP4 of one tile of one tensor; tensor t uses amaxes [t] and
+    seeds [t, 0] (rowwise) and [t, 1] (columnwise)."""
+    index, row, tile_m, tile_k = _tile_lookup(tensor_table_ptr, tile_table_ptr)
+    out = tl.pointer_type(tl.uint8)
+    quantize_1d_tile(
+        tl.load(row).to(tl.pointer_type(X_DTYPE)),
+        tl.load(row + 1).to(out), tl.load(row + 2).to(out), row_amax_ptr + index,
+        tl.load(row + 3).to(out), tl.load(row + 4).to(out), col_amax_ptr + index,
+        seed_ptr + index * 2, tl.load(row + 5), tl.load(row + 6), tile_m, tile_k,
+        BF16_BITS, ROWWISE, COLUMNWISE, RHT, STOCHASTIC, BLOCK_M, BLOCK_K,
+    )
+
+
+def _to_device(rows: list[list[int]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host table on the device, copied without stalling the host on CUDA."""
+    table = torch.tensor(rows, dtype=dtype)
+    if device.type == "cuda":
+        return table.pin_memory().to(device, non_blocking=True)
+    return table.to(device)
+
+
+def quantize_nvfp4_multi(
+    xs: Sequence[torch.Tensor],
+    *,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    with_rht: bool = False,
+    stochastic_rounding: bool = False,
+    reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """NVFP4 1D quantization of every tensor in `xs`: a list of the dicts quantize_nvfp4 would
+    return for each, from one amax launch and one cast launch.
+
+    All tensors must be contiguous, on one device, of one dtype (float32/bfloat16/float16), with
+    M and K multiples of 16. `reduce_amax` is called once per kind of amax (plain, then post-RHT)
+    on the vector of all tensors' amaxes, so a reduction group costs one all-reduce, not one per
+    tensor (a MAX all-reduce is elementwise). Stochastic rounding draws one seed pair per tensor.
+    """
+    if not xs:
+        return []
+    device, dtype = xs[0].device, xs[0].dtype
+    views = []
+    for x in xs:
+        if x.device != device or x.dtype != dtype:
+            raise ValueError(
+                "quantize_nvfp4_multi needs tensors of one device and dtype; got "
+                f"{x.dtype} on {x.device} next to {dtype} on {device}: group them first"
+            )
+        if not x.is_contiguous():
+            raise ValueError("the NVFP4 kernel needs contiguous inputs; call .contiguous() first")
+        x2d = as_2d(x)
+        require_divisible(tuple(x2d.shape), BLOCK, "NVFP4")
+        views.append(x2d)
+    reduce_amax = reduce_amax or (lambda amax: amax)
+    count = len(views)
+    need_plain = rowwise or not with_rht
+    need_rht = columnwise and with_rht
+
+    dummy = torch.empty(0, dtype=torch.uint8, device=device)
+    outputs, table, tiles = [], [], []
+    for index, x2d in enumerate(views):
+        m, k = x2d.shape
+        buffers = {}
+        if rowwise:
+            buffers["rowwise_data"], buffers["rowwise_scale"] = empty_buffers(m, k, device)
+        if columnwise:
+            buffers["columnwise_data"], buffers["columnwise_scale"] = empty_buffers(k, m, device)
+        outputs.append(buffers)
+        addresses = [
+            buffers.get(name, dummy).data_ptr()
+            for name in ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale")
+        ]
+        table.append([kernel_view(x2d)[0].data_ptr(), *addresses, m, k, 0])
+        tiles += [
+            [index, tm, tk]
+            for tm in range(triton.cdiv(m, BLOCK_M))
+            for tk in range(triton.cdiv(k, BLOCK_K))
+        ]
+    x_view, bf16_bits = kernel_view(views[0])
+    x_dtype = TORCH_TO_TRITON[x_view.dtype]
+    tensor_table = _to_device(table, torch.int64, device)
+    tile_table = _to_device(tiles or [[0, 0, 0]], torch.int32, device)
+    # the tables hold raw addresses: keep every buffer alive until both launches are queued
+    grid = (len(tiles),)
+
+    amax_bits = torch.zeros((count, 2), dtype=torch.int32, device=device)
+    if tiles:
+        _multi_amax_kernel[grid](
+            tensor_table, tile_table, amax_bits, X_DTYPE=x_dtype, BF16_BITS=bf16_bits,
+            PLAIN=need_plain, RHT=need_rht, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
+            num_warps=NUM_WARPS,
+        )
+    amaxes = amax_bits.view(torch.float32)
+    plain = reduce_amax(amaxes[:, 0].contiguous()).float() if need_plain else None
+    post_rht = reduce_amax(amaxes[:, 1].contiguous()).float() if need_rht else plain
+    row_amax = plain if need_plain else post_rht
+
+    seeds = amax_bits  # not read without stochastic rounding
+    if stochastic_rounding:
+        seeds = torch.randint(0, 2**62, (count, 2), dtype=torch.int64, device=device)
+    if tiles and (rowwise or columnwise):
+        _multi_1d_kernel[grid](
+            tensor_table, tile_table, row_amax, post_rht, seeds, X_DTYPE=x_dtype,
+            BF16_BITS=bf16_bits, ROWWISE=rowwise, COLUMNWISE=columnwise, RHT=need_rht,
+            STOCHASTIC=stochastic_rounding, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
+            num_warps=NUM_WARPS_STOCHASTIC if stochastic_rounding else NUM_WARPS,
+        )
+
+    results = []
+    for index, buffers in enumerate(outputs):
+        out: dict[str, torch.Tensor] = {}
+        if rowwise:
+            out["rowwise_data"] = buffers["rowwise_data"]
+            out["rowwise_scale"] = buffers["rowwise_scale"].view(torch.float8_e4m3fn)
+            out["amax_rowwise"] = plain[index].reshape(1).clone()
+        if columnwise:
+            out["columnwise_data"] = buffers["columnwise_data"]
+            out["columnwise_scale"] = buffers["columnwise_scale"].view(torch.float8_e4m3fn)
+            out["amax_columnwise"] = post_rht[index].reshape(1).clone()
+        results.append(out)
+    return results

@@ -1,0 +1,207 @@
+"""Per-tensor FP8 quantization kernels: current scaling and delayed scaling (NUMERICS.md §2, §3).
+
+One pass over the input writes the rowwise data [M, K] and its transpose [K, M] (the columnwise
+copy, a byte transpose with the same scale_inv): each program loads one BLOCK_M x BLOCK_K tile,
+rounds it once and stores it twice, the second store through a register transpose so both
+writes are coalesced.
+
+- Current scaling: the amax kernel (amax.py) reduces max|x| into a device scalar (the caller may
+  all-reduce it in between), then the cast kernel derives scale and scale_inv from that amax on
+  device, exactly as numerics.scale_from_amax does, and casts. Two launches, no host sync.
+- Delayed scaling: the cast uses the given scale tensor and folds this tensor's amax into the
+  given amax tensor in the same pass (an atomic max per tile).
+
+Bytes equal numerics.quantize_current_scaling / quantize_with_scale (the tests check raw bytes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import amax as amax_kernels
+from .fp8_common import (
+    abs_bits,
+    cdiv,
+    float32_value,
+    is_e5m2,
+    jit,
+    kernel_input,
+    needs_wide_offsets,
+    reciprocal_rn,
+    sat_rne_fp8,
+    scale_from_amax,
+    tile_offsets,
+    tl,
+)
+
+# 64x64 tiles, 4 warps: 32 elements per thread keeps the delayed-scaling variant (which also
+# reduces the tile's amax) near 70 registers on sm_90; 128x128 tiles reach 220 registers there.
+TILE_M = 64
+TILE_K = 64
+NUM_WARPS = 4
+
+
+@jit
+def cast_transpose_tile(x_ptr, data_ptr, data_t_ptr, amax_bits_ptr, scale, M, K, pid_m, pid_k,
+                        E5M2: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
+                        RECORD_AMAX: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_K: tl.constexpr, WIDE: tl.constexpr):
+    """Quantize tile (pid_m, pid_k) of a row-major [M, K] tensor with one fp32 `scale`.
+
+    Writes data[m, k] (ROWWISE) and data_t[k, m] (COLUMNWISE) as FP8 codes; with RECORD_AMAX,
+    atomically folds the tile's max|x| into the int32 bits at amax_bits_ptr. Shared with the
+    multi-tensor kernel.
+    """
+    row0 = pid_m.to(tl.int64) * BLOCK_M
+    col0 = pid_k.to(tl.int64) * BLOCK_K
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    row_ok = rows < M - row0
+    col_ok = cols < K - col0
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + row0 * K + col0 + tile_offsets(rows, cols, K, WIDE), mask=mask,
+                other=0.0)
+    if RECORD_AMAX:
+        tl.atomic_max(amax_bits_ptr, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
+    codes = sat_rne_fp8(x.to(tl.float32) * scale, E5M2)
+    if ROWWISE:
+        tl.store(data_ptr + row0 * K + col0 + tile_offsets(rows, cols, K, WIDE), codes,
+                 mask=mask)
+    if COLUMNWISE:
+        # a register transpose, so that this store runs along M and stays coalesced
+        mask_t = col_ok[:, None] & row_ok[None, :]
+        tl.store(data_t_ptr + col0 * M + row0 + tile_offsets(cols, rows, M, WIDE),
+                 tl.trans(codes), mask=mask_t)
+
+
+@jit
+def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, eps,
+                           M, K, E5M2: tl.constexpr, CURRENT: tl.constexpr, POW2: tl.constexpr,
+                           ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WIDE: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    pid_m = pid // tiles_k
+    pid_k = pid % tiles_k
+    if CURRENT:
+        # amax_ptr: fp32 amax (already reduced); scale follows numerics.scale_from_amax with
+        # overflow value FLT_MAX (0x7F7FFFFF)
+        scale = scale_from_amax(tl.load(amax_ptr), eps, E5M2, POW2, 0x7F7FFFFF)
+        cast_transpose_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, M, K, pid_m, pid_k,
+                            E5M2, ROWWISE, COLUMNWISE, False, BLOCK_M, BLOCK_K, WIDE)
+    else:
+        # amax_ptr: int32 view of the delayed-scaling amax, folded in with an atomic max
+        scale = tl.load(scale_ptr)
+        cast_transpose_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, M, K, pid_m, pid_k,
+                            E5M2, ROWWISE, COLUMNWISE, True, BLOCK_M, BLOCK_K, WIDE)
+    if pid == 0:
+        tl.store(scale_inv_ptr, reciprocal_rn(scale))
+
+
+def _matrix_shape(x: torch.Tensor) -> tuple[int, int]:
+    if x.dim() == 0:
+        raise ValueError("cannot quantize a 0-dim tensor: give it at least one dimension")
+    k = x.shape[-1]
+    return x.numel() // k, k
+
+
+def _launch(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    scale: torch.Tensor | None,
+    amax: torch.Tensor,
+    amax_epsilon: float,
+    power_2_scale: bool,
+    rowwise: bool,
+    columnwise: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    if not kernel_input(x):
+        raise ValueError(
+            "per-tensor FP8 kernels need a non-empty contiguous float32/bfloat16/float16 tensor; "
+            f"got dtype {x.dtype}, shape {tuple(x.shape)}, contiguous={x.is_contiguous()}"
+        )
+    if not (rowwise or columnwise):
+        raise ValueError("per-tensor FP8 kernel: ask for the rowwise or the columnwise copy")
+    e5m2 = is_e5m2(fp8_dtype)
+    m, k = _matrix_shape(x)
+    device = x.device
+    data = torch.empty((m, k), dtype=torch.uint8, device=device) if rowwise else None
+    data_t = torch.empty((k, m), dtype=torch.uint8, device=device) if columnwise else None
+    scale_inv = torch.empty(1, dtype=torch.float32, device=device)
+    current = scale is None
+    dummy = scale_inv  # stands in for absent outputs; the constexpr flags skip their stores
+    grid = (cdiv(m, TILE_M) * cdiv(k, TILE_K),)
+    _cast_transpose_kernel[grid](
+        x,
+        data if data is not None else dummy,
+        data_t if data_t is not None else dummy,
+        scale_inv if current else scale,
+        amax if current else amax.view(torch.int32),
+        scale_inv,
+        float32_value(amax_epsilon),
+        m,
+        k,
+        E5M2=e5m2,
+        CURRENT=current,
+        POW2=power_2_scale,
+        ROWWISE=rowwise,
+        COLUMNWISE=columnwise,
+        BLOCK_M=TILE_M,
+        BLOCK_K=TILE_K,
+        WIDE=needs_wide_offsets(m, k, max(TILE_M, TILE_K)),
+        num_warps=NUM_WARPS,
+    )
+    return (
+        None if data is None else data.view(fp8_dtype),
+        None if data_t is None else data_t.view(fp8_dtype),
+        scale_inv,
+    )
+
+
+def quantize_current_scaling(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    amax: torch.Tensor | None = None,
+    amax_epsilon: float = 0.0,
+    power_2_scale: bool = False,
+    rowwise: bool = True,
+    columnwise: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Per-tensor current scaling of the [M, K] view of `x`.
+
+    Returns (data [M, K] or None, data_t [K, M] or None, scale_inv [1] fp32), the copies asked
+    for, with the bytes of numerics.quantize_current_scaling. `amax` (a 1-element fp32 tensor on
+    x's device) may be given when it was reduced across ranks; otherwise it is computed here.
+    """
+    if amax is None:
+        amax = amax_kernels.compute_amax(x)
+    elif amax.numel() != 1 or amax.dtype != torch.float32 or amax.device != x.device:
+        raise ValueError("quantize_current_scaling: amax must be a 1-element float32 tensor on "
+                         "x's device")
+    return _launch(x, fp8_dtype, scale=None, amax=amax, amax_epsilon=amax_epsilon,
+                   power_2_scale=power_2_scale, rowwise=rowwise, columnwise=columnwise)
+
+
+def quantize_delayed_scaling(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Per-tensor delayed scaling: cast with `scale` and fold max|x| into `amax` in place.
+
+    `scale` and `amax` are 1-element fp32 tensors on x's device (the recipe state's slot).
+    Returns (data [M, K] or None, data_t [K, M] or None, scale_inv [1] fp32) with the bytes of
+    numerics.quantize_with_scale; `amax` ends as max(amax, numerics.compute_amax(x)).
+    """
+    if not kernel_input(x, scale, amax) or scale.numel() != 1 or amax.numel() != 1:
+        raise ValueError("quantize_delayed_scaling: scale and amax must be 1-element float32 "
+                         "tensors on x's device")
+    return _launch(x, fp8_dtype, scale=scale, amax=amax, amax_epsilon=0.0, power_2_scale=False,
+                   rowwise=rowwise, columnwise=columnwise)
+
