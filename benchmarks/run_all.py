@@ -8,6 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import linear_step  # noqa: E402
 import quantize_bandwidth  # noqa: E402
 
 
@@ -15,7 +16,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    return quantize_bandwidth.main(["--out", str(args.out)])
+    failures = 0
+    for benchmark in (quantize_bandwidth, linear_step):
+        failures += benchmark.main(["--out", str(args.out)]) != 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

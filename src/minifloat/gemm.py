@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from . import numerics
+from . import gemm_paths, numerics
 from .quantizers import NVFP4Storage, QuantizedStorage, QuantizedTensor, as_storage
 
 Operand = torch.Tensor | QuantizedStorage
@@ -45,7 +45,13 @@ def _operand(x: Operand, columnwise: bool, label: str) -> tuple[torch.Tensor, to
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"general_gemm: operand {label} must be a tensor, got {type(x).__name__}")
     matrix = x.reshape(-1, x.shape[-1])
-    return (matrix.t() if columnwise else matrix).float(), None
+    return (matrix.t() if columnwise else matrix), None
+
+
+def _storage_or_none(x: Operand, columnwise: bool) -> QuantizedStorage | None:
+    if isinstance(x, QuantizedTensor | QuantizedStorage):
+        return as_storage(x).direction_storage(columnwise)
+    return None
 
 
 def _uses_rht(x: Operand, columnwise: bool) -> bool:
@@ -75,30 +81,50 @@ def general_gemm(
             "general_gemm: only one operand carries the random Hadamard transform, so it would "
             "not cancel; give both wgrad operands RHT (NVFP4 inputs and gradients) or neither"
         )
-    a_values, a_alpha = _operand(a, a_columnwise, "A")
-    b_values, b_alpha = _operand(b, b_columnwise, "B")
-    if a_values.shape[1] != b_values.shape[1]:
-        raise ValueError(
-            f"general_gemm: reduction dims differ: A gives {tuple(a_values.shape)} and B gives "
-            f"{tuple(b_values.shape)} (both [rows, reduction])"
-        )
-    alpha = None
-    for factor in (a_alpha, b_alpha):
-        if factor is not None:
-            alpha = factor.float() if alpha is None else alpha * factor.float()
+    a_storage, b_storage = _storage_or_none(a, a_columnwise), _storage_or_none(b, b_columnwise)
     if out_dtype is None:
         out_dtype = a.dtype if isinstance(a, torch.Tensor | QuantizedStorage) else torch.float32
-    if accumulate_into is not None:
-        if accumulate_into.dtype != torch.float32:
-            raise TypeError(f"main_grad must be float32 to accumulate into, got "
-                            f"{accumulate_into.dtype}")
-        product = numerics.emulated_gemm_tn(a_values, b_values, alpha=alpha, bias=bias)
-        if accumulate_into.shape != product.shape:
+    if accumulate_into is not None and accumulate_into.dtype != torch.float32:
+        raise TypeError(f"main_grad must be float32 to accumulate into, got "
+                        f"{accumulate_into.dtype}")
+    if gemm_paths.scaled_mm_applies(a_storage, a_columnwise, b_storage, b_columnwise):
+        a_values = b_values = a_alpha = b_alpha = None
+        path = "scaled_mm"
+        rows_a = gemm_paths.operand_dims(a_storage, a_columnwise)[0]
+        rows_b = gemm_paths.operand_dims(b_storage, b_columnwise)[0]
+    else:
+        a_values, a_alpha = _operand(a, a_columnwise, "A")
+        b_values, b_alpha = _operand(b, b_columnwise, "B")
+        if a_values.shape[1] != b_values.shape[1]:
             raise ValueError(
-                f"general_gemm: main_grad has shape {tuple(accumulate_into.shape)}, the product "
-                f"{tuple(product.shape)}; give a main_grad shaped like the weight"
+                f"general_gemm: reduction dims differ: A gives {tuple(a_values.shape)} and B "
+                f"gives {tuple(b_values.shape)} (both [rows, reduction])"
             )
+        path = gemm_paths.choose_path(a_storage, a_values, b_storage, b_values)
+        rows_a, rows_b = a_values.shape[0], b_values.shape[0]
+    if accumulate_into is not None and tuple(accumulate_into.shape) != (rows_a, rows_b):
+        raise ValueError(
+            f"general_gemm: main_grad has shape {tuple(accumulate_into.shape)}, the product "
+            f"{(rows_a, rows_b)}; give a main_grad shaped like the weight"
+        )
+    product_dtype = torch.float32 if accumulate_into is not None else out_dtype
+    if path == "scaled_mm":
+        fprop = not (a_columnwise or b_columnwise)
+        product = gemm_paths.scaled_mm_gemm(a_storage, a_columnwise, b_storage, b_columnwise,
+                                            out_dtype=product_dtype, bias=bias,
+                                            fast_accumulation=fprop)
+    else:
+        alpha = None
+        for factor in (a_alpha, b_alpha):
+            if factor is not None:
+                alpha = factor.float() if alpha is None else alpha * factor.float()
+        if path == "bf16":
+            product = gemm_paths.bf16_gemm(a_values, b_values, alpha=alpha, bias=bias,
+                                           out_dtype=product_dtype)
+        else:
+            product = numerics.emulated_gemm_tn(a_values, b_values, alpha=alpha, bias=bias,
+                                                out_dtype=product_dtype)
+    if accumulate_into is not None:
         accumulate_into.add_(product)
         return accumulate_into
-    return numerics.emulated_gemm_tn(a_values, b_values, alpha=alpha, bias=bias,
-                                     out_dtype=out_dtype)
+    return product

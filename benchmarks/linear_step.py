@@ -1,0 +1,101 @@
+"""Linear forward+backward per recipe against bf16, at the issue's three (M, K, N) shapes.
+
+One step = y = x W^T, then dx and dW from an explicit dY (bf16 params and activations). The
+minifloat step includes quantizing x, W (the weight cache is cleared every step, as an optimizer
+step would invalidate it) and dY. Times are medians of device-event timings (triton do_bench).
+
+Usage: python benchmarks/linear_step.py [--out DIR] [--recipes a,b] [--shapes MxKxN,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+SHAPES = [(16384, 4096, 4096), (16384, 8192, 8192), (8192, 8192, 28672)]
+
+
+def _recipes():
+    import minifloat as mf
+
+    return {
+        "fp8-current": mf.Float8CurrentScaling(),
+        "fp8-delayed": mf.DelayedScaling(),
+        "fp8-block": mf.Float8BlockScaling(),
+        "mxfp8": mf.MXFP8BlockScaling(),
+        "nvfp4": mf.NVFP4BlockScaling(),
+    }
+
+
+def _bench(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
+
+
+def bf16_step_ms(m: int, k: int, n: int) -> float:
+    layer = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        layer(x).backward(dy)
+
+    return _bench(step)
+
+
+def minifloat_step_ms(m: int, k: int, n: int, recipe) -> float:
+    import minifloat as mf
+
+    layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        layer._weight_cache.clear()
+        with mf.autocast(recipe=recipe):
+            y = layer(x)
+        y.backward(dy)
+
+    return _bench(step)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--recipes", default=",".join(_recipes()))
+    parser.add_argument("--shapes", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("linear_step: no CUDA device; skipped", file=sys.stderr)
+        return 0
+    shapes = SHAPES if args.shapes is None else [
+        tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    recipes = {name: _recipes()[name] for name in args.recipes.split(",")}
+    rows = []
+    for m, k, n in shapes:
+        base = bf16_step_ms(m, k, n)
+        rows.append({"shape": [m, k, n], "recipe": "bf16", "ms": base, "speedup": 1.0})
+        for name, recipe in recipes.items():
+            ms = minifloat_step_ms(m, k, n, recipe)
+            rows.append({"shape": [m, k, n], "recipe": name, "ms": ms, "speedup": base / ms})
+        torch.cuda.empty_cache()
+    print(f"Linear fwd+bwd on {torch.cuda.get_device_name()} (torch {torch.__version__})")
+    print(f"{'M x K x N':>20s} {'recipe':>12s} {'ms':>9s} {'vs bf16':>8s}")
+    for row in rows:
+        shape = "x".join(map(str, row["shape"]))
+        print(f"{shape:>20s} {row['recipe']:>12s} {row['ms']:9.3f} {row['speedup']:8.2f}")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "linear_step.json").write_text(json.dumps(
+            {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
+            indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

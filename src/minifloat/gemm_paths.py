@@ -1,0 +1,119 @@
+"""Fast GEMM paths on CUDA, each equal to the exact emulation up to summation order.
+
+general_gemm picks one per call from the two operands' formats (DESIGN.md §4):
+
+- "scaled_mm": both operands per-tensor FP8 (not both E5M2, which cuBLAS lacks), dims multiples
+  of 16: torch._scaled_mm on the FP8 bytes, scale_inv of each operand as its scale, fast
+  accumulation for fprop only (dgrad and wgrad accumulate in full fp32, as the recipes specify).
+- "bf16": every decoded value of both operands is a bf16 number, so a bf16 GEMM with fp32
+  accumulation and fp32 output (torch.mm(out_dtype=float32)) multiplies exactly what the
+  emulation multiplies: per-tensor FP8 values, MXFP8 (E4M3/E5M2 x E8M0; exact while a block's
+  scale is at least 2^-118, i.e. for any tensor whose blocks are not all below ~1e-35), NVFP4
+  blocks (E2M1 x UE4M3, always exact), power-of-2-scaled block FP8, bf16 high-precision operands.
+  Per-tensor factors (NVFP4's S_dec) are applied to the fp32 product, then bias and the cast.
+- "fp32": the emulation as written (numerics.emulated_gemm_tn); the path everywhere else and on
+  every device other than CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quantizers import (
+    Float8BlockStorage,
+    Float8Storage,
+    IdentityStorage,
+    MXFP8Storage,
+    NVFP4Storage,
+    QuantizedStorage,
+)
+
+_BF16_EXACT = (Float8Storage, MXFP8Storage, NVFP4Storage)
+
+
+def _bf16_exact(storage: QuantizedStorage | None, values: torch.Tensor) -> bool:
+    """Whether every value of this operand is a bf16 number (decided by format, no data pass)."""
+    if storage is None or isinstance(storage, IdentityStorage):
+        return values.dtype == torch.bfloat16
+    if isinstance(storage, _BF16_EXACT):
+        return True
+    if isinstance(storage, Float8BlockStorage):
+        return bool(getattr(storage.quantizer, "power_2_scale", False))
+    return False
+
+
+def operand_dims(storage: QuantizedStorage, columnwise: bool) -> tuple[int, int]:
+    """(rows, reduction) of one copy: [M, K] rowwise, [K, M] columnwise."""
+    m, k = storage.matrix_shape
+    return (k, m) if columnwise else (m, k)
+
+
+def scaled_mm_applies(
+    a: QuantizedStorage | None, a_columnwise: bool, b: QuantizedStorage | None,
+    b_columnwise: bool,
+) -> bool:
+    """Both per-tensor FP8 on CUDA, not both E5M2, every dim a multiple of 16, same reduction."""
+    if not (isinstance(a, Float8Storage) and isinstance(b, Float8Storage)):
+        return False
+    if a.device.type != "cuda" or a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2:
+        return False
+    rows_a, reduction = operand_dims(a, a_columnwise)
+    rows_b, reduction_b = operand_dims(b, b_columnwise)
+    return reduction == reduction_b and all(n % 16 == 0 for n in (rows_a, reduction, rows_b))
+
+
+def choose_path(
+    a: QuantizedStorage | None, a_values: torch.Tensor, b: QuantizedStorage | None,
+    b_values: torch.Tensor,
+) -> str:
+    """"bf16" or "fp32" for decoded operands (scaled_mm is decided before decoding)."""
+    if a_values.device.type != "cuda":
+        return "fp32"
+    if _bf16_exact(a, a_values) and _bf16_exact(b, b_values):
+        return "bf16"
+    return "fp32"
+
+
+def scaled_mm_gemm(
+    a: Float8Storage,
+    a_columnwise: bool,
+    b: Float8Storage,
+    b_columnwise: bool,
+    *,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    fast_accumulation: bool,
+) -> torch.Tensor:
+    """A @ B^T on the FP8 bytes through torch._scaled_mm (TN: A row-major, B^T column-major)."""
+    mat_a = a.data_transpose if a_columnwise else a.data
+    mat_b = b.data_transpose if b_columnwise else b.data
+    scaled_mm_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float16,
+                                                 torch.float32) else torch.float32
+    use_bias = bias is not None and bias.dtype == scaled_mm_dtype == torch.bfloat16
+    out = torch._scaled_mm(
+        mat_a, mat_b.t(), scale_a=a.scale_inv.reshape(()).float(),
+        scale_b=b.scale_inv.reshape(()).float(), bias=bias if use_bias else None,
+        out_dtype=torch.float32 if (bias is not None and not use_bias) else scaled_mm_dtype,
+        use_fast_accum=fast_accumulation,
+    )
+    if bias is not None and not use_bias:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def bf16_gemm(
+    a_values: torch.Tensor,
+    b_values: torch.Tensor,
+    *,
+    alpha: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The emulation with bf16 operands (exact conversions) and fp32 accumulation and output."""
+    product = torch.mm(a_values.to(torch.bfloat16), b_values.to(torch.bfloat16).t(),
+                       out_dtype=torch.float32)
+    if alpha is not None:
+        product = product * alpha.float()
+    if bias is not None:
+        product = product + bias.float()
+    return product.to(out_dtype)
