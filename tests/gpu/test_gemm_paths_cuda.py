@@ -84,8 +84,11 @@ def test_fast_path_equals_emulation(a_name, b_name, path, gemm, out_dtype, monke
                                 b_cuda.quantized_storage.to_device("cpu"),
                                 a_columnwise=a_col, b_columnwise=b_col, out_dtype=out_dtype)
     bound = 2e-6 if out_dtype == torch.float32 else 4e-3  # fp32 order / one bf16 rounding
-    if path == "scaled_mm" and gemm == "fprop":
-        bound = max(bound, 2e-3)  # fast accumulation on fprop (fewer fp32 accumulation bits)
+    if path == "scaled_mm":
+        # Hopper's FP8 tensor cores accumulate with fewer than fp32's bits between promotions
+        # (measured 1.3e-4 relative on dgrad at K=384 without fast accumulation); with fast
+        # accumulation (fprop) more still.
+        bound = max(bound, 5e-4 if gemm != "fprop" else 2e-3)
     assert relative_error(fast.cpu(), reference) < bound
 
 
