@@ -87,9 +87,15 @@ def general_gemm(
     if accumulate_into is not None and accumulate_into.dtype != torch.float32:
         raise TypeError(f"main_grad must be float32 to accumulate into, got "
                         f"{accumulate_into.dtype}")
+    fast = None
     if gemm_paths.scaled_mm_applies(a_storage, a_columnwise, b_storage, b_columnwise):
+        fast = "scaled_mm"
+    elif gemm_paths.blockwise_scaled_mm_applies(a_storage, a_columnwise, b_storage,
+                                                b_columnwise):
+        fast = "blockwise_scaled_mm"
+    if fast is not None:
         a_values = b_values = a_alpha = b_alpha = None
-        path = "scaled_mm"
+        path = fast
         rows_a = gemm_paths.operand_dims(a_storage, a_columnwise)[0]
         rows_b = gemm_paths.operand_dims(b_storage, b_columnwise)[0]
     else:
@@ -113,6 +119,10 @@ def general_gemm(
         product = gemm_paths.scaled_mm_gemm(a_storage, a_columnwise, b_storage, b_columnwise,
                                             out_dtype=product_dtype, bias=bias,
                                             fast_accumulation=fprop)
+    elif path == "blockwise_scaled_mm":
+        product = gemm_paths.blockwise_scaled_mm_gemm(a_storage, a_columnwise, b_storage,
+                                                      b_columnwise, out_dtype=product_dtype,
+                                                      bias=bias)
     else:
         alpha = None
         for factor in (a_alpha, b_alpha):

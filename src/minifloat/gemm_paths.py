@@ -5,6 +5,10 @@ general_gemm picks one per call from the two operands' formats (DESIGN.md §4):
 - "scaled_mm": both operands per-tensor FP8 (not both E5M2, which cuBLAS lacks), dims multiples
   of 16: torch._scaled_mm on the FP8 bytes, scale_inv of each operand as its scale, fast
   accumulation for fprop only (dgrad and wgrad accumulate in full fp32, as the recipes specify).
+- "blockwise_scaled_mm": block FP8 with A in 1x128 blocks and B in 1x128 blocks or 128x128 tiles
+  (fprop x.W, dgrad dY.W^T, wgrad dY^T.X of Float8BlockScaling), every dim a multiple of 128:
+  torch.nn.functional.scaled_mm with BlockWise scaling; scales in the layout torch checks
+  (1x128 grids column-major; 128x128 grids padded to a multiple of 4 along K/128, transposed).
 - "bf16": every decoded value of both operands is a bf16 number, so a bf16 GEMM with fp32
   accumulation and fp32 output (torch.mm(out_dtype=float32)) multiplies exactly what the
   emulation multiplies: per-tensor FP8 values, MXFP8 (E4M3/E5M2 x E8M0; exact while a block's
@@ -60,6 +64,60 @@ def scaled_mm_applies(
     rows_a, reduction = operand_dims(a, a_columnwise)
     rows_b, reduction_b = operand_dims(b, b_columnwise)
     return reduction == reduction_b and all(n % 16 == 0 for n in (rows_a, reduction, rows_b))
+
+
+def blockwise_scaled_mm_applies(
+    a: QuantizedStorage | None, a_columnwise: bool, b: QuantizedStorage | None,
+    b_columnwise: bool,
+) -> bool:
+    """Block FP8 on CUDA, A 1D, every dim a multiple of 128, same reduction."""
+    if not (isinstance(a, Float8BlockStorage) and isinstance(b, Float8BlockStorage)):
+        return False
+    if a.device.type != "cuda" or a.block_scaling_dim != 1:
+        return False
+    if not hasattr(torch.nn.functional, "ScalingType"):
+        return False
+    rows_a, reduction = operand_dims(a, a_columnwise)
+    rows_b, reduction_b = operand_dims(b, b_columnwise)
+    return reduction == reduction_b and all(n % 128 == 0 for n in (rows_a, reduction, rows_b))
+
+
+def _column_major(grid: torch.Tensor) -> torch.Tensor:
+    return grid.t().contiguous().t()
+
+
+def blockwise_scaled_mm_gemm(
+    a: Float8BlockStorage,
+    a_columnwise: bool,
+    b: Float8BlockStorage,
+    b_columnwise: bool,
+    *,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """A @ B^T on block FP8 bytes through torch.nn.functional.scaled_mm (BlockWise scaling)."""
+    import torch.nn.functional as F
+
+    kinds = F.ScalingType
+    a_data = a.columnwise_data if a_columnwise else a.rowwise_data
+    a_scale = a.columnwise_scale_inv if a_columnwise else a.rowwise_scale_inv
+    b_data = b.columnwise_data if b_columnwise else b.rowwise_data
+    b_scale = b.columnwise_scale_inv if b_columnwise else b.rowwise_scale_inv
+    if b.block_scaling_dim == 2:
+        padded = -(-b_scale.shape[1] // 4) * 4
+        b_scale = F.pad(b_scale, (0, padded - b_scale.shape[1])).contiguous().t()
+        b_kind = kinds.BlockWise128x128
+    else:
+        b_scale = _column_major(b_scale)
+        b_kind = kinds.BlockWise1x128
+    gemm_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.float32
+    out = F.scaled_mm(
+        a_data, b_data.t(), _column_major(a_scale.float()), kinds.BlockWise1x128,
+        b_scale.float(), b_kind, output_dtype=torch.float32 if bias is not None else gemm_dtype,
+    )
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
 
 
 def choose_path(

@@ -38,13 +38,15 @@ CASES = [  # (A format, B format, expected path)
     ("nvfp4", "nvfp4-2d", "bf16"),
     ("mxfp8", "nvfp4", "bf16"),
     ("current-e4m3", "mxfp8", "bf16"),
-    ("block-1d", "block-2d", "bf16"),
+    ("block-1d", "block-2d", "blockwise_scaled_mm"),
+    ("block-1d", "block-1d", "blockwise_scaled_mm"),
+    ("block-2d", "block-1d", "bf16"),
 ]
 
 
 def spy_paths(monkeypatch):
     seen = []
-    for name in ("scaled_mm_gemm", "bf16_gemm"):
+    for name in ("scaled_mm_gemm", "blockwise_scaled_mm_gemm", "bf16_gemm"):
         original = getattr(gemm_paths, name)
 
         def wrapper(*args, _original=original, _name=name, **kwargs):
@@ -65,7 +67,7 @@ def relative_error(actual, expected):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_fast_path_equals_emulation(a_name, b_name, path, gemm, out_dtype, monkeypatch):
     torch.manual_seed(0)
-    m, k, n = 256, 512, 384
+    m, k, n = 256, 512, 384  # multiples of 128 (block FP8) and of 32/16
     if gemm == "fprop":  # A = x [m, k] rowwise, B = w [n, k] rowwise
         a_src, b_src, a_col, b_col = torch.randn(m, k), torch.randn(n, k), False, False
     elif gemm == "dgrad":  # A = dy [m, n] rowwise, B = w [n, k] columnwise
@@ -84,7 +86,7 @@ def test_fast_path_equals_emulation(a_name, b_name, path, gemm, out_dtype, monke
                                 b_cuda.quantized_storage.to_device("cpu"),
                                 a_columnwise=a_col, b_columnwise=b_col, out_dtype=out_dtype)
     bound = 2e-6 if out_dtype == torch.float32 else 4e-3  # fp32 order / one bf16 rounding
-    if path == "scaled_mm":
+    if path in ("scaled_mm", "blockwise_scaled_mm"):
         # Hopper's FP8 tensor cores accumulate with fewer than fp32's bits between promotions
         # (measured 1.3e-4 relative on dgrad at K=384 without fast accumulation); with fast
         # accumulation (fprop) more still.
