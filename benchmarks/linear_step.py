@@ -4,7 +4,8 @@ One step = y = x W^T, then dx and dW from an explicit dY (bf16 params and activa
 minifloat step includes quantizing x, W (the weight cache is cleared every step, as an optimizer
 step would invalidate it) and dY. Times are medians of device-event timings (triton do_bench).
 
-Usage: python benchmarks/linear_step.py [--out DIR] [--recipes a,b] [--shapes MxKxN,...]
+Usage: python benchmarks/linear_step.py [--out DIR] [--recipes a,b] [--shapes MxKxN,...] [--torchao]
+(torchao 0.18.0 travels to the offline GPU machine as a wheel: see BENCHMARKS.md.)
 """
 
 from __future__ import annotations
@@ -48,6 +49,25 @@ def bf16_step_ms(m: int, k: int, n: int) -> float:
     return _bench(step)
 
 
+def torchao_step_ms(m: int, k: int, n: int, recipe_name: str) -> float | None:
+    """torchao.float8 training Linear (tensorwise or rowwise) under torch.compile, or None."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return None
+    model = torch.nn.Sequential(
+        torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe_name))
+    model = torch.compile(model)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        model(x).backward(dy)
+
+    return _bench(step)
+
+
 def minifloat_step_ms(m: int, k: int, n: int, recipe) -> float:
     import minifloat as mf
 
@@ -69,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--recipes", default=",".join(_recipes()))
     parser.add_argument("--shapes", default=None)
+    parser.add_argument("--torchao", action="store_true",
+                        help="also time torchao.float8 tensorwise/rowwise under torch.compile")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("linear_step: no CUDA device; skipped", file=sys.stderr)
@@ -83,12 +105,18 @@ def main(argv: list[str] | None = None) -> int:
         for name, recipe in recipes.items():
             ms = minifloat_step_ms(m, k, n, recipe)
             rows.append({"shape": [m, k, n], "recipe": name, "ms": ms, "speedup": base / ms})
+        if args.torchao:
+            for name in ("tensorwise", "rowwise"):
+                ms = torchao_step_ms(m, k, n, name)
+                if ms is not None:
+                    rows.append({"shape": [m, k, n], "recipe": f"torchao-{name}-compiled",
+                                 "ms": ms, "speedup": base / ms})
         torch.cuda.empty_cache()
     print(f"Linear fwd+bwd on {torch.cuda.get_device_name()} (torch {torch.__version__})")
-    print(f"{'M x K x N':>20s} {'recipe':>12s} {'ms':>9s} {'vs bf16':>8s}")
+    print(f"{'M x K x N':>20s} {'recipe':>26s} {'ms':>9s} {'vs bf16':>8s}")
     for row in rows:
         shape = "x".join(map(str, row["shape"]))
-        print(f"{shape:>20s} {row['recipe']:>12s} {row['ms']:9.3f} {row['speedup']:8.2f}")
+        print(f"{shape:>20s} {row['recipe']:>26s} {row['ms']:9.3f} {row['speedup']:8.2f}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "linear_step.json").write_text(json.dumps(
