@@ -5,14 +5,16 @@
 # current directory is the repo root and `python`, `pytest` and `ruff` are the venv's.
 #
 # CPU machine:  an isolated venv; torch==2.13.0 is installed explicitly first (the
-#               local CPU wheel), then this package editable with the dev extras.
+#               local CPU wheel), then this package editable with the dev and lab extras
+#               (pytest, ruff; matplotlib, tqdm for `python -m minifloat compare`).
 #               A dry run checks beforehand that nothing CUDA-only (nvidia-*, triton)
 #               would be downloaded.
 # CUDA machine: a venv with --system-site-packages that also sees the site-packages
 #               of the host `python3` (which may itself be a venv), so the preinstalled
 #               torch/triton/pytest are reused; the package is installed with
 #               --no-deps --no-build-isolation and no index, and anything still missing
-#               is tried once with a short timeout, never failing hard when offline.
+#               (numpy, pytest, ruff, matplotlib, tqdm) is tried once with a short timeout,
+#               never failing hard when offline (compare then skips its PNG / progress bar).
 #
 # A stamp file inside the venv holds a hash of pyproject.toml and this script; while it
 # matches, nothing is installed and sourcing takes well under a second.
@@ -147,9 +149,9 @@ _mf_install_cpu() {
     _mf_guard_no_cuda "${links[@]}" "$torch_spec" || return 1
     _mf_pip install "${links[@]}" "$torch_spec" \
         || { _mf_fail "could not install $torch_spec"; return 1; }
-    _mf_say "installing minifloat (editable) with dev extras"
-    _mf_guard_no_cuda "${links[@]}" --no-build-isolation -e ".[dev]" || return 1
-    _mf_pip install "${links[@]}" --no-build-isolation -e ".[dev]" \
+    _mf_say "installing minifloat (editable) with dev and lab extras"
+    _mf_guard_no_cuda "${links[@]}" --no-build-isolation -e ".[dev,lab]" || return 1
+    _mf_pip install "${links[@]}" --no-build-isolation -e ".[dev,lab]" \
         || { _mf_fail "could not install the package"; return 1; }
 }
 
@@ -231,6 +233,8 @@ def spec(name, default):
 print("numpy", spec("numpy", "numpy"))
 print("pytest", spec("pytest", "pytest"))
 print("ruff", spec("ruff", "ruff"))
+print("matplotlib", spec("matplotlib", "matplotlib"))
+print("tqdm", spec("tqdm", "tqdm"))
 PY
 )
     "$_mf_venv/bin/python" -c 'import pytest' >/dev/null 2>&1 \

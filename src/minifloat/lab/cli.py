@@ -1,19 +1,122 @@
-"""`python -m minifloat COMMAND`: the project's command line."""
+"""`python -m minifloat COMMAND`: the project's command line.
+
+    compare   train the same model under several recipes and compare loss, speed and memory
+    demo      `compare` with the default demo recipes, writing to demo-out/
+    formats   quantize one tensor in every format and print bytes and error
+
+Every mistake in the arguments is reported as `error: ...` on stderr with exit status 2 (the
+argparse convention) before any training starts; main() returns the status instead of raising
+SystemExit, so tests and other Python callers can call it directly.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+
+DEMO_STEPS = 200
+
+
+def _steps(text: str) -> int:
+    """argparse type for --steps: a clear message instead of argparse's 'invalid int value'."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of steps >= 1, got {text!r}") \
+            from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_compare_arguments(parser: argparse.ArgumentParser, default_steps: int,
+                           default_out: str) -> None:
+    from ..models.gpt import PRESETS
+    from .compare import DEFAULT_LR, DEFAULT_VAL_BATCHES, DEMO_RECIPES
+
+    parser.add_argument("--recipes", default=DEMO_RECIPES,
+                        help=f"comma-separated recipe specs (default {DEMO_RECIPES}); "
+                             "'--recipes help' lists names and syntax")
+    parser.add_argument("--steps", type=_steps, default=default_steps,
+                        help=f"training steps per recipe (default {default_steps})")
+    parser.add_argument("--preset", default="tiny",
+                        help=f"model preset: {', '.join(PRESETS)} (default tiny)")
+    parser.add_argument("--out", default=default_out,
+                        help=f"folder for table.txt, results.json/csv, curves.csv and "
+                             f"loss_curves.png (default {default_out})")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and batches")
+    parser.add_argument("--data", default=None,
+                        help="a text file or folder to train on (default: the Python "
+                             "standard library's sources)")
+    parser.add_argument("--lr", type=float, default=DEFAULT_LR,
+                        help=f"peak learning rate (default {DEFAULT_LR:g})")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="validate every N steps and after the last (default: 4 times, "
+                             "evenly spaced; 0: only after the last step)")
+    parser.add_argument("--val-batches", type=int, default=DEFAULT_VAL_BATCHES,
+                        help=f"validation batches per evaluation (default "
+                             f"{DEFAULT_VAL_BATCHES})")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="auto: cuda when available (fast paths), else cpu (emulation)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minifloat",
+                                     description="minifloat: FP8, MXFP8 and NVFP4 training.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    compare = commands.add_parser(
+        "compare", help="train one model per recipe; compare loss, tokens/s and memory",
+        description="Train the same model from the same seed under each recipe; print a table "
+                    "and write results.json, results.csv, curves.csv and loss_curves.png.")
+    _add_compare_arguments(compare, default_steps=200, default_out="compare-out")
+    demo = commands.add_parser(
+        "demo", help="compare with the demo recipes (what scripts/demo runs)",
+        description="The default comparison: bf16 against FP8, MXFP8, NVFP4 and an "
+                    "MXFP8-forward/NVFP4-backward hybrid on the tiny preset.")
+    _add_compare_arguments(demo, default_steps=DEMO_STEPS, default_out="demo-out")
+    formats = commands.add_parser("formats",
+                                  help="quantize a tensor in every format and compare")
+    formats.add_argument("--rows", type=int, default=1024)
+    formats.add_argument("--cols", type=int, default=1024)
+    return parser
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from .compare import ComparisonError, prepare_comparison, run_plan
+    from .recipe_specs import recipes_help
+    from .report import format_table
+
+    if args.recipes.strip().lower() == "help":
+        print(recipes_help())
+        return 0
+    try:
+        plan = prepare_comparison(args.recipes, args.steps, args.preset, args.out, args.seed,
+                                  args.data, args.device, args.lr, args.eval_every,
+                                  args.val_batches)
+    except ComparisonError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    labels = ", ".join(label for label, _ in plan.recipes)
+    print(f"comparing {labels}: {plan.steps} steps each on {plan.device.type}, "
+          f"writing to {plan.out_dir}", file=sys.stderr, flush=True)
+    comparison = run_plan(plan, progress=not args.no_progress)
+    print(format_table(comparison))
+    for warning in comparison.warnings:
+        print(warning, file=sys.stderr)
+    print("\nwrote " + ", ".join(str(path) for path in comparison.written))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minifloat", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="quantize a tensor in every format and compare")
-    demo.add_argument("--rows", type=int, default=1024)
-    demo.add_argument("--cols", type=int, default=1024)
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        from .showcase import print_showcase
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse: --help (0) or a usage error (2)
+        return exit_.code if isinstance(exit_.code, int) else 2
+    if args.command in ("compare", "demo"):
+        return _compare(args)
+    from .showcase import print_showcase
 
-        print_showcase(args.rows, args.cols)
+    print_showcase(args.rows, args.cols)
     return 0

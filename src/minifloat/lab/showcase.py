@@ -1,6 +1,6 @@
 """A short tour of the formats: quantize one tensor in every format, report bytes and error.
 
-This is what `scripts/demo` runs until the recipe comparison exists.
+Run it with `python -m minifloat formats`; `scripts/demo` runs the recipe comparison.
 """
 
 from __future__ import annotations

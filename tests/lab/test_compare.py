@@ -1,0 +1,198 @@
+"""`python -m minifloat compare`: a smoke run, determinism, and errors before any training."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from minifloat.lab import cli, compare
+
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+FILES = ("table.txt", "results.json", "results.csv", "curves.csv")
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    """A small text corpus (faster to load than the stdlib default)."""
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    generator = torch.Generator().manual_seed(0)
+    words = ["def", "return", "self", "import", "for", "in", "if", "else", "x", "y", "(", ")"]
+    picks = torch.randint(0, len(words), (40_000,), generator=generator).tolist()
+    path.write_text(" ".join(words[i] for i in picks))
+    return path
+
+
+@pytest.fixture
+def user_recipe(tmp_path):
+    path = tmp_path / "user_recipe.py"
+    path.write_text("import minifloat as mf\n\n"
+                    "def fwd_only():\n"
+                    "    return mf.HybridRecipe(mf.Float8BlockScaling(), None, None)\n")
+    return path
+
+
+def test_cli_smoke_run_writes_table_json_csv_png(tmp_path, data_file, user_recipe, capsys):
+    out = tmp_path / "out"
+    recipes = f"bf16,fp8-delayed,hybrid:mxfp8/nvfp4@last1,{user_recipe}:fwd_only"
+    status = cli.main(["compare", "--recipes", recipes, "--steps", "3", "--out", str(out),
+                       "--data", str(data_file), "--val-batches", "2", "--device", "cpu"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    labels = recipes.split(",")
+    assert "gap to bf16" in captured.out and "tokens/s" in captured.out
+    for label in labels:
+        assert label in captured.out
+    assert "baseline" in captured.out
+    for name in FILES:
+        assert (out / name).is_file()
+    assert (out / "table.txt").read_text().strip() in captured.out
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["steps"] == 3 and results["baseline"] == "bf16"
+    assert [run["label"] for run in results["runs"]] == labels
+    for run in results["runs"]:
+        assert len(run["train_loss"]) == 3
+        assert run["val_loss"][-1][0] == 3
+        assert run["summary"]["tokens_per_second"] > 0
+    assert results["runs"][0]["summary"]["gap_to_bf16_percent"] == 0.0
+
+    with (out / "results.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["recipe"] for row in rows] == labels
+    assert float(rows[1]["final_val_loss"]) == pytest.approx(
+        results["runs"][1]["summary"]["final_val_loss"])
+    with (out / "curves.csv").open() as handle:
+        curves = list(csv.DictReader(handle))
+    assert len(curves) == 3 * len(labels)
+
+    if HAS_MATPLOTLIB:
+        assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "matplotlib" in captured.err
+
+
+def _losses(tmp_path, recipes, seed=0, name="run"):
+    result = compare.run_comparison(recipes, steps=3, out_dir=tmp_path / name, seed=seed,
+                                    data_path=None, device="cpu", progress=False,
+                                    val_batches=2)
+    return {run.label: (run.train_loss, run.val_loss) for run in result.runs}
+
+
+def test_same_seed_same_losses_bitwise(tmp_path):
+    first = _losses(tmp_path, "bf16,nvfp4", name="a")  # nvfp4: stochastic rounding too
+    second = _losses(tmp_path, "bf16,nvfp4", name="b")
+    assert first == second
+    assert first["bf16"][0] != first["nvfp4"][0]  # the recipe changes the losses
+    assert first["bf16"][0][0] != _losses(tmp_path, "bf16", seed=1, name="c")["bf16"][0][0]
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Fail the test if a model is built or a recipe trained."""
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        raise AssertionError("training started despite a bad argument")
+
+    monkeypatch.setattr(compare, "train_recipe", spy)
+    monkeypatch.setattr(compare, "GPT", spy)
+    return calls
+
+
+def _run_bad(args, capsys):
+    status = cli.main(["compare", "--steps", "2", *args])
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--recipes", "bf16,fp9"], "unknown recipe 'fp9'"),
+    (["--recipes", "bf16,hybrid:mxfp8/nvfp5"], "unknown recipe 'nvfp5'"),
+    (["--steps", "0"], "--steps: must be >= 1, got 0"),
+    (["--steps", "-1"], "--steps: must be >= 1, got -1"),
+    (["--steps", "abc"], "--steps: must be a whole number of steps >= 1, got 'abc'"),
+    (["--steps", "1.5"], "--steps: must be a whole number"),
+    (["--preset", "huge"], "unknown preset 'huge'"),
+    (["--data", "/no/such/corpus"], "--data /no/such/corpus: no such file or folder"),
+    (["--lr", "0"], "--lr must be a positive number"),
+    (["--seed", "-3"], "--seed must be an integer >= 0"),
+    (["--device", "tpu"], "invalid choice: 'tpu'"),
+])
+def test_bad_arguments_exit_2_before_training(args, fragment, tmp_path, capsys, no_training):
+    status, err = _run_bad([*args, "--out", str(tmp_path / "out")], capsys)
+    assert status == 2
+    assert "error:" in err and fragment in err
+    assert "Traceback" not in err
+    assert not no_training
+
+
+def test_out_under_a_file_is_rejected(tmp_path, capsys, no_training):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    for out in (blocker, blocker / "sub"):
+        status, err = _run_bad(["--recipes", "bf16", "--out", str(out)], capsys)
+        assert status == 2 and f"--out {out}" in err, err
+    assert not no_training
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0,
+                    reason="root writes into read-only folders")
+def test_read_only_out_is_rejected(tmp_path, capsys, no_training):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        status, err = _run_bad(["--recipes", "bf16", "--out", str(locked)], capsys)
+    finally:
+        locked.chmod(0o700)
+    assert status == 2 and "cannot write there" in err
+    assert not no_training
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_without_a_gpu_is_rejected(tmp_path, capsys, no_training):
+    status, err = _run_bad(["--device", "cuda", "--out", str(tmp_path / "o")], capsys)
+    assert status == 2 and "no CUDA device" in err
+
+
+def test_recipes_help_exits_0(capsys, no_training):
+    assert cli.main(["compare", "--recipes", "help"]) == 0
+    out = capsys.readouterr().out
+    assert "hybrid:FWD/BWD" in out and "nvfp4" in out and "module:function" in out
+
+
+def test_without_matplotlib_and_tqdm(tmp_path, data_file, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    out = tmp_path / "out"
+    status = cli.main(["compare", "--recipes", "bf16", "--steps", "1", "--out", str(out),
+                       "--data", str(data_file), "--val-batches", "1", "--device", "cpu"])
+    captured = capsys.readouterr()
+    assert status == 0
+    assert "loss_curves.png skipped: matplotlib is not installed" in captured.err
+    assert "pip install" in captured.err and "step 1/1" in captured.err
+    assert not (out / "loss_curves.png").exists()
+    assert all((out / name).is_file() for name in FILES)
+    bf16_row = next(line for line in captured.out.splitlines() if line.startswith("bf16"))
+    assert "baseline" in bf16_row
+
+
+def test_gap_column_without_bf16(tmp_path, data_file, capsys):
+    status = cli.main(["compare", "--recipes", "mxfp8", "--steps", "1", "--out",
+                       str(tmp_path / "o"), "--data", str(data_file), "--val-batches", "1",
+                       "--no-progress", "--device", "cpu"])
+    assert status == 0
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("mxfp8"))
+    assert "—" in row
+
+
+def test_formats_command_still_there(capsys):
+    assert cli.main(["formats", "--rows", "128", "--cols", "128"]) == 0
+    assert "MXFP8" in capsys.readouterr().out
