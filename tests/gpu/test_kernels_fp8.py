@@ -169,6 +169,15 @@ def _round_kernel(y_ptr, e4m3_ptr, e5m2_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _round_hw_kernel(y_ptr, e4m3_ptr, e5m2_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    y = tl.load(y_ptr + offsets, mask=mask)
+    tl.store(e4m3_ptr + offsets, fp8_common.fp8_codes(y, False, True), mask=mask)
+    tl.store(e5m2_ptr + offsets, fp8_common.fp8_codes(y, True, True), mask=mask)
+
+
+@triton.jit
 def _scale_kernel(amax_ptr, scale_ptr, scale_inv_ptr, n, eps, E5M2: tl.constexpr,
                   POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -202,6 +211,21 @@ def test_rounding_matches_cast_to_fp8(device):
     e4m3 = torch.empty(n, dtype=torch.uint8, device=device)
     e5m2 = torch.empty(n, dtype=torch.uint8, device=device)
     _round_kernel[(cdiv(n, 4096),)](y.to(device), e4m3, e5m2, n, BLOCK=4096)
+    assert_bytes_equal(e4m3.view(E4M3), numerics.cast_to_fp8(y, E4M3), "E4M3", fp8_dtype=E4M3)
+    assert_bytes_equal(e5m2.view(E5M2), numerics.cast_to_fp8(y, E5M2), "E5M2", fp8_dtype=E5M2)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the hardware cast is CUDA-only (inline PTX)")
+def test_hardware_rounding_matches_cast_to_fp8(device):
+    """The cvt.rn.satfinite path the kernels take on CUDA gives the reference bytes for every
+    pattern of the integer-rounding test (midpoints, subnormals, saturation, inf, NaN)."""
+    if not fp8_common.hw_cast(torch.empty(1, device=device)):
+        pytest.skip("no hardware FP8 conversion on this device")
+    y = _fp32_patterns()
+    n = y.numel()
+    e4m3 = torch.empty(n, dtype=torch.uint8, device=device)
+    e5m2 = torch.empty(n, dtype=torch.uint8, device=device)
+    _round_hw_kernel[(cdiv(n, 4096),)](y.to(device), e4m3, e5m2, n, BLOCK=4096)
     assert_bytes_equal(e4m3.view(E4M3), numerics.cast_to_fp8(y, E4M3), "E4M3", fp8_dtype=E4M3)
     assert_bytes_equal(e5m2.view(E5M2), numerics.cast_to_fp8(y, E5M2), "E5M2", fp8_dtype=E5M2)
 

@@ -10,24 +10,30 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_common import abs_bits, cdiv, jit, kernel_input, max_programs, tl
+from .fp8_common import _sm_count, abs_bits, cdiv, jit, kernel_input, max_programs, tl
 
 AMAX_BLOCK = 4096
+AMAX_UNROLL = 1  # independent loads issued per loop step (memory-level parallelism)
+AMAX_WARPS = 8
+PROGRAMS_PER_SM = 4
 
 
 @jit
-def _amax_kernel(x_ptr, amax_bits_ptr, n, iterations, BLOCK: tl.constexpr):
+def _amax_kernel(x_ptr, amax_bits_ptr, n, iterations, BLOCK: tl.constexpr,
+                 UNROLL: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     running = tl.zeros([BLOCK], dtype=tl.int32)
-    # Grid-stride over blocks pid, pid + programs, ... A while loop, not range(iterations): the
-    # interpreter cannot take a runtime bound in range() with recent numpy.
+    # Grid-stride over super-blocks of UNROLL * BLOCK elements: pid, pid + programs, ... A while
+    # loop, not range(iterations): the interpreter cannot take a runtime bound in range() with
+    # recent numpy.
     i = 0
     while i < iterations:
-        block = (pid + i * programs).to(tl.int64)
-        offsets = block * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0)
-        running = tl.maximum(running, abs_bits(x))
+        base = (pid + i * programs).to(tl.int64) * (BLOCK * UNROLL)
+        for u in tl.static_range(UNROLL):
+            offsets = base + u * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0)
+            running = tl.maximum(running, abs_bits(x))
         i += 1
     tl.atomic_max(amax_bits_ptr, tl.max(running, axis=0))
 
@@ -48,8 +54,12 @@ def compute_amax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     elif out.dtype != torch.float32 or out.device != x.device or out.numel() != 1:
         raise ValueError("compute_amax: `out` must be a 1-element float32 tensor on x's device")
     n = x.numel()
-    blocks = cdiv(n, AMAX_BLOCK)
-    programs = min(blocks, max_programs(x.device))
+    blocks = cdiv(n, AMAX_BLOCK * AMAX_UNROLL)
+    if x.is_cuda:
+        cap = PROGRAMS_PER_SM * _sm_count(x.device.index if x.device.index is not None else 0)
+    else:
+        cap = max_programs(x.device)
+    programs = min(blocks, cap)
     _amax_kernel[(programs,)](x, out.view(torch.int32), n, cdiv(blocks, programs),
-                              BLOCK=AMAX_BLOCK, num_warps=8)
+                              BLOCK=AMAX_BLOCK, UNROLL=AMAX_UNROLL, num_warps=AMAX_WARPS)
     return out

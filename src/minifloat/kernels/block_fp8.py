@@ -26,19 +26,24 @@ from .fp8_common import (
     cdiv,
     dtype_max_bits,
     float32_value,
+    fp8_codes,
+    hw_cast,
     jit,
     kernel_input,
     needs_wide_offsets,
     reciprocal_rn,
-    sat_rne_fp8,
     scale_from_amax,
     tile_offsets,
     tl,
 )
 
 BLOCK = 128
-CHUNK = 32  # rows or columns per sweep step: bounds registers (see block_1d_tile)
-NUM_WARPS = 8
+# rows or columns per sweep step (bounds registers, see block_1d_tile; CHUNK == BLOCK holds the
+# whole tile), and warps. Swept on an H100 with the hardware cast (benchmarks/KERNEL_NOTES.md):
+# 1D best at 64-wide chunks with 4 warps, 2D at 64-row chunks with 8 warps.
+CHUNK = 32  # the multi-tensor kernel's sweep
+CHUNK_1D, NUM_WARPS_1D = 64, 4
+CHUNK_2D, NUM_WARPS_2D = 64, 8
 ScaledCopies = tuple[
     torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None
 ]
@@ -65,7 +70,7 @@ def _store_columnwise(data_t_tile, codes, rows, cols, rows_left, cols_left, M,
 def block_1d_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K, pid_m,
                   pid_k, POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr, ROWWISE: tl.constexpr,
                   COLUMNWISE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                  WIDE: tl.constexpr):
+                  WIDE: tl.constexpr, HW_CAST: tl.constexpr):
     """Quantize tile (pid_m, pid_k) of a row-major [M, K] tensor in 1x128 blocks along K
     (ROWWISE) and along M into the transposed layout (COLUMNWISE). Shared with multi_tensor.
 
@@ -86,7 +91,25 @@ def block_1d_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps
     chunk = tl.arange(0, CHUNK)
     k_blocks = tl.cdiv(K, BLOCK)
     m_blocks = tl.cdiv(M, BLOCK)
-    if COLUMNWISE:
+    if CHUNK == BLOCK:
+        # whole tile in registers: one load, both maxima, both casts (no re-read)
+        x, mask = _load_chunk(x_tile, tile, tile, rows_left, cols_left, K, WIDE)
+        magnitude = abs_bits(x)
+        if ROWWISE:
+            amax = tl.max(magnitude, axis=1).to(tl.float32, bitcast=True)
+            scale = scale_from_amax(amax, eps, False, POW2, OVERFLOW_BITS)
+            tl.store(row_tile + tile_offsets(tile, tile, K, WIDE),
+                     fp8_codes(x * scale[:, None], False, HW_CAST), mask=mask)
+            tl.store(row_si_ptr + (row0 + tile) * k_blocks + pid_k, reciprocal_rn(scale),
+                     mask=tile < rows_left)
+        if COLUMNWISE:
+            amax = tl.max(magnitude, axis=0).to(tl.float32, bitcast=True)
+            scale = scale_from_amax(amax, eps, False, POW2, OVERFLOW_BITS)
+            _store_columnwise(col_tile, fp8_codes(x * scale[None, :], False, HW_CAST), tile,
+                              tile, rows_left, cols_left, M, WIDE)
+            tl.store(col_si_ptr + (col0 + tile) * m_blocks + pid_m, reciprocal_rn(scale),
+                     mask=tile < cols_left)
+    elif COLUMNWISE:
         row_amax = tl.zeros([BLOCK], dtype=tl.int32)
         for c in range(BLOCK // CHUNK):
             cols = c * CHUNK + chunk
@@ -96,7 +119,7 @@ def block_1d_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps
                 row_amax = tl.maximum(row_amax, tl.max(magnitude, axis=1))
             amax = tl.max(magnitude, axis=0).to(tl.float32, bitcast=True)
             scale = scale_from_amax(amax, eps, False, POW2, OVERFLOW_BITS)
-            _store_columnwise(col_tile, sat_rne_fp8(x * scale[None, :], False), tile, cols,
+            _store_columnwise(col_tile, fp8_codes(x * scale[None, :], False, HW_CAST), tile, cols,
                               rows_left, cols_left, M, WIDE)
             tl.store(col_si_ptr + (col0 + cols) * m_blocks + pid_m, reciprocal_rn(scale),
                      mask=cols < cols_left)
@@ -107,7 +130,7 @@ def block_1d_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps
                 cols = c * CHUNK + chunk
                 x, mask = _load_chunk(x_tile, tile, cols, rows_left, cols_left, K, WIDE)
                 tl.store(row_tile + tile_offsets(tile, cols, K, WIDE),
-                         sat_rne_fp8(x * scale[:, None], False), mask=mask)
+                         fp8_codes(x * scale[:, None], False, HW_CAST), mask=mask)
             tl.store(row_si_ptr + (row0 + tile) * k_blocks + pid_k, reciprocal_rn(scale),
                      mask=tile < rows_left)
     else:
@@ -117,7 +140,7 @@ def block_1d_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps
             amax = tl.max(abs_bits(x), axis=1).to(tl.float32, bitcast=True)
             scale = scale_from_amax(amax, eps, False, POW2, OVERFLOW_BITS)
             tl.store(row_tile + tile_offsets(rows, tile, K, WIDE),
-                     sat_rne_fp8(x * scale[:, None], False), mask=mask)
+                     fp8_codes(x * scale[:, None], False, HW_CAST), mask=mask)
             tl.store(row_si_ptr + (row0 + rows) * k_blocks + pid_k, reciprocal_rn(scale),
                      mask=rows < rows_left)
 
@@ -126,20 +149,21 @@ def block_1d_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps
 def _block_1d_kernel(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K,
                      POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr, ROWWISE: tl.constexpr,
                      COLUMNWISE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                     WIDE: tl.constexpr):
+                     WIDE: tl.constexpr, HW_CAST: tl.constexpr):
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, BLOCK)
     block_1d_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K,
                   pid // tiles_k, pid % tiles_k, POW2, OVERFLOW_BITS, ROWWISE, COLUMNWISE, BLOCK,
-                  CHUNK, WIDE)
+                  CHUNK, WIDE, HW_CAST)
 
 
 @jit
 def _block_2d_kernel(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K,
                      POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr, ROWWISE: tl.constexpr,
                      COLUMNWISE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                     WIDE: tl.constexpr):
-    """One scale per 128x128 tile: a sweep for the tile amax, a second (from cache) to cast."""
+                     WIDE: tl.constexpr, HW_CAST: tl.constexpr):
+    """One scale per 128x128 tile: a sweep for the tile amax, a second (from cache) to cast;
+    with CHUNK == BLOCK the whole tile is held in registers (one load)."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK)
     tiles_k = tl.cdiv(K, BLOCK)
@@ -152,22 +176,34 @@ def _block_2d_kernel(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, 
     x_tile = x_ptr + row0 * K + col0
     tile = tl.arange(0, BLOCK)
     chunk = tl.arange(0, CHUNK)
-    running = tl.zeros([CHUNK, BLOCK], dtype=tl.int32)
-    for r in range(BLOCK // CHUNK):
-        x, mask = _load_chunk(x_tile, r * CHUNK + chunk, tile, rows_left, cols_left, K, WIDE)
-        running = tl.maximum(running, abs_bits(x))
-    amax = tl.max(tl.max(running, axis=1), axis=0).to(tl.float32, bitcast=True)
-    scale = scale_from_amax(amax, eps, False, POW2, OVERFLOW_BITS)
-    for r in range(BLOCK // CHUNK):
-        rows = r * CHUNK + chunk
-        x, mask = _load_chunk(x_tile, rows, tile, rows_left, cols_left, K, WIDE)
-        codes = sat_rne_fp8(x * scale, False)
+    if CHUNK == BLOCK:
+        x, mask = _load_chunk(x_tile, tile, tile, rows_left, cols_left, K, WIDE)
+        amax = tl.max(tl.max(abs_bits(x), axis=1), axis=0).to(tl.float32, bitcast=True)
+        scale = scale_from_amax(amax, eps, False, POW2, OVERFLOW_BITS)
+        codes = fp8_codes(x * scale, False, HW_CAST)
         if ROWWISE:
-            tl.store(row_data_ptr + row0 * K + col0 + tile_offsets(rows, tile, K, WIDE), codes,
+            tl.store(row_data_ptr + row0 * K + col0 + tile_offsets(tile, tile, K, WIDE), codes,
                      mask=mask)
         if COLUMNWISE:
-            _store_columnwise(col_data_ptr + col0 * M + row0, codes, rows, tile, rows_left,
+            _store_columnwise(col_data_ptr + col0 * M + row0, codes, tile, tile, rows_left,
                               cols_left, M, WIDE)
+    else:
+        running = tl.zeros([CHUNK, BLOCK], dtype=tl.int32)
+        for r in range(BLOCK // CHUNK):
+            x, mask = _load_chunk(x_tile, r * CHUNK + chunk, tile, rows_left, cols_left, K, WIDE)
+            running = tl.maximum(running, abs_bits(x))
+        amax = tl.max(tl.max(running, axis=1), axis=0).to(tl.float32, bitcast=True)
+        scale = scale_from_amax(amax, eps, False, POW2, OVERFLOW_BITS)
+        for r in range(BLOCK // CHUNK):
+            rows = r * CHUNK + chunk
+            x, mask = _load_chunk(x_tile, rows, tile, rows_left, cols_left, K, WIDE)
+            codes = fp8_codes(x * scale, False, HW_CAST)
+            if ROWWISE:
+                tl.store(row_data_ptr + row0 * K + col0 + tile_offsets(rows, tile, K, WIDE),
+                         codes, mask=mask)
+            if COLUMNWISE:
+                _store_columnwise(col_data_ptr + col0 * M + row0, codes, rows, tile, rows_left,
+                                  cols_left, M, WIDE)
     scale_inv = reciprocal_rn(scale)
     if ROWWISE:
         tl.store(row_si_ptr + pid_m * tiles_k + pid_k, scale_inv)
@@ -190,8 +226,8 @@ def _check(x: torch.Tensor, rowwise: bool, columnwise: bool) -> tuple[int, int]:
 
 
 def _launch(kernel, x: torch.Tensor, row_grid: tuple[int, int], col_grid: tuple[int, int], *,
-            rowwise: bool, columnwise: bool, power_2_scale: bool,
-            amax_epsilon: float) -> ScaledCopies:
+            rowwise: bool, columnwise: bool, power_2_scale: bool, amax_epsilon: float,
+            chunk: int, num_warps: int) -> ScaledCopies:
     m, k = _check(x, rowwise, columnwise)
     device = x.device
 
@@ -220,9 +256,10 @@ def _launch(kernel, x: torch.Tensor, row_grid: tuple[int, int], col_grid: tuple[
         ROWWISE=rowwise,
         COLUMNWISE=columnwise,
         BLOCK=BLOCK,
-        CHUNK=CHUNK,
+        CHUNK=chunk,
         WIDE=needs_wide_offsets(m, k, BLOCK),
-        num_warps=NUM_WARPS,
+        HW_CAST=hw_cast(x),
+        num_warps=num_warps,
     )
     e4m3 = torch.float8_e4m3fn
     return (None if row_data is None else row_data.view(e4m3), row_si,
@@ -246,7 +283,7 @@ def quantize_block_1d(
     m, k = _check(x, rowwise, columnwise)
     return _launch(_block_1d_kernel, x, (m, cdiv(k, BLOCK)), (k, cdiv(m, BLOCK)),
                    rowwise=rowwise, columnwise=columnwise, power_2_scale=power_2_scale,
-                   amax_epsilon=amax_epsilon)
+                   amax_epsilon=amax_epsilon, chunk=CHUNK_1D, num_warps=NUM_WARPS_1D)
 
 
 def quantize_block_2d(
@@ -267,4 +304,4 @@ def quantize_block_2d(
     tiles_m, tiles_k = cdiv(m, BLOCK), cdiv(k, BLOCK)
     return _launch(_block_2d_kernel, x, (tiles_m, tiles_k), (tiles_k, tiles_m),
                    rowwise=rowwise, columnwise=columnwise, power_2_scale=power_2_scale,
-                   amax_epsilon=amax_epsilon)
+                   amax_epsilon=amax_epsilon, chunk=CHUNK_2D, num_warps=NUM_WARPS_2D)

@@ -5,6 +5,10 @@ Why integer rounding instead of `.to(tl.float8e4nv)`: Triton's interpreter conve
 with the wrong rounding, and hardware conversions differ in how they saturate. Rounding the fp32
 bit pattern with integer arithmetic gives the bytes of numerics.formats.cast_to_fp8 (clamp to
 +-max, round to nearest even on the format grid, subnormals included, NaN kept) on every backend.
+On CUDA (sm_89+) the kernels take `cvt_sat_rne_fp8` instead: the hardware `cvt.rn.satfinite`
+has exactly that contract apart from the NaN byte, which it fixes; the integer rounding costs
+~25 integer ops an element, which held the cast kernels at 0.4 of copy bandwidth on an H100
+(benchmarks/KERNEL_NOTES.md). Both paths are tested against the reference.
 
 Why bit tests instead of float compares for special values: they cannot be affected by
 flush-to-zero (a subnormal amax must not look like 0), and NaN ordering comes for free: with the
@@ -166,6 +170,36 @@ def sat_rne_fp8(y, E5M2: tl.constexpr):
 
 
 @jit
+def cvt_sat_rne_fp8(y, E5M2: tl.constexpr):
+    """sat_rne_fp8 through the hardware conversion (sm_89+): `cvt.rn.satfinite` rounds to
+    nearest even, keeps FP8 subnormals and clamps infinities and overflow to +-max, which is
+    the contract; only NaN needs fixing (the hardware writes its canonical NaN, the contract
+    0x7F | sign). Two elements per instruction, where the integer path takes ~25 integer ops
+    per element (which bounds the cast kernels below copy bandwidth on an H100). CUDA only:
+    the interpreter has no inline PTX (callers pass HW_CAST=False there)."""
+    if E5M2:
+        codes = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e5m2x2.f32 lo, $2, $1; "
+            "cvt.rn.satfinite.e5m2x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+            "=r,r,r,r,r", [y], dtype=tl.uint8, is_pure=True, pack=4)
+    else:
+        codes = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+            "=r,r,r,r,r", [y], dtype=tl.uint8, is_pure=True, pack=4)
+    bits = y.to(tl.int32, bitcast=True)
+    nan_code = (((bits >> 24) & 0x80) | 0x7F).to(tl.uint8)
+    return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, nan_code, codes)
+
+
+@jit
+def fp8_codes(y, E5M2: tl.constexpr, HW_CAST: tl.constexpr):
+    """FP8 codes of fp32 y (the sat_rne_fp8 contract): hardware conversion where HW_CAST (CUDA),
+    integer rounding otherwise (the interpreter). Same bytes either way."""
+    return cvt_sat_rne_fp8(y, E5M2) if HW_CAST else sat_rne_fp8(y, E5M2)
+
+
+@jit
 def scale_from_amax(amax, eps, E5M2: tl.constexpr, POW2: tl.constexpr,
                     OVERFLOW_BITS: tl.constexpr):
     """numerics.scale_from_amax on device: raise amax to eps; fp8_max / amax as ONE correctly
@@ -221,6 +255,22 @@ def tile_offsets(rows, cols, stride, WIDE: tl.constexpr):
     else:
         offsets = rows[:, None] * stride + cols[None, :]
     return offsets
+
+
+def hw_cast(x: torch.Tensor) -> bool:
+    """Whether the kernels may use the hardware FP8 conversion for `x`: on CUDA (sm_89+, where
+    cvt.rn.satfinite to e4m3/e5m2 exists), not under the interpreter. MINIFLOAT_INTEGER_CAST=1
+    forces the integer rounding (for comparisons)."""
+    import os
+
+    if os.environ.get("MINIFLOAT_INTEGER_CAST", "0") == "1" or not x.is_cuda:
+        return False
+    return _capability(x.device.index if x.device.index is not None else 0) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def needs_wide_offsets(m: int, k: int, tile: int = 128) -> bool:

@@ -26,12 +26,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .block_fp8 import BLOCK, CHUNK, block_1d_tile
+from .block_fp8 import BLOCK, block_1d_tile
 from .fp8_common import (
     abs_bits,
     cdiv,
     dtype_max_bits,
     float32_value,
+    hw_cast,
     is_e5m2,
     jit,
     kernel_input,
@@ -40,12 +41,16 @@ from .fp8_common import (
     scale_from_amax,
     tl,
 )
-from .per_tensor_fp8 import TILE_K, TILE_M, cast_transpose_tile
+from .per_tensor_fp8 import cast_transpose_tile
 
 FIELDS = 8  # int64 entries per tensor in the table (unused ones are 0)
 AMAX_BLOCK = 4096
 AMAX_STEPS = 4  # loads per amax program: AMAX_BLOCK * AMAX_STEPS elements
 ALIGN = 16  # bytes; output views start on 16-byte boundaries
+# cast tiles: small tensors favour small tiles (more programs); 4 warps keep registers low
+TILE_M = 64
+TILE_K = 64
+CHUNK = 32  # block FP8 1D: tile swept in 32-wide chunks (see block_fp8.block_1d_tile)
 
 
 @jit
@@ -83,7 +88,7 @@ def _multi_cast_kernel(x_base, data_base, data_t_base, table_ptr, starts_ptr, am
                        scale_inv_ptr, eps, n, E5M2: tl.constexpr, POW2: tl.constexpr,
                        ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, STEPS: tl.constexpr,
                        FIELDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                       WIDE: tl.constexpr):
+                       WIDE: tl.constexpr, HW_CAST: tl.constexpr):
     pid = tl.program_id(0)
     i = _owner(starts_ptr, pid, n, STEPS)
     row = table_ptr + i * FIELDS
@@ -98,7 +103,7 @@ def _multi_cast_kernel(x_base, data_base, data_t_base, table_ptr, starts_ptr, am
     cast_transpose_tile(x_base + tl.load(row + 0), data_base + tl.load(row + 3),
                         data_t_base + tl.load(row + 4), amax_ptr, scale, M, K, local // tiles_k,
                         local % tiles_k, E5M2, ROWWISE, COLUMNWISE, False, BLOCK_M, BLOCK_K,
-                        WIDE)
+                        WIDE, HW_CAST)
     if local == 0:
         tl.store(scale_inv_ptr + i, reciprocal_rn(scale))
 
@@ -108,7 +113,8 @@ def _multi_block_1d_kernel(x_base, row_data_base, row_si_base, col_data_base, co
                            table_ptr, starts_ptr, eps, n, POW2: tl.constexpr,
                            OVERFLOW_BITS: tl.constexpr, ROWWISE: tl.constexpr,
                            COLUMNWISE: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
-                           BLOCK: tl.constexpr, CHUNK: tl.constexpr, WIDE: tl.constexpr):
+                           BLOCK: tl.constexpr, CHUNK: tl.constexpr, WIDE: tl.constexpr,
+                           HW_CAST: tl.constexpr):
     pid = tl.program_id(0)
     i = _owner(starts_ptr, pid, n, STEPS)
     row = table_ptr + i * FIELDS
@@ -122,7 +128,7 @@ def _multi_block_1d_kernel(x_base, row_data_base, row_si_base, col_data_base, co
     block_1d_tile(x_base + tl.load(row + 0), row_data_base + tl.load(row + 3),
                   row_si_base + tl.load(row + 5), col_data_base + tl.load(row + 4),
                   col_si_base + tl.load(row + 6), eps, M, K, local // tiles_k, local % tiles_k,
-                  POW2, OVERFLOW_BITS, ROWWISE, COLUMNWISE, BLOCK, CHUNK, WIDE)
+                  POW2, OVERFLOW_BITS, ROWWISE, COLUMNWISE, BLOCK, CHUNK, WIDE, HW_CAST)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,6 +280,7 @@ def quantize_current_scaling_multi(
         BLOCK_M=TILE_M,
         BLOCK_K=TILE_K,
         WIDE=any(needs_wide_offsets(m, k, max(TILE_M, TILE_K)) for m, k in shapes),
+        HW_CAST=hw_cast(base),
         num_warps=4,
     )
     results = []
@@ -346,6 +353,7 @@ def quantize_block_1d_multi(
             BLOCK=BLOCK,
             CHUNK=CHUNK,
             WIDE=any(needs_wide_offsets(m, k, BLOCK) for m, k in shapes),
+            HW_CAST=hw_cast(tensors[0]),
             num_warps=8,
         )
     e4m3 = torch.float8_e4m3fn

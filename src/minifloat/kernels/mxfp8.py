@@ -33,13 +33,15 @@ from .element_cast import (
     split_magnitude,
 )
 from .element_cast import e8m0_exponent as e8m0_from_amax
+from .fp8_common import cvt_sat_rne_fp8, hw_cast
 
-# Tile shape: 32 x 64 elements, 8 warps (8 elements a thread). ptxas for sm_90 reports about
-# 80 registers, no spills, for both directions at once (64 x 128 spills: 255 registers), so three
-# programs fit an SM; each row of a tile is a full 128-byte line of bf16 input.
+# Tile shape: 32 x 128 elements, 2 warps (64 elements a thread). Swept on an H100 with the
+# hardware cast (benchmarks/KERNEL_NOTES.md): fewer warps per tile won at every tile size
+# (32x128: 0.249 ms with 2 warps, 0.292 with 4, 0.531 with 8); each tile row is 256 bytes of
+# bf16 input.
 BLOCK_M = 32
-BLOCK_K = 64
-NUM_WARPS = 8
+BLOCK_K = 128
+NUM_WARPS = 2
 
 E8M0_NAN = tl.constexpr(0xFF)
 E8M0_BIAS = tl.constexpr(127)
@@ -74,6 +76,26 @@ def _fp8_codes(
 
 
 @triton.jit
+def _expand_rows(values, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr):
+    """Per-block values [ROWS // BLOCK, COLS] repeated over their BLOCK rows -> [ROWS, COLS]."""
+    repeated = tl.broadcast_to(values[:, None, :], [ROWS // BLOCK, BLOCK, COLS])
+    return tl.reshape(repeated, [ROWS, COLS])
+
+
+@triton.jit
+def _hw_factors(scale_exponent):
+    """Per-block fp32 factors (f, h) with x * f * h = x * 2^(127 - e) for the hardware path:
+    f = 2^(127 - e) is an fp32 normal for e <= 253; e = 254 (an infinite block amax) takes
+    f = 2^-126 and h = 1/2; e = 255 (a NaN in the block) takes f = NaN, so every product is the
+    GPU's canonical (positive) NaN and encodes as 0x7F, as the reference does."""
+    f = (tl.maximum(254 - scale_exponent, 1) << 23).to(tl.float32, bitcast=True)
+    nan = tl.full(f.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    f = tl.where(scale_exponent == E8M0_NAN, nan, f)
+    h = tl.where(scale_exponent == 254, 0.5, 1.0)
+    return f, h
+
+
+@triton.jit
 def _mxfp8_kernel(
     x_ptr,
     row_data_ptr,
@@ -92,6 +114,8 @@ def _mxfp8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    E5M2: tl.constexpr,
 ):
     """One tile: rowwise and/or columnwise MXFP8 from a single load of x.
 
@@ -114,8 +138,15 @@ def _mxfp8_kernel(
         runs = tl.reshape(magnitude, [BLOCK_M, BLOCK_K // SCALE_BLOCK, SCALE_BLOCK])
         block_amax = tl.max(runs, axis=2).to(tl.float32, bitcast=True)
         scale = e8m0_from_amax(block_amax, RECIPROCAL_BITS)  # [BLOCK_M, BLOCK_K // 32]
-        element_scale = expand_blocks(scale, BLOCK_M, BLOCK_K, SCALE_BLOCK)
-        data = _fp8_codes(x, element_scale, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
+        if HW_CAST:
+            # products exact wherever they are fp32 normals; below that the FP8 result is a
+            # signed zero either way; cvt.rn.satfinite saturates infinities like the reference
+            f, h = _hw_factors(scale)
+            y = x * expand_blocks(f, BLOCK_M, BLOCK_K, SCALE_BLOCK)
+            data = cvt_sat_rne_fp8(y * expand_blocks(h, BLOCK_M, BLOCK_K, SCALE_BLOCK), E5M2)
+        else:
+            element_scale = expand_blocks(scale, BLOCK_M, BLOCK_K, SCALE_BLOCK)
+            data = _fp8_codes(x, element_scale, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
         tl.store(row_data_ptr + origin + offsets, data, mask=mask)
         scale_cols = tl.arange(0, BLOCK_K // SCALE_BLOCK)
         scale_origin = row_start.to(tl.int64) * (K // SCALE_BLOCK) + col_start // SCALE_BLOCK
@@ -131,11 +162,13 @@ def _mxfp8_kernel(
         runs = tl.reshape(magnitude, [BLOCK_M // SCALE_BLOCK, SCALE_BLOCK, BLOCK_K])
         block_amax = tl.max(runs, axis=1).to(tl.float32, bitcast=True)
         scale = e8m0_from_amax(block_amax, RECIPROCAL_BITS)  # [BLOCK_M // 32, BLOCK_K]
-        repeated = tl.broadcast_to(
-            scale[:, None, :], [BLOCK_M // SCALE_BLOCK, SCALE_BLOCK, BLOCK_K]
-        )
-        element_scale = tl.reshape(repeated, [BLOCK_M, BLOCK_K])
-        data = _fp8_codes(x, element_scale, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
+        if HW_CAST:
+            f, h = _hw_factors(scale)
+            y = x * _expand_rows(f, BLOCK_M, BLOCK_K, SCALE_BLOCK)
+            data = cvt_sat_rne_fp8(y * _expand_rows(h, BLOCK_M, BLOCK_K, SCALE_BLOCK), E5M2)
+        else:
+            element_scale = _expand_rows(scale, BLOCK_M, BLOCK_K, SCALE_BLOCK)
+            data = _fp8_codes(x, element_scale, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
         tl.store(col_data_ptr + origin + offsets, data, mask=mask)
         scale_rows = tl.arange(0, BLOCK_M // SCALE_BLOCK)
         scale_origin = (row_start // SCALE_BLOCK).to(tl.int64) * K + col_start
@@ -187,7 +220,8 @@ def quantize_mxfp8(
             BF16_BITS=bf16_bits, ROWWISE=rowwise, COLUMNWISE=columnwise,
             MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent, MAX_CODE=max_code,
             RECIPROCAL_BITS=_reciprocal_bits(fmt.max_value),
-            BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, SCALE_BLOCK=BLOCK,
+            BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, SCALE_BLOCK=BLOCK, HW_CAST=hw_cast(x2d),
+            E5M2=dtype == torch.float8_e5m2,
             num_warps=NUM_WARPS,
         )
     return out

@@ -12,7 +12,8 @@ Two launches per call, no host synchronisation:
 
 Layouts are the reference's compact ones: rowwise data [M, K/2] (element 2j in the low nibble),
 scales [M, K/16]; columnwise data [K, M/2], scales [K, M/16]; 2D tile scales replicated over
-their 16 scale rows. Stochastic rounding draws Philox bits (tl.randint) keyed by a seed that
+their 16 scale rows. Stochastic rounding draws Philox bits (tl.randint4x, one call per four
+elements) keyed by a seed that
 torch's generator writes into a device tensor, one seed per direction (reproducible under
 torch.manual_seed, statistically equivalent to the reference, not byte-equal: NUMERICS.md §7).
 
@@ -40,7 +41,6 @@ from .element_cast import (
     magnitude_bits,
     pack_nibbles,
     round_to_code,
-    round_to_code_stochastic,
     sign_bit,
     split_magnitude,
 )
@@ -52,7 +52,8 @@ from .hadamard import rht16_rows
 BLOCK_M = 64
 BLOCK_K = 64
 NUM_WARPS = 8
-NUM_WARPS_STOCHASTIC = 16
+NUM_WARPS_2D = 4  # swept on an H100 (KERNEL_NOTES.md): 0.343 ms with 4 warps, 0.379 with 8
+NUM_WARPS_STOCHASTIC = 8  # with the lean SR path: 1.49 ms with 8 warps, 1.94 with 16
 
 E2M1_MANTISSA, E2M1_MIN_EXPONENT, E2M1_MAX_CODE = (tl.constexpr(c) for c in E2M1_CONSTANTS)
 UE4M3_MANTISSA, UE4M3_MIN_EXPONENT, UE4M3_MAX_CODE = (tl.constexpr(c) for c in E4M3_CONSTANTS)
@@ -109,7 +110,47 @@ def _block_scales(block_amax, factor, s_dec):
 
 
 @triton.jit
-def _e2m1_codes(v, element_scale, seed, offsets, STOCHASTIC: tl.constexpr):
+def _e2m1_rne(a):
+    """E2M1 magnitude codes (int32) of fp32 magnitudes a, round to nearest even, saturating:
+    the count of rounding thresholds a lies past. The grid is 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes
+    0..7); a tie goes to the even code, so a threshold below an even code is inclusive (>=) and
+    one above it exclusive (>). NaN passes no threshold (code 0); infinities pass all (7).
+    Seven float compares instead of integer rounding: same codes as round_to_code."""
+    code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+    code += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+    return code + (a > 5.0).to(tl.int32)
+
+
+@triton.jit
+def _e2m1_stochastic(a, seed, offsets, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """E2M1 magnitude codes of fp32 magnitudes a [ROWS, COLS], rounded up with probability equal
+    to the discarded fraction (NUMERICS.md §7), saturating at 6 (code 7).
+
+    The lower neighbour is the count of grid points <= a; the fraction (a - lower) / step is
+    exact in fp32 (Sterbenz subtraction, times a power of two) and compared with 24 uniform bits.
+    One Philox call (tl.randint4x) serves four consecutive elements: offsets of a group of four
+    (aligned, as every row starts at a multiple of 16) share the counter offset // 4 and take
+    its four 32-bit outputs, so each element still gets its own independent draw."""
+    lower_code = (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
+    lower_code += (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
+    lower_code += (a >= 6.0).to(tl.int32)
+    inverse_step = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
+    lower = tl.where(lower_code < 4, lower_code.to(tl.float32) * 0.5,
+                     tl.where(lower_code < 6, lower_code.to(tl.float32) - 2.0,
+                              tl.where(lower_code == 6, 4.0, 6.0)))
+    fraction = (a - lower) * inverse_step  # exact: a power of two
+    quads = tl.reshape(offsets, [ROWS, COLS // 4, 2, 2])
+    first, _ = tl.split(tl.split(quads)[0])
+    r0, r1, r2, r3 = tl.randint4x(seed, first // 4)
+    draws = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [ROWS, COLS])
+    uniform = ((draws >> 8) & 0xFFFFFF).to(tl.float32)  # 24 bits, exact in fp32
+    round_up = uniform < fraction * 16777216.0
+    return tl.minimum(lower_code + round_up.to(tl.int32), E2M1_MAX_CODE)
+
+
+@triton.jit
+def _e2m1_codes(v, element_scale, seed, offsets, STOCHASTIC: tl.constexpr, ROWS: tl.constexpr,
+                COLS: tl.constexpr):
     """E2M1 nibbles (int32) of v * element_scale (fp32 product), sign in bit 3.
 
     NaN (a NaN element, or a NaN block scale) encodes as +0, like numerics.encode_e2m1: the NaN
@@ -118,14 +159,8 @@ def _e2m1_codes(v, element_scale, seed, offsets, STOCHASTIC: tl.constexpr):
     """
     y = v * element_scale
     magnitude = magnitude_bits(y)
-    mantissa, exponent = split_magnitude(magnitude)
-    if STOCHASTIC:
-        random_bits = tl.randint(seed, offsets)
-        code = round_to_code_stochastic(
-            mantissa, exponent, random_bits, E2M1_MANTISSA, E2M1_MIN_EXPONENT, E2M1_MAX_CODE
-        )
-    else:
-        code = round_to_code(mantissa, exponent, E2M1_MANTISSA, E2M1_MIN_EXPONENT, E2M1_MAX_CODE)
+    a = magnitude.to(tl.float32, bitcast=True)
+    code = _e2m1_stochastic(a, seed, offsets, ROWS, COLS) if STOCHASTIC else _e2m1_rne(a)
     code = code | (sign_bit(y) << 3)
     return tl.where(is_nan_bits(magnitude), 0, code)
 
@@ -154,7 +189,7 @@ def _quantize_rows_1x16(
     block_amax = tl.max(runs, axis=2).to(tl.float32, bitcast=True)
     scale_code, element_scale = _block_scales(block_amax, factor, s_dec)
     codes = _e2m1_codes(
-        v, expand_blocks(element_scale, ROWS, COLS, 16), seed, offsets, STOCHASTIC
+        v, expand_blocks(element_scale, ROWS, COLS, 16), seed, offsets, STOCHASTIC, ROWS, COLS
     )
     return pack_nibbles(codes, ROWS, COLS), scale_code.to(tl.uint8)
 
@@ -355,7 +390,7 @@ def _nvfp4_2d_kernel(
     )
     seed = _load_seed(seed_ptr, STOCHASTIC)
     offsets = rows[:, None].to(tl.int64) * K + cols[None, :]
-    codes = _e2m1_codes(x, element_scale, seed, offsets, STOCHASTIC)
+    codes = _e2m1_codes(x, element_scale, seed, offsets, STOCHASTIC, BLOCK_M, BLOCK_K)
     scale_code = scale_code.to(tl.uint8)
     if ROWWISE:
         row_scale = tl.reshape(
@@ -442,7 +477,8 @@ def quantize_nvfp4(
         common = dict(
             BF16_BITS=bf16_bits, ROWWISE=rowwise, COLUMNWISE=columnwise,
             STOCHASTIC=stochastic_rounding, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
-            num_warps=NUM_WARPS_STOCHASTIC if stochastic_rounding else NUM_WARPS,
+            num_warps=NUM_WARPS_STOCHASTIC if stochastic_rounding else (
+                NUM_WARPS_2D if two_dimensional else NUM_WARPS),
         )
         if two_dimensional:
             _nvfp4_2d_kernel[grid](

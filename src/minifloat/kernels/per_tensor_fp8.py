@@ -23,21 +23,23 @@ from .fp8_common import (
     abs_bits,
     cdiv,
     float32_value,
+    fp8_codes,
+    hw_cast,
     is_e5m2,
     jit,
     kernel_input,
     needs_wide_offsets,
     reciprocal_rn,
-    sat_rne_fp8,
     scale_from_amax,
     tile_offsets,
     tl,
 )
 
-# 64x64 tiles, 4 warps: 32 elements per thread keeps the delayed-scaling variant (which also
-# reduces the tile's amax) near 70 registers on sm_90; 128x128 tiles reach 220 registers there.
+# 64x128 tiles, 4 warps (64 elements a thread). Swept on an H100 with the hardware cast
+# (benchmarks/KERNEL_NOTES.md): 64x64, 32x128, 128x64 with 4 warps within 5%; 8 or 16 warps
+# and 128x128 tiles 10-60% slower.
 TILE_M = 64
-TILE_K = 64
+TILE_K = 128
 NUM_WARPS = 4
 
 
@@ -45,7 +47,7 @@ NUM_WARPS = 4
 def cast_transpose_tile(x_ptr, data_ptr, data_t_ptr, amax_bits_ptr, scale, M, K, pid_m, pid_k,
                         E5M2: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
                         RECORD_AMAX: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_K: tl.constexpr, WIDE: tl.constexpr):
+                        BLOCK_K: tl.constexpr, WIDE: tl.constexpr, HW_CAST: tl.constexpr):
     """Quantize tile (pid_m, pid_k) of a row-major [M, K] tensor with one fp32 `scale`.
 
     Writes data[m, k] (ROWWISE) and data_t[k, m] (COLUMNWISE) as FP8 codes; with RECORD_AMAX,
@@ -63,7 +65,7 @@ def cast_transpose_tile(x_ptr, data_ptr, data_t_ptr, amax_bits_ptr, scale, M, K,
                 other=0.0)
     if RECORD_AMAX:
         tl.atomic_max(amax_bits_ptr, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
-    codes = sat_rne_fp8(x.to(tl.float32) * scale, E5M2)
+    codes = fp8_codes(x.to(tl.float32) * scale, E5M2, HW_CAST)
     if ROWWISE:
         tl.store(data_ptr + row0 * K + col0 + tile_offsets(rows, cols, K, WIDE), codes,
                  mask=mask)
@@ -78,7 +80,8 @@ def cast_transpose_tile(x_ptr, data_ptr, data_t_ptr, amax_bits_ptr, scale, M, K,
 def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, eps,
                            M, K, E5M2: tl.constexpr, CURRENT: tl.constexpr, POW2: tl.constexpr,
                            ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WIDE: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WIDE: tl.constexpr,
+                           HW_CAST: tl.constexpr):
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, BLOCK_K)
     pid_m = pid // tiles_k
@@ -88,12 +91,12 @@ def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, sca
         # overflow value FLT_MAX (0x7F7FFFFF)
         scale = scale_from_amax(tl.load(amax_ptr), eps, E5M2, POW2, 0x7F7FFFFF)
         cast_transpose_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, M, K, pid_m, pid_k,
-                            E5M2, ROWWISE, COLUMNWISE, False, BLOCK_M, BLOCK_K, WIDE)
+                            E5M2, ROWWISE, COLUMNWISE, False, BLOCK_M, BLOCK_K, WIDE, HW_CAST)
     else:
         # amax_ptr: int32 view of the delayed-scaling amax, folded in with an atomic max
         scale = tl.load(scale_ptr)
         cast_transpose_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, M, K, pid_m, pid_k,
-                            E5M2, ROWWISE, COLUMNWISE, True, BLOCK_M, BLOCK_K, WIDE)
+                            E5M2, ROWWISE, COLUMNWISE, True, BLOCK_M, BLOCK_K, WIDE, HW_CAST)
     if pid == 0:
         tl.store(scale_inv_ptr, reciprocal_rn(scale))
 
@@ -150,6 +153,7 @@ def _launch(
         BLOCK_M=TILE_M,
         BLOCK_K=TILE_K,
         WIDE=needs_wide_offsets(m, k, max(TILE_M, TILE_K)),
+        HW_CAST=hw_cast(x),
         num_warps=NUM_WARPS,
     )
     return (
