@@ -168,6 +168,9 @@ def bf16_gemm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The emulation with bf16 operands (exact conversions) and fp32 accumulation and output."""
+    if alpha is None and bias is None and out_dtype == torch.bfloat16:
+        # cuBLAS accumulates in fp32 and rounds once to bf16: the emulation's own last step
+        return torch.mm(a_values.to(torch.bfloat16), b_values.to(torch.bfloat16).t())
     product = torch.mm(a_values.to(torch.bfloat16), b_values.to(torch.bfloat16).t(),
                        out_dtype=torch.float32)
     if alpha is not None:

@@ -35,7 +35,16 @@ class MXFP8Storage(QuantizedStorage):
 
 
     def gemm_operand(self, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Dequantized values (exact) with the reduction dim last: x, or x^T for columnwise."""
+        """Dequantized values (exact) with the reduction dim last: x, or x^T for columnwise.
+
+        With the kernels (CUDA): bf16 in one pass, contiguous (x^T transposed in the kernel),
+        equal to the reference's values cast to bf16 (exact for block scales >= 2^-118)."""
+        data = self.columnwise_data if columnwise else self.rowwise_data
+        if kernels.available(data):
+            from ..kernels.dequantize import dequantize_mxfp8_bf16  # Triton: lazy import
+
+            scale = self.columnwise_scale if columnwise else self.rowwise_scale
+            return dequantize_mxfp8_bf16(data, scale, columnwise=columnwise), None
         if columnwise:
             values = numerics.dequantize_mxfp8(
                 self.columnwise_data, self.columnwise_scale, columnwise=True

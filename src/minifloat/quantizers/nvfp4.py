@@ -45,7 +45,16 @@ class NVFP4Storage(QuantizedStorage):
         """q * s_b (exact) with the reduction dim last; S_dec goes to the GEMM's alpha.
 
         The columnwise operand of an RHT tensor is RHT(x^T): only another RHT operand may meet it.
+        With the kernels (CUDA) the values come as bf16 in one pass (exact: q * s_b has at most
+        6 significant bits).
         """
+        data = self.columnwise_data if columnwise else self.rowwise_data
+        if kernels.available(data):
+            from ..kernels.dequantize import dequantize_nvfp4_blocks_bf16  # Triton: lazy import
+
+            scale = self.columnwise_scale if columnwise else self.rowwise_scale
+            amax = self.amax_columnwise if columnwise else self.amax_rowwise
+            return dequantize_nvfp4_blocks_bf16(data, scale), numerics.global_decode_scale(amax)
         if columnwise:
             values = numerics.dequantize_nvfp4_blocks(self.columnwise_data, self.columnwise_scale)
             return values, numerics.global_decode_scale(self.amax_columnwise)
