@@ -16,7 +16,43 @@ from ..quantizers.split import check_splits
 from .base import QuantizedModule
 
 
-class GroupedLinear(QuantizedModule):
+def init_expert_parameters(
+    module: QuantizedModule,
+    num_gemms: int,
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    params_dtype: torch.dtype | None,
+    device: torch.device | str | None,
+) -> None:
+    """Register weight0..weight{G-1} and bias0..bias{G-1} (shared by the module and the op)."""
+    module.num_gemms = num_gemms
+    module.in_features, module.out_features = in_features, out_features
+    module.use_bias = bias
+    dtype = params_dtype or torch.get_default_dtype()
+    for gemm in range(num_gemms):
+        module.register_parameter(
+            f"weight{gemm}", module.new_weight(out_features, in_features, dtype, device, gemm))
+        module.register_parameter(
+            f"bias{gemm}",
+            module.new_bias(out_features, in_features, dtype, device) if bias else None)
+
+
+class ExpertParameters:
+    """The per-expert parameter lists of a module or op built by init_expert_parameters."""
+
+    num_gemms: int
+
+    @property
+    def weights(self) -> list[torch.Tensor]:
+        return [getattr(self, f"weight{gemm}") for gemm in range(self.num_gemms)]
+
+    @property
+    def biases(self) -> list[torch.Tensor | None]:
+        return [getattr(self, f"bias{gemm}") for gemm in range(self.num_gemms)]
+
+
+class GroupedLinear(ExpertParameters, QuantizedModule):
     """`num_gemms` linear layers of shape [out_features, in_features] applied to row splits.
 
     Parameters are weight0..weight{G-1} and bias0..bias{G-1}. Roles have module_type
@@ -38,24 +74,8 @@ class GroupedLinear(QuantizedModule):
         if num_gemms < 1:
             raise ValueError(f"GroupedLinear needs num_gemms >= 1, got {num_gemms}")
         super().__init__(name)
-        self.num_gemms = num_gemms
-        self.in_features, self.out_features = in_features, out_features
-        self.use_bias = bias
-        dtype = params_dtype or torch.get_default_dtype()
-        for gemm in range(num_gemms):
-            self.register_parameter(
-                f"weight{gemm}", self.new_weight(out_features, in_features, dtype, device, gemm))
-            self.register_parameter(
-                f"bias{gemm}",
-                self.new_bias(out_features, in_features, dtype, device) if bias else None)
-
-    @property
-    def weights(self) -> list[torch.Tensor]:
-        return [getattr(self, f"weight{gemm}") for gemm in range(self.num_gemms)]
-
-    @property
-    def biases(self) -> list[torch.Tensor | None]:
-        return [getattr(self, f"bias{gemm}") for gemm in range(self.num_gemms)]
+        init_expert_parameters(self, num_gemms, in_features, out_features, bias, params_dtype,
+                               device)
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
         """y[rows of expert i] = x[rows of expert i] W_i^T + b_i."""

@@ -52,6 +52,24 @@ def quantize_for_gemms(
     return split_quantize(x2d, m_splits, quantizers)
 
 
+def columnwise_copies_for_backward(
+    x_qs: list[QuantizedStorage | None], need_wgrad: bool
+) -> tuple[list[torch.Tensor | None], list[QuantizedStorage | None]]:
+    """Keep only the columnwise copy of each quantized input (wgrad reads nothing else) and hand
+    its buffers out for ctx.save_for_backward: (tensors to save, metadata-only storages; None
+    for empty splits or when no wgrad runs)."""
+    saved, kept = [], []
+    for x_q in x_qs:
+        if x_q is None or not need_wgrad:
+            kept.append(None)
+            continue
+        x_q.update_usage(rowwise=False)
+        tensors, meta = x_q.prepare_for_saving()
+        saved.extend(tensors)
+        kept.append(meta)
+    return saved, kept
+
+
 class LinearGemms(torch.autograd.Function):
     """y = cat_i(x_i W_i^T + b_i); params = (W_0 .. W_{G-1}, b_0 .. b_{G-1}), biases may be None."""
 
@@ -79,15 +97,7 @@ class LinearGemms(torch.autograd.Function):
                 outputs.append(x2d.new_zeros(0, weight.shape[0], dtype=out_dtype))
             else:
                 outputs.append(general_gemm(x_q, w_q, out_dtype=out_dtype, bias=bias))
-        saved, kept = [], []
-        for x_q in x_qs:
-            if x_q is None or not call.need_wgrad:
-                kept.append(None)
-                continue
-            x_q.update_usage(rowwise=False)  # backward needs only the columnwise copy
-            tensors, meta = x_q.prepare_for_saving()
-            saved.extend(tensors)
-            kept.append(meta)
+        saved, kept = columnwise_copies_for_backward(x_qs, call.need_wgrad)
         ctx.save_for_backward(*saved)
         ctx.x_qs, ctx.w_qs, ctx.weights = kept, w_qs, weights
         ctx.call, ctx.splits = call, splits

@@ -25,7 +25,7 @@ import torch
 
 from ..gemm import general_gemm
 from ..modules.base import BACKWARD_SLOTS, FORWARD_SLOTS, QuantizedModule, plain_weight
-from ..modules.linear_function import quantize_for_gemms
+from ..modules.linear_function import columnwise_copies_for_backward, quantize_for_gemms
 from ..modules.weights import quantized_weight
 from ..quantizers import QuantizedStorage, Quantizer
 from ..quantizers.split import check_splits
@@ -140,15 +140,7 @@ class GemmOperation(QuantizedModule, FusibleOperation):
                                            device=weight.device))
             else:
                 outputs.append(general_gemm(x_q, w_q, out_dtype=ctx.out_dtype, bias=bias))
-        saved, kept = [], []
-        for x_q in x_qs:
-            if x_q is None or not ctx.need_wgrad:
-                kept.append(None)
-                continue
-            x_q.update_usage(rowwise=False)  # wgrad reads only the columnwise copy
-            tensors, meta = x_q.prepare_for_saving()
-            saved.extend(tensors)
-            kept.append(meta)
+        saved, kept = columnwise_copies_for_backward(x_qs, ctx.need_wgrad)
         ctx.save_for_backward(*saved)
         ctx.x_qs, ctx.w_qs = kept, w_qs
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]

@@ -17,11 +17,12 @@ from collections.abc import Sequence
 
 import torch
 
+from ..modules.grouped_linear import ExpertParameters, init_expert_parameters
 from .base import OperationContext
 from .gemm_base import GemmOperation
 
 
-class GroupedLinear(GemmOperation):
+class GroupedLinear(ExpertParameters, GemmOperation):
     """`num_gemms` linear layers of shape [out_features, in_features] over row splits.
 
     Roles have module_type "grouped_linear" and `name` for every expert. The biases are the
@@ -45,24 +46,8 @@ class GroupedLinear(GemmOperation):
         if num_gemms < 1:
             raise ValueError(f"GroupedLinear needs num_gemms >= 1, got {num_gemms}")
         super().__init__(name)
-        self.num_gemms = num_gemms
-        self.in_features, self.out_features = in_features, out_features
-        self.use_bias = bias
-        dtype = params_dtype or torch.get_default_dtype()
-        for gemm in range(num_gemms):
-            self.register_parameter(
-                f"weight{gemm}", self.new_weight(out_features, in_features, dtype, device, gemm))
-            self.register_parameter(
-                f"bias{gemm}",
-                self.new_bias(out_features, in_features, dtype, device) if bias else None)
-
-    @property
-    def weights(self) -> list[torch.Tensor]:
-        return [getattr(self, f"weight{gemm}") for gemm in range(self.num_gemms)]
-
-    @property
-    def biases(self) -> list[torch.Tensor | None]:
-        return [getattr(self, f"bias{gemm}") for gemm in range(self.num_gemms)]
+        init_expert_parameters(self, num_gemms, in_features, out_features, bias, params_dtype,
+                               device)
 
     def gemm_weights(self) -> list[torch.Tensor]:
         return self.weights
