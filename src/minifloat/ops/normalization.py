@@ -15,29 +15,6 @@ from torch import nn
 from .base import HighPrecisionOperation
 
 
-class LayerNorm(HighPrecisionOperation):
-    """(x - mean) / sqrt(var + eps) * weight + bias over the last `features` elements."""
-
-    def __init__(
-        self,
-        features: int,
-        eps: float = 1e-5,
-        params_dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__()
-        self.features, self.eps = features, eps
-        dtype = params_dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(torch.ones(features, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.zeros(features, dtype=dtype, device=device))
-
-    def compute(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (self.features,), self.weight, self.bias, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"features={self.features}, eps={self.eps}"
-
-
 class RMSNorm(HighPrecisionOperation):
     """x / sqrt(mean(x^2) + eps) * weight over the last `features` elements."""
 
@@ -58,3 +35,21 @@ class RMSNorm(HighPrecisionOperation):
 
     def extra_repr(self) -> str:
         return f"features={self.features}, eps={self.eps}"
+
+
+class LayerNorm(RMSNorm):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last `features` elements (RMSNorm's
+    parameters plus a shift)."""
+
+    def __init__(
+        self,
+        features: int,
+        eps: float = 1e-5,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(features, eps, params_dtype, device)
+        self.bias = nn.Parameter(torch.zeros_like(self.weight))
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.features,), self.weight, self.bias, self.eps)
