@@ -13,11 +13,8 @@ import torch
 
 from minifloat import kernels
 
-if torch.cuda.is_available() and kernels.triton_importable():
-    DEVICE = torch.device("cuda")
-elif kernels.interpreter_enabled() and kernels.triton_importable():
-    DEVICE = torch.device("cpu")
-else:
+DEVICE = kernels.kernel_device()
+if DEVICE is None:
     pytest.skip(
         "needs CUDA with Triton, or TRITON_INTERPRET=1 with Triton", allow_module_level=True
     )

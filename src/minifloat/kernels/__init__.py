@@ -39,3 +39,15 @@ def available(x: torch.Tensor) -> bool:
     if not triton_importable():
         return False
     return x.is_cuda or (interpreter_enabled() and x.device.type == "cpu")
+
+
+def kernel_device() -> torch.device | None:
+    """Where the kernels can run here: CUDA when present, the CPU under TRITON_INTERPRET=1, or
+    None (no Triton, or neither). The kernel tests and benchmarks pick their device with it."""
+    if not triton_importable():
+        return None
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if interpreter_enabled():
+        return torch.device("cpu")
+    return None
