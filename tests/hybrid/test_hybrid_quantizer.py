@@ -182,26 +182,6 @@ def test_delayed_children_record_amax_only_for_the_copies_quantized():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def one_rank_group():
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    created = False
-    if not dist.is_initialized():
-        try:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        except (RuntimeError, ValueError) as error:  # e.g. no usable network interface
-            pytest.skip(f"cannot start a one-rank gloo group here: {error}")
-        created = True
-    if dist.get_world_size() != 1:
-        pytest.skip("a process group of several ranks is already initialised")
-    group = dist.new_group([0])
-    yield group
-    if created:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("usage", [(True, False), (False, True), (True, True)],
                          ids=["rowwise", "columnwise", "both"])
 def test_reduction_group_reaches_each_quantizing_child(one_rank_group, usage, monkeypatch):

@@ -183,26 +183,6 @@ def test_output_quantizer_never_carries_the_group(name):
         assert loaded.quantizer.amax_reduction_group is None, how
 
 
-@pytest.fixture(scope="module")
-def one_rank_group():
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    created = False
-    if not dist.is_initialized():
-        try:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        except (RuntimeError, ValueError) as error:  # e.g. no usable network interface
-            pytest.skip(f"cannot start a one-rank gloo group here: {error}")
-        created = True
-    if dist.get_world_size() != 1:
-        pytest.skip("a process group of several ranks is already initialised")
-    group = dist.new_group([0])
-    yield group
-    if created:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("name", sorted(REDUCING))
 def test_reducing_families_with_a_real_group(name, one_rank_group):
     """With one rank the all-reduce is the identity: bytes equal the group-less reference, and

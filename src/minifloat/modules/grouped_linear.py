@@ -26,6 +26,8 @@ def init_expert_parameters(
     device: torch.device | str | None,
 ) -> None:
     """Register weight0..weight{G-1} and bias0..bias{G-1} (shared by the module and the op)."""
+    if num_gemms < 1:
+        raise ValueError(f"GroupedLinear needs num_gemms >= 1, got {num_gemms}")
     module.num_gemms = num_gemms
     module.in_features, module.out_features = in_features, out_features
     module.use_bias = bias
@@ -71,8 +73,6 @@ class GroupedLinear(ExpertParameters, QuantizedModule):
         device: torch.device | str | None = None,
         name: str | None = None,
     ) -> None:
-        if num_gemms < 1:
-            raise ValueError(f"GroupedLinear needs num_gemms >= 1, got {num_gemms}")
         super().__init__(name)
         init_expert_parameters(self, num_gemms, in_features, out_features, bias, params_dtype,
                                device)

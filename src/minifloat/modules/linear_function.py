@@ -52,6 +52,70 @@ def quantize_for_gemms(
     return split_quantize(x2d, m_splits, quantizers)
 
 
+def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def fprop_gemms(
+    x_qs: list[QuantizedStorage | None],
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    weight_quantizers: list[Quantizer],
+    weight_cache: dict,
+    *,
+    need_dgrad: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, list[QuantizedStorage | None]]:
+    """y = cat_i(x_i W_i^T + b_i) ([rows, N]) and the quantized weights dgrad will need (None
+    where it will not run); an empty split contributes no rows."""
+    outputs, w_qs = [], []
+    for x_q, weight, bias, quantizer in zip(x_qs, weights, biases, weight_quantizers,
+                                            strict=True):
+        w_q = quantized_weight(weight_cache, weight, quantizer, columnwise=need_dgrad)
+        w_qs.append(w_q if need_dgrad else None)
+        if x_q is None:
+            outputs.append(torch.zeros(0, weight.shape[0], dtype=out_dtype,
+                                       device=weight.device))
+        else:
+            outputs.append(general_gemm(x_q, w_q, out_dtype=out_dtype, bias=bias))
+    return _cat(outputs), w_qs
+
+
+def dgrad_wgrad_gemms(
+    splits: list[int],
+    dy_qs: list[QuantizedStorage | None],
+    w_qs: list[QuantizedStorage | None],
+    x_qs: list[QuantizedStorage | None],
+    weights: list[torch.Tensor],
+    saved: list[torch.Tensor | None],
+    *,
+    need_dgrad: bool,
+    need_wgrad: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """dx ([rows, K], None without dgrad) and each split's dW (weight_gradient); `saved` are the
+    tensors columnwise_copies_for_backward handed to save_for_backward, in order."""
+    grad_x = None
+    if need_dgrad:
+        in_features = weights[0].shape[-1]
+        pieces = []
+        for rows, dy_q, w_q, weight in zip(splits, dy_qs, w_qs, weights, strict=True):
+            if rows == 0:
+                pieces.append(torch.zeros(0, in_features, dtype=out_dtype,
+                                          device=weight.device))
+            else:
+                pieces.append(general_gemm(dy_q, w_q, b_columnwise=True, out_dtype=out_dtype))
+        grad_x = _cat(pieces)
+    grad_weights: list[torch.Tensor | None] = [None] * len(splits)
+    if need_wgrad:
+        rest = saved
+        for i, (x_q, dy_q, weight) in enumerate(zip(x_qs, dy_qs, weights, strict=True)):
+            if x_q is not None:
+                rest = x_q.restore_from_saved(rest)
+            grad_weights[i] = weight_gradient(x_q, dy_q, weight)
+    return grad_x, grad_weights
+
+
 def columnwise_copies_for_backward(
     x_qs: list[QuantizedStorage | None], need_wgrad: bool
 ) -> tuple[list[torch.Tensor | None], list[QuantizedStorage | None]]:
@@ -87,59 +151,38 @@ class LinearGemms(torch.autograd.Function):
         x_qs = quantize_for_gemms(x2d, splits, call.input_quantizers, rowwise=True,
                                   columnwise=call.need_wgrad)
         out_dtype = x.dtype
-        outputs, w_qs = [], []
-        for x_q, weight, bias, quantizer in zip(x_qs, weights, biases, call.weight_quantizers,
-                                                strict=True):
-            w_q = quantized_weight(call.weight_cache, weight, quantizer,
-                                   columnwise=call.need_dgrad)
-            w_qs.append(w_q if call.need_dgrad else None)
-            if x_q is None:
-                outputs.append(x2d.new_zeros(0, weight.shape[0], dtype=out_dtype))
-            else:
-                outputs.append(general_gemm(x_q, w_q, out_dtype=out_dtype, bias=bias))
+        y, w_qs = fprop_gemms(x_qs, weights, biases, call.weight_quantizers, call.weight_cache,
+                              need_dgrad=call.need_dgrad, out_dtype=out_dtype)
         saved, kept = columnwise_copies_for_backward(x_qs, call.need_wgrad)
         ctx.save_for_backward(*saved)
         ctx.x_qs, ctx.w_qs, ctx.weights = kept, w_qs, weights
         ctx.call, ctx.splits = call, splits
         ctx.has_bias = [bias is not None for bias in biases]
         ctx.x_shape, ctx.out_dtype = x.shape, out_dtype
-        y = torch.cat(outputs) if count > 1 else outputs[0]
         return y.reshape(*x.shape[:-1], weights[0].shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
         call, splits = ctx.call, ctx.splits
         dy2d = grad_output.reshape(-1, grad_output.shape[-1])
-        grad_x = None
-        grad_weights = [None] * len(splits)
+        dy_qs = [None] * len(splits)
         grad_biases = [dy.sum(dim=0) if has_bias else None
                        for dy, has_bias in zip(torch.split(dy2d, splits), ctx.has_bias,
                                                strict=True)]
         if call.need_dgrad or call.need_wgrad:
             dy_qs = quantize_for_gemms(dy2d, splits, call.grad_output_quantizers,
                                        rowwise=call.need_dgrad, columnwise=call.need_wgrad)
-        if call.need_dgrad:
-            pieces = []
-            for rows, dy_q, w_q in zip(splits, dy_qs, ctx.w_qs, strict=True):
-                if rows == 0:
-                    pieces.append(dy2d.new_zeros(0, ctx.x_shape[-1], dtype=ctx.out_dtype))
-                else:
-                    pieces.append(general_gemm(dy_q, w_q, b_columnwise=True,
-                                               out_dtype=ctx.out_dtype))
-            grad_x = (torch.cat(pieces) if len(pieces) > 1 else pieces[0]).reshape(ctx.x_shape)
-        if call.need_wgrad:
-            rest = list(ctx.saved_tensors)
-            for i, (x_q, dy_q, weight) in enumerate(zip(ctx.x_qs, dy_qs, ctx.weights,
-                                                        strict=True)):
-                if x_q is not None:
-                    rest = x_q.restore_from_saved(rest)
-                grad_weights[i] = _weight_gradient(x_q, dy_q, weight)
+        grad_x2d, grad_weights = dgrad_wgrad_gemms(
+            splits, dy_qs, ctx.w_qs, ctx.x_qs, ctx.weights,
+            list(ctx.saved_tensors) if call.need_wgrad else [],
+            need_dgrad=call.need_dgrad, need_wgrad=call.need_wgrad, out_dtype=ctx.out_dtype)
+        grad_x = None if grad_x2d is None else grad_x2d.reshape(ctx.x_shape)
         if call.backward_done is not None:
             call.backward_done()
         return (grad_x, None, *grad_weights, *grad_biases)
 
 
-def _weight_gradient(
+def weight_gradient(
     x_q: QuantizedStorage | None, dy_q: QuantizedStorage | None, weight: torch.Tensor
 ) -> torch.Tensor | None:
     """dW = dy^T x for one split; accumulated into weight.main_grad (fp32, set by a distributed

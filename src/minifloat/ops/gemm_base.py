@@ -23,10 +23,13 @@ from typing import ClassVar
 
 import torch
 
-from ..gemm import general_gemm
 from ..modules.base import BACKWARD_SLOTS, FORWARD_SLOTS, QuantizedModule, plain_weight
-from ..modules.linear_function import columnwise_copies_for_backward, quantize_for_gemms
-from ..modules.weights import quantized_weight
+from ..modules.linear_function import (
+    columnwise_copies_for_backward,
+    dgrad_wgrad_gemms,
+    fprop_gemms,
+    quantize_for_gemms,
+)
 from ..quantizers import QuantizedStorage, Quantizer
 from ..quantizers.split import check_splits
 from ..recipes import QuantizerRole
@@ -129,21 +132,12 @@ class GemmOperation(QuantizedModule, FusibleOperation):
             x_qs = quantize_for_gemms(x.reshape(-1, x.shape[-1]), ctx.splits,
                                       ctx.input_quantizers, rowwise=True,
                                       columnwise=ctx.need_wgrad)
-        outputs, w_qs = [], []
-        for x_q, weight, bias, quantizer in zip(x_qs, weights, biases, ctx.weight_quantizers,
-                                                strict=True):
-            w_q = quantized_weight(self._weight_cache, weight, quantizer,
-                                   columnwise=ctx.need_dgrad)
-            w_qs.append(w_q if ctx.need_dgrad else None)
-            if x_q is None:  # an expert without tokens
-                outputs.append(torch.zeros(0, weight.shape[0], dtype=ctx.out_dtype,
-                                           device=weight.device))
-            else:
-                outputs.append(general_gemm(x_q, w_q, out_dtype=ctx.out_dtype, bias=bias))
+        y, w_qs = fprop_gemms(x_qs, weights, biases, ctx.weight_quantizers, self._weight_cache,
+                              need_dgrad=ctx.need_dgrad, out_dtype=ctx.out_dtype)
         saved, kept = columnwise_copies_for_backward(x_qs, ctx.need_wgrad)
         ctx.save_for_backward(*saved)
         ctx.x_qs, ctx.w_qs = kept, w_qs
-        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        return y
 
     # ---- backward ----
 
@@ -203,41 +197,10 @@ class GemmOperation(QuantizedModule, FusibleOperation):
             if ctx.need_dgrad or ctx.need_wgrad:
                 dy_qs = quantize_for_gemms(dy2d, splits, ctx.grad_output_quantizers,
                                            rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad)
-        grad_x = None
-        if ctx.need_dgrad:
-            in_features = ctx.x_shape[-1]
-            pieces = []
-            for rows, dy_q, w_q in zip(splits, dy_qs, ctx.w_qs, strict=True):
-                if rows == 0:
-                    pieces.append(torch.zeros(0, in_features, dtype=ctx.out_dtype,
-                                              device=w_q.device))
-                else:
-                    pieces.append(general_gemm(dy_q, w_q, b_columnwise=True,
-                                               out_dtype=ctx.out_dtype))
-            grad_x = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        grad_weights: list[torch.Tensor | None] = [None] * len(splits)
-        if ctx.need_wgrad:
-            rest = list(ctx.saved_tensors)
-            for i, (x_q, dy_q, weight) in enumerate(zip(ctx.x_qs, dy_qs, ctx.weights,
-                                                        strict=True)):
-                if x_q is not None:
-                    rest = x_q.restore_from_saved(rest)
-                grad_weights[i] = weight_gradient(x_q, dy_q, weight)
+        grad_x, grad_weights = dgrad_wgrad_gemms(
+            splits, dy_qs, ctx.w_qs, ctx.x_qs, ctx.weights,
+            list(ctx.saved_tensors) if ctx.need_wgrad else [],
+            need_dgrad=ctx.need_dgrad, need_wgrad=ctx.need_wgrad, out_dtype=ctx.out_dtype)
         if ctx.backward_done is not None:
             ctx.backward_done()
         return grad_x, grad_weights, dy2d
-
-
-def weight_gradient(
-    x_q: QuantizedStorage | None, dy_q: QuantizedStorage | None, weight: torch.Tensor
-) -> torch.Tensor | None:
-    """dW = dy^T x for one split, accumulated into weight.main_grad (fp32, set by a distributed
-    optimizer) when present, returning None so autograd leaves weight.grad alone (as Linear)."""
-    main_grad = getattr(weight, "main_grad", None)
-    if x_q is None:  # an expert that received no tokens
-        return None if main_grad is not None else torch.zeros(
-            weight.shape, dtype=weight.dtype, device=weight.device)
-    if main_grad is not None:
-        general_gemm(dy_q, x_q, a_columnwise=True, b_columnwise=True, accumulate_into=main_grad)
-        return None
-    return general_gemm(dy_q, x_q, a_columnwise=True, b_columnwise=True, out_dtype=weight.dtype)

@@ -43,8 +43,6 @@ class GroupedLinear(ExpertParameters, GemmOperation):
         device: torch.device | str | None = None,
         name: str | None = None,
     ) -> None:
-        if num_gemms < 1:
-            raise ValueError(f"GroupedLinear needs num_gemms >= 1, got {num_gemms}")
         super().__init__(name)
         init_expert_parameters(self, num_gemms, in_features, out_features, bias, params_dtype,
                                device)
