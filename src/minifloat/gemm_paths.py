@@ -14,7 +14,8 @@ general_gemm picks one per call from the two operands' formats (DESIGN.md §4):
   emulation multiplies: per-tensor FP8 values, MXFP8 (E4M3/E5M2 x E8M0; exact while a block's
   scale is at least 2^-118, i.e. for any tensor whose blocks are not all below ~1e-35), NVFP4
   blocks (E2M1 x UE4M3, always exact), power-of-2-scaled block FP8, bf16 high-precision operands.
-  Per-tensor factors (NVFP4's S_dec) are applied to the fp32 product, then bias and the cast.
+  Per-tensor factors (NVFP4's S_dec) are applied to the fp32 product, then bias and the cast,
+  in one pass over the product (kernels/epilogue.py).
 - "fp32": the emulation as written (numerics.emulated_gemm_tn); the path everywhere else and on
   every device other than CUDA.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels
 from .quantizers import (
     Float8BlockStorage,
     Float8Storage,
@@ -132,6 +134,11 @@ def choose_path(
     return "fp32"
 
 
+def _fp32(scale: torch.Tensor) -> torch.Tensor:
+    """A 1-element scale as fp32; the kernels' scale_inv already is (no op then: host time)."""
+    return scale if scale.dtype == torch.float32 else scale.float()
+
+
 def scaled_mm_gemm(
     a: Float8Storage,
     a_columnwise: bool,
@@ -149,14 +156,14 @@ def scaled_mm_gemm(
                                                  torch.float32) else torch.float32
     use_bias = bias is not None and bias.dtype == scaled_mm_dtype == torch.bfloat16
     out = torch._scaled_mm(
-        mat_a, mat_b.t(), scale_a=a.scale_inv.reshape(()).float(),
-        scale_b=b.scale_inv.reshape(()).float(), bias=bias if use_bias else None,
+        mat_a, mat_b.t(), scale_a=_fp32(a.scale_inv), scale_b=_fp32(b.scale_inv),
+        bias=bias if use_bias else None,
         out_dtype=torch.float32 if (bias is not None and not use_bias) else scaled_mm_dtype,
         use_fast_accum=fast_accumulation,
     )
     if bias is not None and not use_bias:
         out = out + bias.float()
-    return out.to(out_dtype)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def bf16_gemm(
@@ -173,6 +180,11 @@ def bf16_gemm(
         return torch.mm(a_values.to(torch.bfloat16), b_values.to(torch.bfloat16).t())
     product = torch.mm(a_values.to(torch.bfloat16), b_values.to(torch.bfloat16).t(),
                        out_dtype=torch.float32)
+    if kernels.available(product) and out_dtype in (torch.bfloat16, torch.float16,
+                                                    torch.float32):
+        from .kernels.epilogue import scale_bias_cast  # Triton: fast path only
+
+        return scale_bias_cast(product, alpha, bias, out_dtype)
     if alpha is not None:
         product = product * alpha.float()
     if bias is not None:

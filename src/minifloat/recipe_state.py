@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import numerics
+from . import kernels, numerics
 from .quantizers import (
     Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
@@ -199,6 +199,13 @@ class DelayedScalingRecipeState(RecipeState):
             import torch.distributed as dist
 
             dist.all_reduce(self.amax_history[0], op=dist.ReduceOp.MAX, group=amax_reduction_group)
+        if kernels.available(self.amax_history):
+            from .kernels.delayed_update import delayed_scaling_update_  # Triton: GPU only
+
+            delayed_scaling_update_(self.amax_history, self.scale, self.fp8_max,
+                                    margin=recipe.margin,
+                                    amax_compute_algo=recipe.amax_compute_algo)
+            return
         history, scale = numerics.delayed_scaling_update(
             self.amax_history,
             self.scale,

@@ -1,9 +1,10 @@
 """Per-tensor absolute maximum on device (NUMERICS.md §2 step 1), without a host sync.
 
 Grid-stride programs each reduce their share of the tensor to one value and fold it into a device
-fp32 scalar with one atomic max. The max runs on the int32 bit patterns of |x| (see fp8_common):
-non-negative floats order like their bits, and every NaN pattern with its sign cleared is larger
-than +inf, so a NaN anywhere gives a NaN amax, as numerics.compute_amax does.
+fp32 scalar with one atomic max (compute_amax), or leave it in a slot of their own for the
+consuming kernel to reduce (amax_partials). The max runs on the int32 bit patterns of |x| (see
+fp8_common): non-negative floats order like their bits, and every NaN pattern with its sign
+cleared is larger than +inf, so a NaN anywhere gives a NaN amax, as numerics.compute_amax does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ PROGRAMS_PER_SM = 4
 
 @jit
 def _amax_kernel(x_ptr, amax_bits_ptr, n, iterations, BLOCK: tl.constexpr,
-                 UNROLL: tl.constexpr):
+                 UNROLL: tl.constexpr, PARTIALS: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     running = tl.zeros([BLOCK], dtype=tl.int32)
@@ -35,7 +36,49 @@ def _amax_kernel(x_ptr, amax_bits_ptr, n, iterations, BLOCK: tl.constexpr,
             x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0)
             running = tl.maximum(running, abs_bits(x))
         i += 1
-    tl.atomic_max(amax_bits_ptr, tl.max(running, axis=0))
+    if PARTIALS:  # one slot per program, reduced by the consumer: no zeroed buffer needed
+        tl.store(amax_bits_ptr + pid, tl.max(running, axis=0))
+    else:
+        tl.atomic_max(amax_bits_ptr, tl.max(running, axis=0))
+
+
+@jit
+def reduce_partials(partials_ptr, count, PARTIALS_BLOCK: tl.constexpr):
+    """The amax held as per-program partial maxima (int32 |x| bits): their max, as fp32."""
+    index = tl.arange(0, PARTIALS_BLOCK)
+    bits = tl.load(partials_ptr + index, mask=index < count, other=0)
+    return tl.max(bits, axis=0).to(tl.float32, bitcast=True)
+
+
+def _programs(x: torch.Tensor) -> tuple[int, int]:
+    """(programs, loop iterations of each) for a grid-stride pass over x."""
+    blocks = cdiv(x.numel(), AMAX_BLOCK * AMAX_UNROLL)
+    if x.is_cuda:
+        cap = PROGRAMS_PER_SM * _sm_count(x.device.index if x.device.index is not None else 0)
+    else:
+        cap = max_programs(x.device)
+    programs = min(blocks, cap)
+    return programs, cdiv(blocks, programs)
+
+
+def amax_partials(x: torch.Tensor) -> torch.Tensor:
+    """max|x| as per-program partial maxima: an int32 tensor of |x| bit patterns, one per program
+    (reduce_partials in the consuming kernel takes their max).
+
+    Why: compute_amax needs a zeroed output, one more allocation and launch on the host's
+    critical path; the partials need neither (every slot is written). Used by current scaling
+    when no amax reduction group is set.
+    """
+    if not kernel_input(x):
+        raise ValueError(
+            "amax_partials kernel needs a non-empty contiguous float32/bfloat16/float16 tensor; "
+            f"got dtype {x.dtype}, shape {tuple(x.shape)}, contiguous={x.is_contiguous()}"
+        )
+    programs, iterations = _programs(x)
+    partials = torch.empty(programs, dtype=torch.int32, device=x.device)
+    _amax_kernel[(programs,)](x, partials, x.numel(), iterations, BLOCK=AMAX_BLOCK,
+                              UNROLL=AMAX_UNROLL, PARTIALS=True, num_warps=AMAX_WARPS)
+    return partials
 
 
 def compute_amax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -53,13 +96,8 @@ def compute_amax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         out = torch.zeros((), dtype=torch.float32, device=x.device)
     elif out.dtype != torch.float32 or out.device != x.device or out.numel() != 1:
         raise ValueError("compute_amax: `out` must be a 1-element float32 tensor on x's device")
-    n = x.numel()
-    blocks = cdiv(n, AMAX_BLOCK * AMAX_UNROLL)
-    if x.is_cuda:
-        cap = PROGRAMS_PER_SM * _sm_count(x.device.index if x.device.index is not None else 0)
-    else:
-        cap = max_programs(x.device)
-    programs = min(blocks, cap)
-    _amax_kernel[(programs,)](x, out.view(torch.int32), n, cdiv(blocks, programs),
-                              BLOCK=AMAX_BLOCK, UNROLL=AMAX_UNROLL, num_warps=AMAX_WARPS)
+    programs, iterations = _programs(x)
+    _amax_kernel[(programs,)](x, out.view(torch.int32), x.numel(), iterations,
+                              BLOCK=AMAX_BLOCK, UNROLL=AMAX_UNROLL, PARTIALS=False,
+                              num_warps=AMAX_WARPS)
     return out

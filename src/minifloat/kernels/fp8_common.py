@@ -85,13 +85,17 @@ def is_e5m2(fp8_dtype: torch.dtype) -> bool:
     )
 
 
+@functools.lru_cache(maxsize=256)
 def float32_bits(value: float) -> int:
-    """The fp32 bit pattern of a Python float (rounded to fp32), as a Python int."""
+    """The fp32 bit pattern of a Python float (rounded to fp32), as a Python int. Cached: the
+    values are a few recipe constants, and building a tensor per launch costs host time."""
     return int(torch.tensor(value, dtype=torch.float32).view(torch.int32).item())
 
 
+@functools.lru_cache(maxsize=256)
 def float32_value(value: float) -> float:
-    """A Python float rounded to fp32 once on the host, so a kernel's fp32 argument is exact."""
+    """A Python float rounded to fp32 once on the host, so a kernel's fp32 argument is exact
+    (cached like float32_bits)."""
     return float(torch.tensor(value, dtype=torch.float32).item())
 
 

@@ -6,8 +6,10 @@ rounds it once and stores it twice, the second store through a register transpos
 writes are coalesced.
 
 - Current scaling: the amax kernel (amax.py) reduces max|x| into a device scalar (the caller may
-  all-reduce it in between), then the cast kernel derives scale and scale_inv from that amax on
-  device, exactly as numerics.scale_from_amax does, and casts. Two launches, no host sync.
+  all-reduce it in between) or, without a reduction, leaves per-program partial maxima that
+  every cast program reduces itself; then the cast kernel derives scale and scale_inv from that
+  amax on device, exactly as numerics.scale_from_amax does, and casts. Two launches, no host
+  sync.
 - Delayed scaling: the cast uses the given scale tensor and folds this tensor's amax into the
   given amax tensor in the same pass (an atomic max per tile).
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import amax as amax_kernels
+from .amax import reduce_partials
 from .fp8_common import (
     abs_bits,
     cdiv,
@@ -33,6 +36,7 @@ from .fp8_common import (
     scale_from_amax,
     tile_offsets,
     tl,
+    triton,
 )
 
 # 64x128 tiles, 4 warps (64 elements a thread). Swept on an H100 with the hardware cast
@@ -78,18 +82,23 @@ def cast_transpose_tile(x_ptr, data_ptr, data_t_ptr, amax_bits_ptr, scale, M, K,
 
 @jit
 def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, eps,
-                           M, K, E5M2: tl.constexpr, CURRENT: tl.constexpr, POW2: tl.constexpr,
-                           ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
+                           M, K, partial_count, E5M2: tl.constexpr, CURRENT: tl.constexpr,
+                           POW2: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WIDE: tl.constexpr,
-                           HW_CAST: tl.constexpr):
+                           HW_CAST: tl.constexpr, PARTIALS_BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, BLOCK_K)
     pid_m = pid // tiles_k
     pid_k = pid % tiles_k
     if CURRENT:
-        # amax_ptr: fp32 amax (already reduced); scale follows numerics.scale_from_amax with
+        # amax_ptr: the fp32 amax (already reduced), or with PARTIALS_BLOCK > 0 the amax
+        # kernel's per-program partial maxima; scale follows numerics.scale_from_amax with
         # overflow value FLT_MAX (0x7F7FFFFF)
-        scale = scale_from_amax(tl.load(amax_ptr), eps, E5M2, POW2, 0x7F7FFFFF)
+        if PARTIALS_BLOCK > 0:
+            amax = reduce_partials(amax_ptr, partial_count, PARTIALS_BLOCK)
+        else:
+            amax = tl.load(amax_ptr)
+        scale = scale_from_amax(amax, eps, E5M2, POW2, 0x7F7FFFFF)
         cast_transpose_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, M, K, pid_m, pid_k,
                             E5M2, ROWWISE, COLUMNWISE, False, BLOCK_M, BLOCK_K, WIDE, HW_CAST)
     else:
@@ -115,6 +124,7 @@ def _launch(
     scale: torch.Tensor | None,
     amax: torch.Tensor,
     amax_epsilon: float,
+    partials: bool = False,
     power_2_scale: bool,
     rowwise: bool,
     columnwise: bool,
@@ -145,6 +155,7 @@ def _launch(
         float32_value(amax_epsilon),
         m,
         k,
+        amax.numel() if partials else 1,
         E5M2=e5m2,
         CURRENT=current,
         POW2=power_2_scale,
@@ -154,6 +165,7 @@ def _launch(
         BLOCK_K=TILE_K,
         WIDE=needs_wide_offsets(m, k, max(TILE_M, TILE_K)),
         HW_CAST=hw_cast(x),
+        PARTIALS_BLOCK=triton.next_power_of_2(amax.numel()) if partials else 0,
         num_warps=NUM_WARPS,
     )
     return (
@@ -179,9 +191,11 @@ def quantize_current_scaling(
     for, with the bytes of numerics.quantize_current_scaling. `amax` (a 1-element fp32 tensor on
     x's device) may be given when it was reduced across ranks; otherwise it is computed here.
     """
-    if amax is None:
-        amax = amax_kernels.compute_amax(x)
-    elif amax.numel() != 1 or amax.dtype != torch.float32 or amax.device != x.device:
+    if amax is None:  # partial maxima: no zeroed buffer (see amax.amax_partials)
+        return _launch(x, fp8_dtype, scale=None, amax=amax_kernels.amax_partials(x),
+                       amax_epsilon=amax_epsilon, power_2_scale=power_2_scale, rowwise=rowwise,
+                       columnwise=columnwise, partials=True)
+    if amax.numel() != 1 or amax.dtype != torch.float32 or amax.device != x.device:
         raise ValueError("quantize_current_scaling: amax must be a 1-element float32 tensor on "
                          "x's device")
     return _launch(x, fp8_dtype, scale=None, amax=amax, amax_epsilon=amax_epsilon,
