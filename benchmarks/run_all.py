@@ -8,6 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpt_step  # noqa: E402
 import linear_step  # noqa: E402
 import quantize_bandwidth  # noqa: E402
 
@@ -19,6 +20,7 @@ def main() -> int:
     failures = 0
     failures += quantize_bandwidth.main(["--out", str(args.out)]) != 0
     failures += linear_step.main(["--out", str(args.out), "--torchao"]) != 0
+    failures += gpt_step.main(["--out", str(args.out)]) != 0
     return 1 if failures else 0
 
 

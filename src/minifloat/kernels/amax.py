@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .fp8_common import _sm_count, abs_bits, cdiv, jit, kernel_input, max_programs, tl
+from .launch import launch
 
 AMAX_BLOCK = 4096
 AMAX_UNROLL = 1  # independent loads issued per loop step (memory-level parallelism)
@@ -76,8 +77,8 @@ def amax_partials(x: torch.Tensor) -> torch.Tensor:
         )
     programs, iterations = _programs(x)
     partials = torch.empty(programs, dtype=torch.int32, device=x.device)
-    _amax_kernel[(programs,)](x, partials, x.numel(), iterations, BLOCK=AMAX_BLOCK,
-                              UNROLL=AMAX_UNROLL, PARTIALS=True, num_warps=AMAX_WARPS)
+    launch(_amax_kernel, (programs,), x, partials, x.numel(), iterations, BLOCK=AMAX_BLOCK,
+           UNROLL=AMAX_UNROLL, PARTIALS=True, num_warps=AMAX_WARPS)
     return partials
 
 
@@ -97,7 +98,6 @@ def compute_amax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     elif out.dtype != torch.float32 or out.device != x.device or out.numel() != 1:
         raise ValueError("compute_amax: `out` must be a 1-element float32 tensor on x's device")
     programs, iterations = _programs(x)
-    _amax_kernel[(programs,)](x, out.view(torch.int32), x.numel(), iterations,
-                              BLOCK=AMAX_BLOCK, UNROLL=AMAX_UNROLL, PARTIALS=False,
-                              num_warps=AMAX_WARPS)
+    launch(_amax_kernel, (programs,), x, out.view(torch.int32), x.numel(), iterations,
+           BLOCK=AMAX_BLOCK, UNROLL=AMAX_UNROLL, PARTIALS=False, num_warps=AMAX_WARPS)
     return out

@@ -9,12 +9,13 @@ the amax of the elements that exist):
 
 Each program owns one aligned 128x128 tile of the [M, K] view, which holds whole blocks of both
 directions, so one program writes both copies and the input crosses HBM once: the 1D kernel
-takes column maxima (columnwise blocks) and row maxima (rowwise blocks) from the same loads; the
-2D kernel takes the tile maximum and stores data and transpose. The tile is swept in 32-wide
-chunks to bound registers; where a scale needs the whole tile first (rowwise blocks when both
-copies are written, 2D tiles) a second sweep re-reads the tile, which then comes from cache.
-Scales follow numerics.scale_from_amax with the input dtype's max as the overflow value
-(power-of-2 scales by default).
+takes row maxima (rowwise blocks) and column maxima (columnwise blocks) from the same loads; the
+2D kernel takes the tile maximum and stores data and transpose. The 1D tile is swept in 32-row
+chunks to bound registers: each chunk completes its rowwise blocks, and the columnwise copy,
+whose scales need the whole tile, comes from a second sweep that re-reads the tile from cache.
+The 2D kernel holds its whole tile in registers (8 warps). Scales follow numerics.scale_from_amax
+with the input dtype's max as the overflow value (power-of-2 scales by default, computed from
+exponent bits without a division; see pow2_scale).
 """
 
 from __future__ import annotations
@@ -36,17 +37,77 @@ from .fp8_common import (
     tile_offsets,
     tl,
 )
+from .launch import launch
 
 BLOCK = 128
-# rows or columns per sweep step (bounds registers, see block_1d_tile; CHUNK == BLOCK holds the
-# whole tile), and warps. Swept on an H100 with the hardware cast (benchmarks/KERNEL_NOTES.md):
-# 1D best at 64-wide chunks with 4 warps, 2D at 64-row chunks with 8 warps.
-CHUNK = 32  # the multi-tensor kernel's sweep
-CHUNK_1D, NUM_WARPS_1D = 64, 4
-CHUNK_2D, NUM_WARPS_2D = 64, 8
+# Launch constants, swept on an H100 with the hardware cast (benchmarks/KERNEL_NOTES.md, v2).
+# CHUNK: rows or columns per sweep step (bounds registers, see _tile_1d; CHUNK == BLOCK holds
+# the whole tile). The multi-tensor kernel sweeps block_1d_tile with CHUNK.
+CHUNK = 32
+# 1D tiles that write both copies: ROWS_FIRST_1D sweeps [CHUNK_1D, 128] row chunks (rowwise
+# blocks complete, cast and stored at once, column maxima kept elementwise), then the columnwise
+# copy from a second sweep of [CAST_CHUNK_1D, 128] chunks (from cache); otherwise the older
+# order (column chunks, then the rowwise copy from cache), or with CHUNK_1D = 128 the whole
+# tile in registers. 16384x8192 bf16: rows-first 32/32 w4 0.282 ms, 32/64 0.282, 64/64 0.287;
+# whole tile w8 0.295; column chunks 64 w4 0.341 (all with the division-free scales).
+ROWS_FIRST_1D, CHUNK_1D, CAST_CHUNK_1D, NUM_WARPS_1D = True, 32, 32, 4
+# 2D: whole tile in registers with 8 warps 0.201 ms; 64-row chunks 0.235; whole tile w4 0.254.
+CHUNK_2D, NUM_WARPS_2D = 128, 8
 ScaledCopies = tuple[
     torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None
 ]
+
+
+@jit
+def pow2_scale(amax, eps, OVERFLOW_BITS: tl.constexpr):
+    """scale_from_amax(amax, eps, E4M3, POW2=True) without the division: the bytes are the same.
+
+    For a normal amax = (1 + m / 2^23) * 2^(E - 127), 448 / amax = q * 2^(135 - E) with
+    q = 1.75 / (1 + m / 2^23) in (0.875, 1.75]. q >= 1 exactly when m <= 0x600000, and below
+    that the correctly rounded q stays below 1 (the largest, at m = 0x600001, is 1 - 1.14 * 2^-24,
+    nearer 1 - 2^-24 than 1), so the power of two under the rounded quotient has biased exponent
+    262 - E - (m > 0x600000). It is never subnormal (E <= 254); a biased exponent past 254 is
+    the infinite quotient, as it is for every subnormal amax (E = 0): the overflow value.
+    Zero, infinite and NaN amax give scale 1. The per-block division and the exact reciprocal
+    were most of the 1D kernel's arithmetic: every thread computes the scales of the blocks it
+    holds a slice of, many times over."""
+    amax = tl.where(amax < eps, eps, amax)  # NaN compares false and stays NaN
+    bits = amax.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    degenerate = (magnitude == 0) | (magnitude >= 0x7F800000)
+    exponent = 262 - (magnitude >> 23) - ((magnitude & 0x7FFFFF) > 0x600000).to(tl.int32)
+    scale_bits = tl.where(exponent >= 255, OVERFLOW_BITS & -8388608,
+                          (exponent << 23) | (bits & -2147483648))
+    scale_bits = tl.where(degenerate, 0x3F800000, scale_bits)
+    return scale_bits.to(tl.float32, bitcast=True)
+
+
+@jit
+def pow2_reciprocal(scale):
+    """reciprocal_rn of a power-of-two scale from pow2_scale (biased exponent 1..254), by
+    exponent arithmetic: 2^-(E - 127) has biased exponent 254 - E; E = 254 gives the subnormal
+    2^-127 (bits 0x400000). Exact, like the reference's reciprocal."""
+    bits = scale.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    inverse = tl.where(exponent == 254, 0x400000, (254 - exponent) << 23)
+    return (inverse | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@jit
+def _scale(amax_bits, eps, POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr):
+    """Block scales from int32 amax bits (numerics.scale_from_amax, E4M3)."""
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    if POW2:
+        scale = pow2_scale(amax, eps, OVERFLOW_BITS)
+    else:
+        scale = scale_from_amax(amax, eps, False, POW2, OVERFLOW_BITS)
+    return scale
+
+
+@jit
+def _scale_inv(scale, POW2: tl.constexpr):
+    """scale_inv = 1 / scale as the reference rounds it (exponent arithmetic for powers of 2)."""
+    return pow2_reciprocal(scale) if POW2 else reciprocal_rn(scale)
 
 
 @jit
@@ -72,13 +133,30 @@ def block_1d_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps
                   COLUMNWISE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
                   WIDE: tl.constexpr, HW_CAST: tl.constexpr):
     """Quantize tile (pid_m, pid_k) of a row-major [M, K] tensor in 1x128 blocks along K
-    (ROWWISE) and along M into the transposed layout (COLUMNWISE). Shared with multi_tensor.
+    (ROWWISE) and along M into the transposed layout (COLUMNWISE): the multi-tensor kernel's
+    entry, the rows-first order (see _tile_1d) with CHUNK-row chunks in both sweeps."""
+    _tile_1d(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K, pid_m, pid_k,
+             POW2, OVERFLOW_BITS, ROWWISE, COLUMNWISE, BLOCK, CHUNK, CHUNK, True, WIDE, HW_CAST)
+
+
+@jit
+def _tile_1d(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K, pid_m,
+             pid_k, POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr, ROWWISE: tl.constexpr,
+             COLUMNWISE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+             CAST_CHUNK: tl.constexpr, ROWS_FIRST: tl.constexpr, WIDE: tl.constexpr,
+             HW_CAST: tl.constexpr):
+    """One 128x128 tile of the 1D quantization.
 
     The tile is walked in chunks to bound register use (a whole 128x128 fp32 tile held across a
-    reduction spills). A [BLOCK, CHUNK] column chunk holds whole columnwise blocks, a
-    [CHUNK, BLOCK] row chunk whole rowwise blocks, so one direction alone is a single sweep.
-    Both directions: the column sweep also gathers the row maxima, and a second sweep over the
-    same tile, read back from cache rather than HBM, writes the rowwise copy.
+    reduction spills). A [CHUNK, BLOCK] row chunk holds whole rowwise blocks, a [BLOCK, CHUNK]
+    column chunk whole columnwise blocks, so one direction alone is a single sweep. Both
+    directions need a second sweep over the same tile, read back from cache rather than HBM:
+    - ROWS_FIRST: row chunks write the rowwise copy at once and fold their magnitudes into an
+      elementwise running maximum (no cross-thread reduction per chunk); one reduction of it
+      gives the column scales, and a sweep of [CAST_CHUNK, BLOCK] row chunks writes the
+      transposed copy;
+    - otherwise: column chunks write the columnwise copy and gather row maxima, and a second
+      sweep writes the rowwise copy.
     """
     row0 = pid_m.to(tl.int64) * BLOCK
     col0 = pid_k.to(tl.int64) * BLOCK
@@ -91,57 +169,72 @@ def block_1d_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps
     chunk = tl.arange(0, CHUNK)
     k_blocks = tl.cdiv(K, BLOCK)
     m_blocks = tl.cdiv(M, BLOCK)
-    if CHUNK == BLOCK:
+    if ROWWISE and COLUMNWISE and ROWS_FIRST:
+        running = tl.zeros([CHUNK, BLOCK], dtype=tl.int32)
+        for r in range(BLOCK // CHUNK):
+            rows = r * CHUNK + chunk
+            x, mask = _load_chunk(x_tile, rows, tile, rows_left, cols_left, K, WIDE)
+            magnitude = abs_bits(x)  # zero padding cannot raise an amax; NaN dominates
+            running = tl.maximum(running, magnitude)
+            scale = _scale(tl.max(magnitude, axis=1), eps, POW2, OVERFLOW_BITS)
+            tl.store(row_tile + tile_offsets(rows, tile, K, WIDE),
+                     fp8_codes(x * scale[:, None], False, HW_CAST), mask=mask)
+            tl.store(row_si_ptr + (row0 + rows) * k_blocks + pid_k, _scale_inv(scale, POW2),
+                     mask=rows < rows_left)
+        scale = _scale(tl.max(running, axis=0), eps, POW2, OVERFLOW_BITS)
+        tl.store(col_si_ptr + (col0 + tile) * m_blocks + pid_m, _scale_inv(scale, POW2),
+                 mask=tile < cols_left)
+        for r in range(BLOCK // CAST_CHUNK):
+            rows = r * CAST_CHUNK + tl.arange(0, CAST_CHUNK)
+            x, mask = _load_chunk(x_tile, rows, tile, rows_left, cols_left, K, WIDE)
+            _store_columnwise(col_tile, fp8_codes(x * scale[None, :], False, HW_CAST), rows,
+                              tile, rows_left, cols_left, M, WIDE)
+    elif CHUNK == BLOCK:
         # whole tile in registers: one load, both maxima, both casts (no re-read)
         x, mask = _load_chunk(x_tile, tile, tile, rows_left, cols_left, K, WIDE)
         magnitude = abs_bits(x)
         if ROWWISE:
-            amax = tl.max(magnitude, axis=1).to(tl.float32, bitcast=True)
-            scale = scale_from_amax(amax, eps, False, POW2, OVERFLOW_BITS)
+            scale = _scale(tl.max(magnitude, axis=1), eps, POW2, OVERFLOW_BITS)
             tl.store(row_tile + tile_offsets(tile, tile, K, WIDE),
                      fp8_codes(x * scale[:, None], False, HW_CAST), mask=mask)
-            tl.store(row_si_ptr + (row0 + tile) * k_blocks + pid_k, reciprocal_rn(scale),
+            tl.store(row_si_ptr + (row0 + tile) * k_blocks + pid_k, _scale_inv(scale, POW2),
                      mask=tile < rows_left)
         if COLUMNWISE:
-            amax = tl.max(magnitude, axis=0).to(tl.float32, bitcast=True)
-            scale = scale_from_amax(amax, eps, False, POW2, OVERFLOW_BITS)
+            scale = _scale(tl.max(magnitude, axis=0), eps, POW2, OVERFLOW_BITS)
             _store_columnwise(col_tile, fp8_codes(x * scale[None, :], False, HW_CAST), tile,
                               tile, rows_left, cols_left, M, WIDE)
-            tl.store(col_si_ptr + (col0 + tile) * m_blocks + pid_m, reciprocal_rn(scale),
+            tl.store(col_si_ptr + (col0 + tile) * m_blocks + pid_m, _scale_inv(scale, POW2),
                      mask=tile < cols_left)
     elif COLUMNWISE:
         row_amax = tl.zeros([BLOCK], dtype=tl.int32)
         for c in range(BLOCK // CHUNK):
             cols = c * CHUNK + chunk
             x, mask = _load_chunk(x_tile, tile, cols, rows_left, cols_left, K, WIDE)
-            magnitude = abs_bits(x)  # zero padding cannot raise an amax; NaN dominates
+            magnitude = abs_bits(x)
             if ROWWISE:
                 row_amax = tl.maximum(row_amax, tl.max(magnitude, axis=1))
-            amax = tl.max(magnitude, axis=0).to(tl.float32, bitcast=True)
-            scale = scale_from_amax(amax, eps, False, POW2, OVERFLOW_BITS)
+            scale = _scale(tl.max(magnitude, axis=0), eps, POW2, OVERFLOW_BITS)
             _store_columnwise(col_tile, fp8_codes(x * scale[None, :], False, HW_CAST), tile, cols,
                               rows_left, cols_left, M, WIDE)
-            tl.store(col_si_ptr + (col0 + cols) * m_blocks + pid_m, reciprocal_rn(scale),
+            tl.store(col_si_ptr + (col0 + cols) * m_blocks + pid_m, _scale_inv(scale, POW2),
                      mask=cols < cols_left)
         if ROWWISE:
-            scale = scale_from_amax(row_amax.to(tl.float32, bitcast=True), eps, False, POW2,
-                                    OVERFLOW_BITS)
+            scale = _scale(row_amax, eps, POW2, OVERFLOW_BITS)
             for c in range(BLOCK // CHUNK):
                 cols = c * CHUNK + chunk
                 x, mask = _load_chunk(x_tile, tile, cols, rows_left, cols_left, K, WIDE)
                 tl.store(row_tile + tile_offsets(tile, cols, K, WIDE),
                          fp8_codes(x * scale[:, None], False, HW_CAST), mask=mask)
-            tl.store(row_si_ptr + (row0 + tile) * k_blocks + pid_k, reciprocal_rn(scale),
+            tl.store(row_si_ptr + (row0 + tile) * k_blocks + pid_k, _scale_inv(scale, POW2),
                      mask=tile < rows_left)
     else:
         for r in range(BLOCK // CHUNK):
             rows = r * CHUNK + chunk
             x, mask = _load_chunk(x_tile, rows, tile, rows_left, cols_left, K, WIDE)
-            amax = tl.max(abs_bits(x), axis=1).to(tl.float32, bitcast=True)
-            scale = scale_from_amax(amax, eps, False, POW2, OVERFLOW_BITS)
+            scale = _scale(tl.max(abs_bits(x), axis=1), eps, POW2, OVERFLOW_BITS)
             tl.store(row_tile + tile_offsets(rows, tile, K, WIDE),
                      fp8_codes(x * scale[:, None], False, HW_CAST), mask=mask)
-            tl.store(row_si_ptr + (row0 + rows) * k_blocks + pid_k, reciprocal_rn(scale),
+            tl.store(row_si_ptr + (row0 + rows) * k_blocks + pid_k, _scale_inv(scale, POW2),
                      mask=rows < rows_left)
 
 
@@ -149,12 +242,13 @@ def block_1d_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps
 def _block_1d_kernel(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K,
                      POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr, ROWWISE: tl.constexpr,
                      COLUMNWISE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                     WIDE: tl.constexpr, HW_CAST: tl.constexpr):
+                     CAST_CHUNK: tl.constexpr, ROWS_FIRST: tl.constexpr, WIDE: tl.constexpr,
+                     HW_CAST: tl.constexpr):
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, BLOCK)
-    block_1d_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K,
-                  pid // tiles_k, pid % tiles_k, POW2, OVERFLOW_BITS, ROWWISE, COLUMNWISE, BLOCK,
-                  CHUNK, WIDE, HW_CAST)
+    _tile_1d(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K,
+             pid // tiles_k, pid % tiles_k, POW2, OVERFLOW_BITS, ROWWISE, COLUMNWISE, BLOCK,
+             CHUNK, CAST_CHUNK, ROWS_FIRST, WIDE, HW_CAST)
 
 
 @jit
@@ -174,37 +268,34 @@ def _block_2d_kernel(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, 
     rows_left = M - row0
     cols_left = K - col0
     x_tile = x_ptr + row0 * K + col0
+    row_tile = row_data_ptr + row0 * K + col0
+    col_tile = col_data_ptr + col0 * M + row0
     tile = tl.arange(0, BLOCK)
     chunk = tl.arange(0, CHUNK)
     if CHUNK == BLOCK:
         x, mask = _load_chunk(x_tile, tile, tile, rows_left, cols_left, K, WIDE)
-        amax = tl.max(tl.max(abs_bits(x), axis=1), axis=0).to(tl.float32, bitcast=True)
-        scale = scale_from_amax(amax, eps, False, POW2, OVERFLOW_BITS)
+        amax = tl.max(tl.max(abs_bits(x), axis=1), axis=0)
+        scale = _scale(amax, eps, POW2, OVERFLOW_BITS)
         codes = fp8_codes(x * scale, False, HW_CAST)
         if ROWWISE:
-            tl.store(row_data_ptr + row0 * K + col0 + tile_offsets(tile, tile, K, WIDE), codes,
-                     mask=mask)
+            tl.store(row_tile + tile_offsets(tile, tile, K, WIDE), codes, mask=mask)
         if COLUMNWISE:
-            _store_columnwise(col_data_ptr + col0 * M + row0, codes, tile, tile, rows_left,
-                              cols_left, M, WIDE)
+            _store_columnwise(col_tile, codes, tile, tile, rows_left, cols_left, M, WIDE)
     else:
         running = tl.zeros([CHUNK, BLOCK], dtype=tl.int32)
         for r in range(BLOCK // CHUNK):
             x, mask = _load_chunk(x_tile, r * CHUNK + chunk, tile, rows_left, cols_left, K, WIDE)
             running = tl.maximum(running, abs_bits(x))
-        amax = tl.max(tl.max(running, axis=1), axis=0).to(tl.float32, bitcast=True)
-        scale = scale_from_amax(amax, eps, False, POW2, OVERFLOW_BITS)
+        scale = _scale(tl.max(tl.max(running, axis=1), axis=0), eps, POW2, OVERFLOW_BITS)
         for r in range(BLOCK // CHUNK):
             rows = r * CHUNK + chunk
             x, mask = _load_chunk(x_tile, rows, tile, rows_left, cols_left, K, WIDE)
             codes = fp8_codes(x * scale, False, HW_CAST)
             if ROWWISE:
-                tl.store(row_data_ptr + row0 * K + col0 + tile_offsets(rows, tile, K, WIDE),
-                         codes, mask=mask)
+                tl.store(row_tile + tile_offsets(rows, tile, K, WIDE), codes, mask=mask)
             if COLUMNWISE:
-                _store_columnwise(col_data_ptr + col0 * M + row0, codes, rows, tile, rows_left,
-                                  cols_left, M, WIDE)
-    scale_inv = reciprocal_rn(scale)
+                _store_columnwise(col_tile, codes, rows, tile, rows_left, cols_left, M, WIDE)
+    scale_inv = _scale_inv(scale, POW2)
     if ROWWISE:
         tl.store(row_si_ptr + pid_m * tiles_k + pid_k, scale_inv)
     if COLUMNWISE:
@@ -227,7 +318,7 @@ def _check(x: torch.Tensor, rowwise: bool, columnwise: bool) -> tuple[int, int]:
 
 def _launch(kernel, x: torch.Tensor, row_grid: tuple[int, int], col_grid: tuple[int, int], *,
             rowwise: bool, columnwise: bool, power_2_scale: bool, amax_epsilon: float,
-            chunk: int, num_warps: int) -> ScaledCopies:
+            chunk: int, num_warps: int, **constexprs) -> ScaledCopies:
     m, k = _check(x, rowwise, columnwise)
     device = x.device
 
@@ -242,7 +333,9 @@ def _launch(kernel, x: torch.Tensor, row_grid: tuple[int, int], col_grid: tuple[
     present = next(t for t in (row_data, col_data) if t is not None)
     present_si = row_si if row_si is not None else col_si
     grid = (cdiv(m, BLOCK) * cdiv(k, BLOCK),)
-    kernel[grid](
+    launch(
+        kernel,
+        grid,
         x,
         row_data if row_data is not None else present,
         row_si if row_si is not None else present_si,
@@ -260,6 +353,7 @@ def _launch(kernel, x: torch.Tensor, row_grid: tuple[int, int], col_grid: tuple[
         WIDE=needs_wide_offsets(m, k, BLOCK),
         HW_CAST=hw_cast(x),
         num_warps=num_warps,
+        **constexprs,
     )
     e4m3 = torch.float8_e4m3fn
     return (None if row_data is None else row_data.view(e4m3), row_si,
@@ -283,7 +377,8 @@ def quantize_block_1d(
     m, k = _check(x, rowwise, columnwise)
     return _launch(_block_1d_kernel, x, (m, cdiv(k, BLOCK)), (k, cdiv(m, BLOCK)),
                    rowwise=rowwise, columnwise=columnwise, power_2_scale=power_2_scale,
-                   amax_epsilon=amax_epsilon, chunk=CHUNK_1D, num_warps=NUM_WARPS_1D)
+                   amax_epsilon=amax_epsilon, chunk=CHUNK_1D, num_warps=NUM_WARPS_1D,
+                   CAST_CHUNK=CAST_CHUNK_1D, ROWS_FIRST=ROWS_FIRST_1D)
 
 
 def quantize_block_2d(

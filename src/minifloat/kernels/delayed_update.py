@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .fp8_common import cdiv, float32_value, jit, tl
+from .launch import launch
 
 SLOTS_BLOCK = 16
 ROWS_BLOCK = 128
@@ -99,7 +100,7 @@ def delayed_scaling_update_(
                              f"of {numel} values on the history's device")
     if rows == 0 or slots == 0:
         return
-    _delayed_update_kernel[(cdiv(slots, SLOTS_BLOCK),)](
-        amax_history, scale, fp8_max, rows, slots, float32_value(2.0 ** margin),
-        MOST_RECENT=amax_compute_algo == "most_recent", SLOTS=SLOTS_BLOCK, ROWS=ROWS_BLOCK,
-        num_warps=4)
+    launch(_delayed_update_kernel, (cdiv(slots, SLOTS_BLOCK),), amax_history, scale, fp8_max,
+           rows, slots, float32_value(2.0 ** margin),
+           MOST_RECENT=amax_compute_algo == "most_recent", SLOTS=SLOTS_BLOCK, ROWS=ROWS_BLOCK,
+           num_warps=4)

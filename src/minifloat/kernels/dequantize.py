@@ -39,6 +39,7 @@ import triton.language as tl
 
 from ..numerics.mxfp8 import BLOCK as MX_BLOCK
 from ..numerics.nvfp4 import BLOCK as NV_BLOCK
+from .launch import launch
 
 # Tile shapes (elements), picked on an H100 at 16384 x 8192 (benchmarks/dequantize_bench.py):
 # MXFP8 rowwise 16 x 256 codes, 8 warps; MXFP8 columnwise transposed 32 (along M) x 128 (along
@@ -340,8 +341,8 @@ def dequantize_mxfp8_bf16(
         raise ValueError(f"block_shape {(block_m, block_k)} must hold whole {MX_BLOCK}-blocks")
     if m * k:
         grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
-        kernel[grid](
-            data2d, scale2d, result.view(torch.int16), m, k, **constants,
+        launch(
+            kernel, grid, data2d, scale2d, result.view(torch.int16), m, k, **constants,
             BLOCK_M=block_m, BLOCK_K=block_k, SCALE_BLOCK=MX_BLOCK, num_warps=warps,
         )
     return result
@@ -371,8 +372,8 @@ def dequantize_nvfp4_blocks_bf16(
         raise ValueError(f"block_shape {(block_r, block_c)} must hold whole {NV_BLOCK}-blocks")
     if rows * c_bytes:
         grid = (triton.cdiv(rows, block_r), triton.cdiv(c_bytes, block_c))
-        _nvfp4_kernel[grid](
-            data2d, scale2d, result.view(torch.int32), rows, c_bytes,
+        launch(
+            _nvfp4_kernel, grid, data2d, scale2d, result.view(torch.int32), rows, c_bytes,
             BLOCK_R=block_r, BLOCK_BYTES=block_c, SCALE_BYTES=block_bytes, num_warps=NV_WARPS,
         )
     return result

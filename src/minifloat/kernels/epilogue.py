@@ -18,6 +18,7 @@ import torch
 
 from .element_cast import round_to_bf16
 from .fp8_common import cdiv, jit, tl
+from .launch import launch
 
 EPILOGUE_BLOCK = 2048
 EPILOGUE_WARPS = 8
@@ -75,9 +76,9 @@ def scale_bias_cast(
     alpha_arg = product if alpha is None else alpha.reshape(1).float()
     bias_arg = product if bias is None else bias.reshape(-1).contiguous()
     bf16_out = out_dtype == torch.bfloat16
-    _scale_bias_cast_kernel[(cdiv(n, EPILOGUE_BLOCK),)](
-        product, alpha_arg, bias_arg, out.view(torch.int16) if bf16_out else out, n, n_cols,
-        HAS_ALPHA=alpha is not None, HAS_BIAS=bias is not None, BF16_OUT=bf16_out,
-        BLOCK=EPILOGUE_BLOCK, num_warps=EPILOGUE_WARPS,
-        enable_fp_fusion=False)  # a fused multiply-add would round once, not twice
+    launch(_scale_bias_cast_kernel, (cdiv(n, EPILOGUE_BLOCK),), product, alpha_arg, bias_arg,
+           out.view(torch.int16) if bf16_out else out, n, n_cols,
+           HAS_ALPHA=alpha is not None, HAS_BIAS=bias is not None, BF16_OUT=bf16_out,
+           BLOCK=EPILOGUE_BLOCK, num_warps=EPILOGUE_WARPS,
+           options={"enable_fp_fusion": False})  # an FMA would round once, not twice
     return out

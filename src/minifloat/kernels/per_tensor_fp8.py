@@ -38,6 +38,7 @@ from .fp8_common import (
     tl,
     triton,
 )
+from .launch import launch
 
 # 64x128 tiles, 4 warps (64 elements a thread). Swept on an H100 with the hardware cast
 # (benchmarks/KERNEL_NOTES.md): 64x64, 32x128, 128x64 with 4 warps within 5%; 8 or 16 warps
@@ -145,7 +146,9 @@ def _launch(
     current = scale is None
     dummy = scale_inv  # stands in for absent outputs; the constexpr flags skip their stores
     grid = (cdiv(m, TILE_M) * cdiv(k, TILE_K),)
-    _cast_transpose_kernel[grid](
+    launch(
+        _cast_transpose_kernel,
+        grid,
         x,
         data if data is not None else dummy,
         data_t if data_t is not None else dummy,
