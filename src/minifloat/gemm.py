@@ -54,11 +54,9 @@ def _storage_or_none(x: Operand, columnwise: bool) -> QuantizedStorage | None:
     return None
 
 
-def _uses_rht(x: Operand, columnwise: bool) -> bool:
-    if not columnwise or not isinstance(x, QuantizedTensor | QuantizedStorage):
-        return False
-    storage = as_storage(x).direction_storage(columnwise=True)
-    return isinstance(storage, NVFP4Storage) and storage.with_rht
+def _uses_rht(storage: QuantizedStorage | None, columnwise: bool) -> bool:
+    """Whether the copy a GEMM reads (the direction's storage) carries the RHT."""
+    return columnwise and isinstance(storage, NVFP4Storage) and storage.with_rht
 
 
 def general_gemm(
@@ -76,12 +74,12 @@ def general_gemm(
     out_dtype defaults to the nominal dtype of A. With `accumulate_into` (an fp32 `main_grad`
     of shape [rows(A), rows(B)]) the product is added into it in fp32 and it is returned.
     """
-    if _uses_rht(a, a_columnwise) != _uses_rht(b, b_columnwise):
+    a_storage, b_storage = _storage_or_none(a, a_columnwise), _storage_or_none(b, b_columnwise)
+    if _uses_rht(a_storage, a_columnwise) != _uses_rht(b_storage, b_columnwise):
         raise ValueError(
             "general_gemm: only one operand carries the random Hadamard transform, so it would "
             "not cancel; give both wgrad operands RHT (NVFP4 inputs and gradients) or neither"
         )
-    a_storage, b_storage = _storage_or_none(a, a_columnwise), _storage_or_none(b, b_columnwise)
     if out_dtype is None:
         out_dtype = a.dtype if isinstance(a, torch.Tensor | QuantizedStorage) else torch.float32
     if accumulate_into is not None and accumulate_into.dtype != torch.float32:
