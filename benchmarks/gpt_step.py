@@ -6,8 +6,12 @@ Each recipe builds a fresh model from the same seed, runs warm-up steps (Triton 
 allocator settles), then times `--steps` steps between two device synchronisations. bf16 runs
 in the same process, so every ratio comes from one run.
 
+Eager steps pay minifloat's Python per module (tens of launches, each through Python); a CUDA
+graph of the whole step (`--cuda-graph on|both`) replays the same kernels without it, which is
+how host-bound models (small layers) are best run.
+
 Usage: python benchmarks/gpt_step.py [--presets 1b,small] [--recipes bf16,fp8-current,...]
-       [--steps 10] [--out DIR]
+       [--steps 10] [--cuda-graph off|on|both] [--out DIR]
 Recipe names are those of `python -m minifloat compare --recipes help` (hybrids included).
 """
 
@@ -26,8 +30,34 @@ DEFAULT_RECIPES = "bf16,fp8-current,fp8-delayed,fp8-block,mxfp8,nvfp4,hybrid:mxf
 WARMUP_STEPS = 3
 
 
-def tokens_per_second(preset: str, spec: str, steps: int) -> dict:
-    """Time `steps` training steps of a fresh model of `preset` under the recipe `spec`."""
+def _capture(step, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """The whole training step captured as one CUDA graph (replayed without any Python).
+
+    Warm-up runs on a side stream, as torch.cuda.graph asks; gradients are set to None before
+    the capture so backward allocates them from the graph's pool, and every replay writes them
+    afresh. Weight caches are cleared so each weight's quantization is captured (a cache hit at
+    capture time would freeze last step's quantized weight into the graph).
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_STEPS):
+            step(zero_grad=True)
+    torch.cuda.current_stream().wait_stream(side)
+    optimizer.zero_grad(set_to_none=True)
+    for module in model.modules():
+        cache = getattr(module, "_weight_cache", None)
+        if cache is not None:
+            cache.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step(zero_grad=False)
+    return graph, loss
+
+
+def tokens_per_second(preset: str, spec: str, steps: int, cuda_graph: bool = False) -> dict:
+    """Time `steps` training steps of a fresh model of `preset` under the recipe `spec`
+    (eagerly, or as one CUDA graph replayed per step)."""
     import minifloat as mf
     from minifloat.lab.recipe_specs import parse_recipe
     from minifloat.models.gpt import GPT, PRESETS, VOCAB_SIZE
@@ -36,31 +66,40 @@ def tokens_per_second(preset: str, spec: str, steps: int) -> dict:
     recipe = parse_recipe(spec, config.n_layers)
     torch.manual_seed(0)
     model = GPT(config, dtype=torch.bfloat16, device="cuda")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True,
+                                  capturable=cuda_graph)
     generator = torch.Generator(device="cuda").manual_seed(0)
     batch = torch.randint(0, VOCAB_SIZE, (config.batch_size, config.seq_len + 1),
                           device="cuda", generator=generator)
 
-    def step() -> torch.Tensor:
+    def step(zero_grad: bool = True) -> torch.Tensor:
         with mf.autocast(enabled=recipe is not None, recipe=recipe):
             loss = model.loss(batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if zero_grad:
+            optimizer.zero_grad(set_to_none=True)
         return loss
 
+    if cuda_graph:
+        graph, loss = _capture(step, model, optimizer)
+        run = graph.replay
+    else:
+        run = step
     for _ in range(WARMUP_STEPS):
-        step()
+        run()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(steps):
-        loss = step()
+        returned = run()  # a replay returns None: the captured loss tensor holds the value
+        if not cuda_graph:
+            loss = returned
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     result = {
-        "preset": preset, "recipe": spec, "steps": steps,
+        "preset": preset, "recipe": spec, "steps": steps, "cuda_graph": cuda_graph,
         "step_ms": seconds / steps * 1e3,
         "tokens_per_s": config.tokens_per_step * steps / seconds,
         "final_loss": float(loss.item()),
@@ -75,33 +114,56 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--presets", default="1b,small")
     parser.add_argument("--recipes", default=DEFAULT_RECIPES)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--cuda-graph", choices=("off", "on", "both"), default="both",
+                        help="time eager steps, CUDA-graphed steps, or both (default)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpt_step: no CUDA device; skipped", file=sys.stderr)
         return 0
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
     rows = []
     for preset in args.presets.split(","):
-        baseline = None
-        for spec in args.recipes.split(","):
-            row = tokens_per_second(preset, spec, args.steps)
-            gc.collect()  # the last recipe's model and optimizer state go before the next
-            torch.cuda.empty_cache()
-            if spec == "bf16":
-                baseline = row["tokens_per_s"]
-            row["vs_bf16"] = row["tokens_per_s"] / baseline if baseline else None
-            rows.append(row)
-            ratio = "" if row["vs_bf16"] is None else f"{row['vs_bf16']:6.2f}x"
-            print(f"{preset:>6s} {spec:>22s} {row['step_ms']:9.2f} ms/step "
-                  f"{row['tokens_per_s']:12.0f} tokens/s {ratio} "
-                  f"(loss {row['final_loss']:.3f}, peak {row['peak_memory_gib']:.1f} GiB)",
-                  flush=True)
+        for graphed in modes:
+            baseline = None
+            for spec in args.recipes.split(","):
+                row = _measure(preset, spec, args.steps, graphed)
+                if spec == "bf16":
+                    baseline = row["tokens_per_s"]
+                row["vs_bf16"] = (row["tokens_per_s"] / baseline
+                                  if baseline and "error" not in row else None)
+                rows.append(row)
+                _print_row(row)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gpt_step.json").write_text(json.dumps(
             {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
              "rows": rows}, indent=2))
     return 0
+
+
+def _measure(preset: str, spec: str, steps: int, graphed: bool) -> dict:
+    """One row; a failure (e.g. a capture error) is recorded, not raised, so the table stays."""
+    try:
+        return tokens_per_second(preset, spec, steps, graphed)
+    except Exception as error:  # noqa: BLE001 - reported in the table and the JSON
+        return {"preset": preset, "recipe": spec, "cuda_graph": graphed,
+                "error": f"{type(error).__name__}: {error}"[:300]}
+    finally:
+        gc.collect()  # the last recipe's model and optimizer state go before the next
+        torch.cuda.empty_cache()
+
+
+def _print_row(row: dict) -> None:
+    mode = "graph" if row["cuda_graph"] else "eager"
+    if "error" in row:
+        print(f"{row['preset']:>6s} {mode} {row['recipe']:>22s} failed: {row['error']}",
+              flush=True)
+        return
+    ratio = "" if row["vs_bf16"] is None else f"{row['vs_bf16']:6.2f}x"
+    print(f"{row['preset']:>6s} {mode} {row['recipe']:>22s} {row['step_ms']:9.2f} ms/step "
+          f"{row['tokens_per_s']:12.0f} tokens/s {ratio} "
+          f"(loss {row['final_loss']:.3f}, peak {row['peak_memory_gib']:.1f} GiB)", flush=True)
 
 
 if __name__ == "__main__":

@@ -49,11 +49,16 @@ def linear_table(data: dict) -> str:
 
 def gpt_table(data: dict) -> str:
     lines = [f"{data['device']}, torch {data['torch']}", "",
-             "| preset | recipe | ms/step | tokens/s | vs bf16 | final loss | peak GiB |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             "| preset | step | recipe | ms/step | tokens/s | vs bf16 | final loss | peak GiB |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for row in data["rows"]:
+        mode = "CUDA graph" if row.get("cuda_graph") else "eager"
+        if "error" in row:
+            lines.append(f"| {row['preset']} | {mode} | {row['recipe']} | failed: "
+                         f"{row['error']} | | | | |")
+            continue
         ratio = "" if row["vs_bf16"] is None else f"{row['vs_bf16']:.2f}x"
-        lines.append(f"| {row['preset']} | {row['recipe']} | {row['step_ms']:.1f} | "
+        lines.append(f"| {row['preset']} | {mode} | {row['recipe']} | {row['step_ms']:.1f} | "
                      f"{row['tokens_per_s']:.0f} | {ratio} | {row['final_loss']:.3f} | "
                      f"{row['peak_memory_gib']:.1f} |")
     return "\n".join(lines)
