@@ -28,7 +28,7 @@ from .launch import launch
 
 SLOTS_BLOCK = 16
 ROWS_BLOCK = 128
-FLT_MAX = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38) if tl is not None else None
 
 
 @jit

@@ -18,10 +18,13 @@ import triton.language as tl
 
 from ..numerics.blocks import as_2d, require_divisible
 from .element_cast import kernel_view
+from .fp8_common import hw_cast
 from .nvfp4 import (
+    AMAX_NUM_WARPS,
     BLOCK,
     BLOCK_K,
     BLOCK_M,
+    FP_FUSION,
     NUM_WARPS,
     NUM_WARPS_STOCHASTIC,
     amax_tile,
@@ -81,6 +84,7 @@ def _multi_1d_kernel(
     STOCHASTIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HW: tl.constexpr,
 ):
     """Rowwise / columnwise 1x16 NVFP4 of one tile of one tensor; tensor t uses amaxes [t] and
     seeds [t, 0] (rowwise) and [t, 1] (columnwise)."""
@@ -91,7 +95,7 @@ def _multi_1d_kernel(
         tl.load(row + 1).to(out), tl.load(row + 2).to(out), row_amax_ptr + index,
         tl.load(row + 3).to(out), tl.load(row + 4).to(out), col_amax_ptr + index,
         seed_ptr + index * 2, tl.load(row + 5), tl.load(row + 6), tile_m, tile_k,
-        BF16_BITS, ROWWISE, COLUMNWISE, RHT, STOCHASTIC, BLOCK_M, BLOCK_K,
+        BF16_BITS, ROWWISE, COLUMNWISE, RHT, STOCHASTIC, BLOCK_M, BLOCK_K, HW,
     )
 
 
@@ -172,7 +176,7 @@ def quantize_nvfp4_multi(
         _multi_amax_kernel[grid](
             tensor_table, tile_table, amax_bits, X_DTYPE=x_dtype, BF16_BITS=bf16_bits,
             PLAIN=need_plain, RHT=need_rht, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
-            num_warps=NUM_WARPS,
+            num_warps=AMAX_NUM_WARPS, enable_fp_fusion=FP_FUSION,
         )
     amaxes = amax_bits.view(torch.float32)
     plain = reduce_amax(amaxes[:, 0].contiguous()).float() if need_plain else None
@@ -187,7 +191,9 @@ def quantize_nvfp4_multi(
             tensor_table, tile_table, row_amax, post_rht, seeds, X_DTYPE=x_dtype,
             BF16_BITS=bf16_bits, ROWWISE=rowwise, COLUMNWISE=columnwise, RHT=need_rht,
             STOCHASTIC=stochastic_rounding, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
+            HW=hw_cast(views[0]),
             num_warps=NUM_WARPS_STOCHASTIC if stochastic_rounding else NUM_WARPS,
+            enable_fp_fusion=FP_FUSION,
         )
 
     results = []
