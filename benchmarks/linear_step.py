@@ -5,6 +5,7 @@ minifloat step includes quantizing x, W (the weight cache is cleared every step,
 step would invalidate it) and dY. Times are medians of device-event timings (triton do_bench).
 
 Usage: python benchmarks/linear_step.py [--out DIR] [--recipes a,b] [--shapes MxKxN,...] [--torchao]
+       [--cuda-graph fp8-current,...]   (those recipes and bf16 also as captured CUDA graphs)
 (torchao 0.18.0 travels to the offline GPU machine as a wheel: see BENCHMARKS.md.)
 """
 
@@ -68,7 +69,7 @@ def torchao_step_ms(m: int, k: int, n: int, recipe_name: str) -> float | None:
     return _bench(step)
 
 
-def minifloat_step_ms(m: int, k: int, n: int, recipe) -> float:
+def minifloat_step_ms(m: int, k: int, n: int, recipe, cuda_graph: bool = False) -> float:
     import minifloat as mf
 
     layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
@@ -81,7 +82,30 @@ def minifloat_step_ms(m: int, k: int, n: int, recipe) -> float:
             y = layer(x)
         y.backward(dy)
 
-    return _bench(step)
+    return _bench(_graphed(step) if cuda_graph else step)
+
+
+def _graphed(step):
+    """The step captured as one CUDA graph (after a warm-up on a side stream): the same kernels
+    without the host's Python, i.e. what the GPU alone needs. Gradients accumulate across
+    replays as they do across eager steps."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def bf16_graphed_step_ms(m: int, k: int, n: int) -> float:
+    layer = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    return _bench(_graphed(lambda: layer(x).backward(dy)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=None)
     parser.add_argument("--torchao", action="store_true",
                         help="also time torchao.float8 tensorwise/rowwise under torch.compile")
+    parser.add_argument("--cuda-graph", default="",
+                        help="comma-separated recipes also timed as CUDA graphs (with bf16)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("linear_step: no CUDA device; skipped", file=sys.stderr)
@@ -105,6 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         for name, recipe in recipes.items():
             ms = minifloat_step_ms(m, k, n, recipe)
             rows.append({"shape": [m, k, n], "recipe": name, "ms": ms, "speedup": base / ms})
+        graphed = [name for name in args.cuda_graph.split(",") if name]
+        if graphed:
+            graph_base = bf16_graphed_step_ms(m, k, n)
+            rows.append({"shape": [m, k, n], "recipe": "bf16-cuda-graph", "ms": graph_base,
+                         "speedup": base / graph_base})
+            for name in graphed:
+                ms = minifloat_step_ms(m, k, n, _recipes()[name], cuda_graph=True)
+                rows.append({"shape": [m, k, n], "recipe": f"{name}-cuda-graph", "ms": ms,
+                             "speedup": base / ms, "speedup_vs_graphed_bf16": graph_base / ms})
         if args.torchao:
             for name in ("tensorwise", "rowwise"):
                 ms = torchao_step_ms(m, k, n, name)

@@ -19,7 +19,8 @@ def main() -> int:
     args = parser.parse_args()
     failures = 0
     failures += quantize_bandwidth.main(["--out", str(args.out)]) != 0
-    failures += linear_step.main(["--out", str(args.out), "--torchao"]) != 0
+    failures += linear_step.main(["--out", str(args.out), "--torchao",
+                                  "--cuda-graph", "fp8-current,fp8-delayed"]) != 0
     failures += gpt_step.main(["--out", str(args.out)]) != 0
     return 1 if failures else 0
 
