@@ -21,6 +21,7 @@ from ..quantizers import QuantizedTensor, Quantizer
 from ..recipe_state import RecipeState
 from ..recipes import QuantizerRole, Recipe
 from .linear_function import GemmCall, LinearGemms
+from .weights import weight_cache_for
 
 FORWARD_SLOTS = ("input", "weight", "output")  # per GEMM
 BACKWARD_SLOTS = ("grad_output", "grad_input")  # per GEMM
@@ -39,7 +40,8 @@ class QuantizedModule(nn.Module):
         self.grad_input_consumer_role: QuantizerRole | None = None
         self._recipe_states: dict[Recipe, tuple[RecipeState, RecipeState]] = {}
         self._quantizers: dict[Recipe, tuple[list[Quantizer], list[Quantizer]]] = {}
-        self._weight_cache: dict[int, dict] = {}  # id(weight) -> its cached quantization
+        # id(weight) -> its kept quantization (is_first_microbatch=True keeps, False reuses)
+        self._weight_cache: dict[int, dict] = {}
 
     # ---- roles ----
 
@@ -172,8 +174,13 @@ class QuantizedModule(nn.Module):
         weights: list[torch.Tensor],
         biases: list[torch.Tensor | None],
         gemms: list[int],
+        is_first_microbatch: bool | None = None,
     ) -> torch.Tensor:
         """cat_i(x_i W_i^T + b_i) over the row splits, GEMM i using the slots of `gemms[i]`.
+
+        `is_first_microbatch` (TransformerEngine's flag): None quantizes the weights afresh;
+        True quantizes them and keeps the copies; False reuses the kept copies (the weights have
+        not changed since: later micro-batches of one step). See modules/weights.py.
 
         Outside autocast: plain F.linear per split (quantized weights dequantized).
         """
@@ -188,9 +195,11 @@ class QuantizedModule(nn.Module):
         forward_quantizers, backward_quantizers = self.quantizers(recipe)
         grad_enabled = torch.is_grad_enabled()
         per_forward, per_backward = len(FORWARD_SLOTS), len(BACKWARD_SLOTS)
+        weight_cache, reuse_weights = weight_cache_for(self._weight_cache, is_first_microbatch)
         call = GemmCall(
             m_splits=list(m_splits),
-            weight_cache=self._weight_cache,
+            weight_cache=weight_cache,
+            reuse_weights=reuse_weights,
             input_quantizers=[forward_quantizers[per_forward * g] for g in gemms],
             weight_quantizers=[forward_quantizers[per_forward * g + 1] for g in gemms],
             grad_output_quantizers=[backward_quantizers[per_backward * g] for g in gemms],

@@ -77,15 +77,18 @@ class GroupedLinear(ExpertParameters, QuantizedModule):
         init_expert_parameters(self, num_gemms, in_features, out_features, bias, params_dtype,
                                device)
 
-    def forward(self, x: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
-        """y[rows of expert i] = x[rows of expert i] W_i^T + b_i."""
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int],
+                is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """y[rows of expert i] = x[rows of expert i] W_i^T + b_i; `is_first_microbatch` as in
+        TransformerEngine (see QuantizedModule.run_gemms)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"GroupedLinear expects inputs with last dim {self.in_features}, got "
                              f"shape {tuple(x.shape)}")
         splits = check_splits(x.numel() // self.in_features if self.in_features else 0,
                               m_splits, self.num_gemms)
         return self.run_gemms(x, splits, self.weights, self.biases,
-                              gemms=list(range(self.num_gemms)))
+                              gemms=list(range(self.num_gemms)),
+                              is_first_microbatch=is_first_microbatch)
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "

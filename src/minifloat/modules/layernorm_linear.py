@@ -109,13 +109,16 @@ class LayerNormLinear(QuantizedModule):
     def _state_device(self) -> torch.device:
         return self.layer_norm_weight.device
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Norm, then the GEMM; `is_first_microbatch` as in TransformerEngine (run_gemms)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"LayerNormLinear expects inputs with last dim {self.in_features}, "
                              f"got shape {tuple(x.shape)}")
         normed = apply_norm(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization,
                             self.eps, self.zero_centered_gamma)
-        y = self.run_gemms(normed, [rows_of(normed)], [self.weight], [self.bias], gemms=[0])
+        y = self.run_gemms(normed, [rows_of(normed)], [self.weight], [self.bias], gemms=[0],
+                           is_first_microbatch=is_first_microbatch)
         return (y, normed) if self.return_layernorm_output else y
 
     def extra_repr(self) -> str:

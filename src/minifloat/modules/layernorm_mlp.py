@@ -130,16 +130,19 @@ class LayerNormMLP(QuantizedModule):
     def _state_device(self) -> torch.device:
         return self.layer_norm_weight.device
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """Norm, fc1, activation, fc2; `is_first_microbatch` as in TransformerEngine."""
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"LayerNormMLP expects inputs with last dim {self.hidden_size}, "
                              f"got shape {tuple(x.shape)}")
         normed = apply_norm(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization,
                             self.eps, self.zero_centered_gamma)
         rows = rows_of(normed)
-        h = self.run_gemms(normed, [rows], [self.fc1_weight], [self.fc1_bias], gemms=[0])
+        h = self.run_gemms(normed, [rows], [self.fc1_weight], [self.fc1_bias], gemms=[0],
+                           is_first_microbatch=is_first_microbatch)
         a = apply_activation(h, self.activation)
-        return self.run_gemms(a, [rows], [self.fc2_weight], [self.fc2_bias], gemms=[1])
+        return self.run_gemms(a, [rows], [self.fc2_weight], [self.fc2_bias], gemms=[1],
+                              is_first_microbatch=is_first_microbatch)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

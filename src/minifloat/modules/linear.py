@@ -37,9 +37,11 @@ class Linear(QuantizedModule):
         self.weight = self.new_weight(out_features, in_features, dtype, device)
         self.bias = self.new_bias(out_features, in_features, dtype, device) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """y = x W^T + b; `is_first_microbatch` as in TransformerEngine (see run_gemms)."""
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-        return self.run_gemms(x, [rows], [self.weight], [self.bias], gemms=[0])
+        return self.run_gemms(x, [rows], [self.weight], [self.bias], gemms=[0],
+                              is_first_microbatch=is_first_microbatch)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -32,7 +32,8 @@ class GemmCall:
     """Everything one forward of a (grouped) linear needs besides the tensors."""
 
     m_splits: list[int]
-    weight_cache: dict
+    weight_cache: dict | None  # None: quantize the weights afresh (weights.quantized_weight)
+    reuse_weights: bool
     input_quantizers: list[Quantizer]
     weight_quantizers: list[Quantizer]
     grad_output_quantizers: list[Quantizer]
@@ -61,17 +62,19 @@ def fprop_gemms(
     weights: list[torch.Tensor],
     biases: list[torch.Tensor | None],
     weight_quantizers: list[Quantizer],
-    weight_cache: dict,
+    weight_cache: dict | None,
     *,
     need_dgrad: bool,
     out_dtype: torch.dtype,
+    reuse_weights: bool = False,
 ) -> tuple[torch.Tensor, list[QuantizedStorage | None]]:
     """y = cat_i(x_i W_i^T + b_i) ([rows, N]) and the quantized weights dgrad will need (None
     where it will not run); an empty split contributes no rows."""
     outputs, w_qs = [], []
     for x_q, weight, bias, quantizer in zip(x_qs, weights, biases, weight_quantizers,
                                             strict=True):
-        w_q = quantized_weight(weight_cache, weight, quantizer, columnwise=need_dgrad)
+        w_q = quantized_weight(weight_cache, weight, quantizer, columnwise=need_dgrad,
+                               reuse=reuse_weights)
         w_qs.append(w_q if need_dgrad else None)
         if x_q is None:
             outputs.append(torch.zeros(0, weight.shape[0], dtype=out_dtype,
@@ -152,7 +155,8 @@ class LinearGemms(torch.autograd.Function):
                                   columnwise=call.need_wgrad)
         out_dtype = x.dtype
         y, w_qs = fprop_gemms(x_qs, weights, biases, call.weight_quantizers, call.weight_cache,
-                              need_dgrad=call.need_dgrad, out_dtype=out_dtype)
+                              need_dgrad=call.need_dgrad, out_dtype=out_dtype,
+                              reuse_weights=call.reuse_weights)
         saved, kept = columnwise_copies_for_backward(x_qs, call.need_wgrad)
         ctx.save_for_backward(*saved)
         ctx.x_qs, ctx.w_qs, ctx.weights = kept, w_qs, weights

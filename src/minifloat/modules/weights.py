@@ -1,8 +1,13 @@
 """The quantized copy of a weight for one forward: cached, and with usages never removed.
 
 Two kinds of weight reach a GEMM module:
-- a high-precision parameter: quantized by the module's weight quantizer and cached until the
-  parameter changes (micro-batches of one step reuse it);
+- a high-precision parameter: quantized by the module's weight quantizer on every forward, unless
+  the caller says the weight has not changed since the last one, as TransformerEngine users do
+  with `is_first_microbatch`: True quantizes and keeps the copy, False reuses the kept copy
+  (micro-batches of one step), None (the default) quantizes and keeps nothing. The weight's
+  version counter alone cannot tell: fused optimizers (torch.optim.AdamW(fused=True)) and
+  writes through `.data` change a parameter without bumping it, and a cache trusting it trained
+  on stale quantized weights (the H100 GPT benchmark showed it: FP8 losses stalled);
 - a QuantizedTensor parameter (quantized_model_init): it is its own copy. The module first
   configures its weight quantizer completely (rowwise always, columnwise when grad is enabled),
   then OR-merges those usages into the quantizer recorded on the weight, and makes the weight
@@ -42,16 +47,19 @@ def merge_weight_usages(storage: QuantizedStorage, quantizer: Quantizer) -> None
 
 
 def quantized_weight(
-    cache: dict[int, dict],
+    cache: dict[int, dict] | None,
     weight: torch.Tensor,
     quantizer: Quantizer,
     *,
     columnwise: bool,
+    reuse: bool = True,
 ) -> QuantizedStorage:
     """The weight's quantized storage with a rowwise copy (and a columnwise one if asked).
 
-    `cache` maps id(weight) to the last quantization of a high-precision weight; an entry is
-    reused while the weight (its version counter) and the quantizer's state are unchanged.
+    `cache` maps id(weight) to the last kept quantization of a high-precision weight (None:
+    quantize and keep nothing). With `reuse`, a kept entry serves while the weight's version
+    counter and the quantizer's state are unchanged (the caller vouches that the weight did not
+    change unseen); without it the weight is quantized afresh and the entry replaced.
     """
     configure_weight_quantizer(quantizer, columnwise=columnwise)
     if isinstance(weight, QuantizedTensor):
@@ -59,12 +67,22 @@ def quantized_weight(
         merge_weight_usages(storage, quantizer)
         storage.update_usage(rowwise=True, columnwise=True if columnwise else None)
         return storage
+    if cache is None:
+        return quantizer(weight.detach())
     key = (weight._version, id(quantizer), quantizer.state_version())
     entry = cache.get(id(weight))
-    if entry is not None and entry["weight"]() is weight and entry["key"] == key:
+    if reuse and entry is not None and entry["weight"]() is weight and entry["key"] == key:
         storage = entry["storage"]
         if not columnwise or storage.has_columnwise():
             return storage
     storage = quantizer(weight.detach())
     cache[id(weight)] = {"weight": weakref.ref(weight), "key": key, "storage": storage}
     return storage
+
+
+def weight_cache_for(cache: dict[int, dict], is_first_microbatch: bool | None
+                     ) -> tuple[dict[int, dict] | None, bool]:
+    """(cache, reuse) for quantized_weight from a forward's `is_first_microbatch` flag."""
+    if is_first_microbatch is None:
+        return None, False
+    return cache, not is_first_microbatch

@@ -92,6 +92,9 @@ class OperationContext:
         self.epilogue_bias: torch.Tensor | None = None  # a following Bias, added in the GEMM
         self.bias_applied = False  # this Bias op was added by the previous GEMM op
         self.backward_done = None  # delayed scaling: call once this op's backward ran
+        # TransformerEngine's is_first_microbatch for weight quantization (modules/weights.py):
+        # None quantizes afresh, True quantizes and keeps, False reuses the kept copy
+        self.is_first_microbatch: bool | None = None
         self.to_save: tuple[torch.Tensor | None, ...] = ()
         self.saved_tensors: tuple[torch.Tensor | None, ...] = ()
 

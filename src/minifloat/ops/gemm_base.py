@@ -30,6 +30,7 @@ from ..modules.linear_function import (
     fprop_gemms,
     quantize_for_gemms,
 )
+from ..modules.weights import weight_cache_for
 from ..quantizers import QuantizedStorage, Quantizer
 from ..quantizers.split import check_splits
 from ..recipes import QuantizerRole
@@ -132,8 +133,10 @@ class GemmOperation(QuantizedModule, FusibleOperation):
             x_qs = quantize_for_gemms(x.reshape(-1, x.shape[-1]), ctx.splits,
                                       ctx.input_quantizers, rowwise=True,
                                       columnwise=ctx.need_wgrad)
-        y, w_qs = fprop_gemms(x_qs, weights, biases, ctx.weight_quantizers, self._weight_cache,
-                              need_dgrad=ctx.need_dgrad, out_dtype=ctx.out_dtype)
+        weight_cache, reuse = weight_cache_for(self._weight_cache, ctx.is_first_microbatch)
+        y, w_qs = fprop_gemms(x_qs, weights, biases, ctx.weight_quantizers, weight_cache,
+                              need_dgrad=ctx.need_dgrad, out_dtype=ctx.out_dtype,
+                              reuse_weights=reuse)
         saved, kept = columnwise_copies_for_backward(x_qs, ctx.need_wgrad)
         ctx.save_for_backward(*saved)
         ctx.x_qs, ctx.w_qs = kept, w_qs

@@ -145,7 +145,10 @@ class Sequential(nn.Module):
             if output is not None or grad_input is not None:
                 op.set_consumer_roles(output=output, grad_input=grad_input)
 
-    def forward(self, x: torch.Tensor, m_splits: Sequence[int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int] | None = None,
+                is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """Run the ops as one autograd function; `is_first_microbatch` as in TransformerEngine
+        (None: weights quantized afresh; True: quantized and kept; False: kept copies reused)."""
         ops = self._ops()
         if not ops:
             return x
@@ -154,6 +157,8 @@ class Sequential(nn.Module):
         if m_splits is not None and not any("m_splits" in e for e in extra):
             raise ValueError("m_splits was given but no op of this Sequential takes it")
         call = self._plan(x, ops, extra)
+        for op_ctx in call.contexts:
+            op_ctx.is_first_microbatch = is_first_microbatch
         params = [p for op in ops for p in op.parameters()]
         with contextlib.ExitStack() as stack:
             for op, op_ctx in zip(ops, call.contexts, strict=True):
