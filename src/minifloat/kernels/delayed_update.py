@@ -16,7 +16,9 @@ equal to the reference's:
 
 One program owns a group of slot columns and walks the history in row chunks, first for the
 max, then for the roll in ascending order (each chunk reads rows below the ones it writes, none
-of which an earlier chunk wrote), so the in-place roll needs no second buffer.
+of which an earlier chunk wrote), so the in-place roll needs no second buffer; barriers between
+the reads and writes of a chunk keep the program's threads from overtaking each other (the H100
+showed the race for a one-row history before they were there).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ def _delayed_update_kernel(history_ptr, scale_ptr, fp8_max_ptr, rows, slots, mar
             running = tl.maximum(running, tl.max(values.to(tl.int32, bitcast=True), axis=0))
             start += ROWS
         amax = running.to(tl.float32, bitcast=True)
+    # Threads of one program read and write the same rows: every phase ends with a barrier, so
+    # no thread stores over a row another has yet to read (nor writes a row twice out of order).
+    tl.debug_barrier()
     # roll towards the front: row i <- row i + 1 (ascending chunks; see the module docstring)
     start = 0
     while start < rows - 1:
@@ -58,10 +63,14 @@ def _delayed_update_kernel(history_ptr, scale_ptr, fp8_max_ptr, rows, slots, mar
         mask = (row < rows - 1)[:, None] & slot_ok[None, :]
         values = tl.load(history_ptr + (row[:, None] + 1) * slots + slot[None, :], mask=mask,
                          other=0.0)
+        tl.debug_barrier()
         tl.store(history_ptr + row[:, None] * slots + slot[None, :], values, mask=mask)
+        tl.debug_barrier()
         start += ROWS
-    tl.store(history_ptr + (rows - 1) * slots + slot, row_zero, mask=slot_ok)
-    tl.store(history_ptr + slot, tl.zeros([SLOTS], dtype=tl.float32), mask=slot_ok)
+    # the oldest row takes the newest amax, then row 0 starts empty (one row: just empty)
+    newest = tl.where(rows > 1, row_zero, 0.0)
+    tl.store(history_ptr + (rows - 1) * slots + slot, newest, mask=slot_ok)
+    tl.store(history_ptr + slot, tl.zeros([SLOTS], dtype=tl.float32), mask=slot_ok & (rows > 1))
     # new scales
     amax_bits = amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     valid = (amax > 0) & (amax_bits < 0x7F800000)
