@@ -44,11 +44,12 @@ def _argument_key(value: Any) -> tuple:
 def _direct_allowed(kernel: Any, args: tuple) -> bool:
     if not _DIRECT or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
+    if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+        return False
     from triton import knobs
 
-    if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
-        return False
-    return any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return all(hook is None for hook in hooks)
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int = 4,
