@@ -21,6 +21,7 @@ if DEVICE is None:
     )
 
 import minifloat.kernels.multi_tensor as multi_tensor  # noqa: E402
+import minifloat.kernels.mxfp8_multi as mxfp8_multi  # noqa: E402
 import minifloat.kernels.nvfp4_multi as nvfp4_multi  # noqa: E402
 from minifloat.quantizers import (  # noqa: E402
     Float8BlockQuantizer,
@@ -49,12 +50,17 @@ KINDS: dict[str, Callable[..., Quantizer]] = {
         1, power_2_scale=False, amax_epsilon=1e-4, **u),
     "nvfp4": lambda **u: NVFP4Quantizer(**u),
     "nvfp4_rht": lambda **u: NVFP4Quantizer(with_rht=True, **u),
+    "mxfp8": lambda **u: MXFP8Quantizer(**u),
+    "mxfp8_e5m2": lambda **u: MXFP8Quantizer(torch.float8_e5m2, **u),
 }
+# MXFP8 blocks span 32 rows (columnwise): its splits hold twice the rows of the others'
+ROW_FACTOR = {"mxfp8": 2, "mxfp8_e5m2": 2}
 USAGES = {"both": (True, True), "rowwise": (True, False), "columnwise": (False, True)}
 MULTI_FUNCTIONS = (
     (multi_tensor, "quantize_current_scaling_multi"),
     (multi_tensor, "quantize_block_1d_multi"),
     (nvfp4_multi, "quantize_nvfp4_multi"),
+    (mxfp8_multi, "quantize_mxfp8_multi"),
 )
 
 
@@ -84,6 +90,11 @@ def make_input(splits: list[int], dtype: torch.dtype, k: int = K, seed: int = 0)
         x[1, 3] = 300.0
         x[-1, :16] = 0.0
     return x.to(dtype).to(DEVICE)
+
+
+def splits_for(kind: str, splits: list[int]) -> list[int]:
+    """`splits` in rows the kind's format takes (MXFP8: multiples of 32)."""
+    return [rows * ROW_FACTOR.get(kind, 1) for rows in splits]
 
 
 def make_quantizers(kind: str, count: int, usage: str = "both") -> list[Quantizer]:
@@ -145,7 +156,7 @@ def both_paths(x, splits, quantizers, **kwargs):
 @pytest.mark.parametrize("usage", list(USAGES))
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_multi_path_equals_the_loop(kind, usage, dtype, multi_calls):
-    splits = [32, 0, 16, 48]  # uneven, one empty
+    splits = splits_for(kind, [32, 0, 16, 48])  # uneven, one empty
     x = make_input(splits, dtype)
     multi, loop = both_paths(x, splits, make_quantizers(kind, len(splits), usage))
     assert multi_calls == [3], "one multi-kernel call for the three non-empty splits"
@@ -158,6 +169,7 @@ def test_multi_path_equals_the_loop(kind, usage, dtype, multi_calls):
                          ids=["single", "one_of_four", "even"])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_split_patterns(kind, splits, multi_calls):
+    splits = splits_for(kind, splits)
     x = make_input(splits, torch.bfloat16, seed=1)
     multi, loop = both_paths(x, splits, make_quantizers(kind, len(splits)))
     busy = sum(1 for rows in splits if rows)
@@ -166,18 +178,18 @@ def test_split_patterns(kind, splits, multi_calls):
     assert_same_results(multi, loop)
 
 
-@pytest.mark.parametrize("kind", ["current", "block", "nvfp4_rht"])
+@pytest.mark.parametrize("kind", ["current", "block", "nvfp4_rht", "mxfp8"])
 def test_many_small_splits(kind, multi_calls):
-    splits = [16 if i % 5 else 0 for i in range(64)]  # 64 experts, every fifth idle
-    x = make_input(splits, torch.float32, k=16, seed=2)
+    splits = splits_for(kind, [16 if i % 5 else 0 for i in range(64)])  # every fifth idle
+    x = make_input(splits, torch.float32, k=16 * ROW_FACTOR.get(kind, 1), seed=2)
     multi, loop = both_paths(x, splits, make_quantizers(kind, len(splits)))
     assert multi_calls == [sum(1 for rows in splits if rows)]
     assert_same_results(multi, loop)
 
 
-@pytest.mark.parametrize("kind", ["current", "block", "nvfp4"])
+@pytest.mark.parametrize("kind", ["current", "block", "nvfp4", "mxfp8"])
 def test_float16_and_3d_input(kind, multi_calls):
-    splits = [16, 32]
+    splits = [16, 32]  # of [2, 32] rows: [32, 32] and [64, 32] matrices, MXFP8's too
     x = make_input(splits, torch.float16, k=64, seed=3).reshape(48, 2, 32)
     multi, loop = both_paths(x, splits, make_quantizers(kind, len(splits)))
     assert multi_calls == [2]
@@ -196,7 +208,8 @@ def test_environment_forces_the_loop(monkeypatch, multi_calls):
     assert multi_calls == [2]
 
 
-@pytest.mark.parametrize("case", ["mixed_kinds", "mixed_settings", "block_2d", "mxfp8"])
+@pytest.mark.parametrize("case", ["mixed_kinds", "mixed_settings", "block_2d",
+                                  "mxfp8_mixed_dtypes", "mxfp8_mixed_usages"])
 def test_fallback_takes_the_loop(case, multi_calls):
     splits = [32, 0, 64]
     quantizers = make_quantizers("current", 3)
@@ -206,19 +219,24 @@ def test_fallback_takes_the_loop(case, multi_calls):
         quantizers[2] = Float8CurrentScalingQuantizer(power_2_scale=True)
     elif case == "block_2d":
         quantizers = [Float8BlockQuantizer(2) for _ in splits]
+    elif case == "mxfp8_mixed_dtypes":
+        quantizers = [MXFP8Quantizer(), MXFP8Quantizer(), MXFP8Quantizer(torch.float8_e5m2)]
     else:
-        quantizers = [MXFP8Quantizer() for _ in splits]
+        quantizers = [MXFP8Quantizer(), MXFP8Quantizer(), MXFP8Quantizer(columnwise=False)]
     x = make_input(splits, torch.bfloat16)
     multi, loop = both_paths(x, splits, quantizers)
     assert multi_calls == []
     assert_same_results(multi, loop)
 
 
-def test_rejected_shapes_raise_the_loops_error(multi_calls):
-    splits = [24, 8]  # NVFP4 needs rows in multiples of 16
+@pytest.mark.parametrize("kind,splits,multiple", [
+    ("nvfp4", [24, 8], "16"),  # NVFP4 needs rows in multiples of 16
+    ("mxfp8", [32, 16], "32"),  # MXFP8 in multiples of 32
+])
+def test_rejected_shapes_raise_the_loops_error(kind, splits, multiple, multi_calls):
     x = make_input(splits, torch.float32)
-    with pytest.raises(ValueError, match="16"):
-        split_quantize(x, splits, make_quantizers("nvfp4", 2))
+    with pytest.raises(ValueError, match=multiple):
+        split_quantize(x, splits, make_quantizers(kind, 2))
     assert multi_calls == []
 
 
@@ -276,9 +294,10 @@ def test_different_groups_take_the_loop(multi_calls, doubling_all_reduce):
     assert_same_results(multi, loop)
 
 
-def test_block_1d_ignores_groups_like_its_quantizer(multi_calls, doubling_all_reduce):
-    splits = [16, 32]
-    quantizers = make_quantizers("block", 2)
+@pytest.mark.parametrize("kind", ["block", "mxfp8"])
+def test_formats_without_global_amax_ignore_groups(kind, multi_calls, doubling_all_reduce):
+    splits = splits_for(kind, [16, 32])
+    quantizers = make_quantizers(kind, 2)
     quantizers[0].amax_reduction_group = object()
     x = make_input(splits, torch.float32)
     multi, loop = both_paths(x, splits, quantizers)

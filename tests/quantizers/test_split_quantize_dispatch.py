@@ -63,6 +63,41 @@ def test_supported_configurations_plan_one_call(kernels_on, make, kind, dtype):
     assert [tuple(p.shape) for p in plan.pieces] == [(32, 32), (16, 32), (48, 32)]
 
 
+MX_SPLITS = [32, 0, 64, 96]  # MXFP8: rows in multiples of 32
+
+
+@pytest.mark.parametrize("make", [
+    lambda: MXFP8Quantizer(),
+    lambda: MXFP8Quantizer(torch.float8_e5m2, rowwise=False),
+    lambda: MXFP8Quantizer(columnwise=False, internal=True),
+], ids=["e4m3_both", "e5m2_columnwise", "rowwise_internal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_mxfp8_plans_one_call(kernels_on, make, dtype):
+    plan = plan_multi(x_for(MX_SPLITS, dtype=dtype), MX_SPLITS, same(make, MX_SPLITS))
+    assert plan is not None and plan.kind == "mxfp8"
+    assert plan.indices == [0, 2, 3]
+    assert [tuple(p.shape) for p in plan.pieces] == [(32, 32), (64, 32), (96, 32)]
+
+
+def test_mxfp8_rules(kernels_on):
+    x = x_for(MX_SPLITS)
+    mixed_dtype = same(MXFP8Quantizer, MX_SPLITS)
+    mixed_dtype[2] = MXFP8Quantizer(torch.float8_e5m2)
+    assert plan_multi(x, MX_SPLITS, mixed_dtype) is None, "E4M3 next to E5M2: the loop"
+    mixed_usage = same(MXFP8Quantizer, MX_SPLITS)
+    mixed_usage[3].set_usage(rowwise=False)
+    assert plan_multi(x, MX_SPLITS, mixed_usage) is None, "different usages: the loop"
+    mixed_kind = same(MXFP8Quantizer, MX_SPLITS)
+    mixed_kind[0] = Float8BlockQuantizer(1)
+    assert plan_multi(x, MX_SPLITS, mixed_kind) is None, "MXFP8 next to block FP8: the loop"
+    grouped = same(MXFP8Quantizer, MX_SPLITS)
+    grouped[0].amax_reduction_group = object()  # MXFP8 never reduces an amax
+    assert plan_multi(x, MX_SPLITS, grouped) is not None
+    # rows (16, 48) or K (48) not multiples of 32: the loop, which raises the format's error
+    assert plan_multi(x_for(), SPLITS, same(MXFP8Quantizer)) is None, "M % 32"
+    assert plan_multi(x_for(MX_SPLITS, k=48), MX_SPLITS, same(MXFP8Quantizer, MX_SPLITS)) is None
+
+
 def test_quantizers_of_empty_splits_do_not_count(kernels_on):
     quantizers = same(Float8CurrentScalingQuantizer)
     quantizers[1] = MXFP8Quantizer()  # its split is empty: never called
@@ -97,7 +132,6 @@ UNSUPPORTED = {
     "mixed_rht": lambda: [NVFP4Quantizer(), None, NVFP4Quantizer(with_rht=True),
                           NVFP4Quantizer()],
     "delayed_scaling": lambda: same(_delayed),
-    "mxfp8": lambda: same(MXFP8Quantizer),
     "block_2d": lambda: same(lambda: Float8BlockQuantizer(2)),
     "nvfp4_2d": lambda: same(lambda: NVFP4Quantizer(with_2d_quantization=True)),
     "identity": lambda: same(IdentityQuantizer),
@@ -164,7 +198,9 @@ def recorded_runs(monkeypatch, kernels_on) -> list:
 
 def test_split_quantize_takes_the_plan(recorded_runs):
     assert split_quantize(x_for(), SPLITS, same(Float8BlockQuantizer)) == ["multi"] * 4
-    assert recorded_runs == [("block_1d", 4)]
+    mxfp8 = same(MXFP8Quantizer, MX_SPLITS)
+    assert split_quantize(x_for(MX_SPLITS), MX_SPLITS, mxfp8) == ["multi"] * 4
+    assert recorded_runs == [("block_1d", 4), ("mxfp8", 4)]
 
 
 def test_loop_keyword_and_environment_force_the_loop(kernels_off, monkeypatch):

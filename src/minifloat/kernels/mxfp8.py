@@ -102,7 +102,7 @@ def _hw_factors(scale_exponent):
 
 
 @triton.jit
-def _mxfp8_kernel(
+def mxfp8_tile(
     x_ptr,
     row_data_ptr,
     row_scale_ptr,
@@ -110,6 +110,8 @@ def _mxfp8_kernel(
     col_scale_ptr,
     M,
     K,
+    pid_m,
+    pid_k,
     BF16_BITS: tl.constexpr,
     ROWWISE: tl.constexpr,
     COLUMNWISE: tl.constexpr,
@@ -124,13 +126,15 @@ def _mxfp8_kernel(
     E5M2: tl.constexpr,
     DIRECT_COLUMNS: tl.constexpr,
 ):
-    """One tile: rowwise and/or columnwise MXFP8 from a single load of x.
+    """Tile (pid_m, pid_k) of one [M, K] tensor: rowwise and/or columnwise MXFP8 from a single
+    load of x. Shared by _mxfp8_kernel and the multi-tensor kernel (kernels.mxfp8_multi), so both
+    write the same bytes.
 
     Addresses are a 64-bit tile origin plus 32-bit offsets inside the tile (BLOCK_M * K < 2^31),
     which keeps per-element registers low.
     """
-    row_start = tl.program_id(0) * BLOCK_M
-    col_start = tl.program_id(1) * BLOCK_K
+    row_start = pid_m * BLOCK_M
+    col_start = pid_k * BLOCK_K
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
     mask = ((row_start + rows)[:, None] < M) & ((col_start + cols)[None, :] < K)
@@ -197,6 +201,38 @@ def _mxfp8_kernel(
         tl.store(
             col_scale_ptr + scale_origin + scale_offsets, scale.to(tl.uint8), mask=scale_mask
         )
+
+
+@triton.jit
+def _mxfp8_kernel(
+    x_ptr,
+    row_data_ptr,
+    row_scale_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    M,
+    K,
+    BF16_BITS: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
+    MAX_CODE: tl.constexpr,
+    RECIPROCAL_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    E5M2: tl.constexpr,
+    DIRECT_COLUMNS: tl.constexpr,
+):
+    """Grid (M tiles, K tiles): one mxfp8_tile per program."""
+    mxfp8_tile(
+        x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, M, K,
+        tl.program_id(0), tl.program_id(1), BF16_BITS, ROWWISE, COLUMNWISE, MANTISSA_BITS,
+        MIN_EXPONENT, MAX_CODE, RECIPROCAL_BITS, BLOCK_M, BLOCK_K, SCALE_BLOCK, HW_CAST, E5M2,
+        DIRECT_COLUMNS,
+    )
 
 
 def quantize_mxfp8(

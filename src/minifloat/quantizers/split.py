@@ -5,9 +5,9 @@ its own quantizer (its own scale, its own amax). Zero-size splits give None: the
 quantize and their GEMMs produce empty outputs and zero weight gradients.
 
 Where the Triton kernels serve the input and every non-empty split's quantizer has one
-configuration the multi-tensor kernels know (FP8 current scaling, FP8 1x128 blocks, NVFP4 1D),
-all splits are quantized by one kernel call (split_kernels.py has the exact rules) with the bytes
-of the per-split loop; every other case runs the loop, split by split.
+configuration the multi-tensor kernels know (FP8 current scaling, FP8 1x128 blocks, NVFP4 1D,
+MXFP8), all splits are quantized by one kernel call (split_kernels.py has the exact rules) with
+the bytes of the per-split loop; every other case runs the loop, split by split.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The multi-tensor fast path of split_quantize: every split of one tensor in one kernel call.
 
 Why: a mixture-of-experts layer quantizes one small split per expert, several times a step;
-one launch (or two) per split is dominated by launch latency. kernels.multi_tensor and
-kernels.nvfp4_multi quantize a whole group of tensors per launch and give each tensor the bytes
-its own single-tensor quantization gives it. This module decides when they can stand in for the
-per-split loop of split_quantize (`plan_multi`) and builds each split's output exactly as that
-split's own `quantizer(piece)` call would (`run_plan`): the same storage class, buffers,
-metadata, nominal dtype and shape, an owner copy of its quantizer with the reduction group
-stripped, and a QuantizedTensor wrapper unless the quantizer is `internal`.
+one launch (or two) per split is dominated by launch latency. kernels.multi_tensor,
+kernels.nvfp4_multi and kernels.mxfp8_multi quantize a whole group of tensors per launch and give
+each tensor the bytes its own single-tensor quantization gives it. This module decides when they
+can stand in for the per-split loop of split_quantize (`plan_multi`) and builds each split's
+output exactly as that split's own `quantizer(piece)` call would (`run_plan`): the same storage
+class, buffers, metadata, nominal dtype and shape, an owner copy of its quantizer with the
+reduction group stripped, and a QuantizedTensor wrapper unless the quantizer is `internal`.
 
 Dispatch rules (anything else returns None from `plan_multi`, and split_quantize loops):
 - the kernels serve the input (`minifloat.kernels.available(x)`: CUDA with Triton, or CPU tensors
@@ -18,15 +18,17 @@ Dispatch rules (anything else returns None from `plan_multi`, and split_quantize
   count) are all of exactly one of these types, with equal format signatures (every setting
   that decides the bytes) and equal usages (at least one):
   Float8CurrentScalingQuantizer, Float8BlockQuantizer with block_scaling_dim=1,
-  NVFP4Quantizer without 2D quantization (RHT and stochastic rounding allowed);
-  exact types only, so a subclass that changes how it quantizes keeps its own path;
-- every split passes its quantizer's shape check (NVFP4: M and K multiples of 16), so the loop
-  keeps raising its own errors for shapes a format rejects;
+  NVFP4Quantizer without 2D quantization (RHT and stochastic rounding allowed), MXFP8Quantizer
+  (E4M3 or E5M2); exact types only, so a subclass that changes how it quantizes keeps its own
+  path;
+- every split passes its quantizer's shape check (NVFP4: M and K multiples of 16; MXFP8: of 32),
+  so the loop keeps raising its own errors for shapes a format rejects;
 - current scaling and NVFP4 reduce their amaxes over the quantizer's reduction group: all
   splits must carry the same group (the same object, or all None). The kernels then call that
   quantizer's `reduce_amax` once on the vector of all splits' amaxes (a MAX all-reduce is
   elementwise, so each split gets the value its own call would get) instead of once per split.
-  Block FP8 1D takes no global amax, so its groups do not matter.
+  Block FP8 1D and MXFP8 take no global amax (one launch, no reduction), so their groups do not
+  matter.
 
 Distributed note: with a reduction group, the loop runs one all-reduce per non-empty split and
 this path one per amax kind for all of them; both depend only on the splits and quantizer
@@ -51,14 +53,16 @@ from .. import kernels
 from .base import QuantizedStorage, Quantizer
 from .blockwise import Float8BlockQuantizer, Float8BlockStorage
 from .float8 import Float8CurrentScalingQuantizer, _per_tensor_storage
+from .mxfp8 import MXFP8Quantizer, MXFP8Storage
 from .nvfp4 import KERNEL_INPUT_DTYPES, NVFP4Quantizer, NVFP4Storage
 
-MultiKind = Literal["current_scaling", "block_1d", "nvfp4_1d"]
+MultiKind = Literal["current_scaling", "block_1d", "nvfp4_1d", "mxfp8"]
 
 _KINDS: dict[type[Quantizer], MultiKind] = {
     Float8CurrentScalingQuantizer: "current_scaling",
     Float8BlockQuantizer: "block_1d",
     NVFP4Quantizer: "nvfp4_1d",
+    MXFP8Quantizer: "mxfp8",
 }
 _USES_GLOBAL_AMAX = ("current_scaling", "nvfp4_1d")
 
@@ -152,6 +156,12 @@ def _launch(plan: MultiPlan) -> list[dict[str, torch.Tensor | None]]:
         )
         names = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
         return [dict(zip(names, result, strict=True)) for result in results]
+    if plan.kind == "mxfp8":
+        from ..kernels.mxfp8_multi import quantize_mxfp8_multi  # Triton: lazy
+
+        return quantize_mxfp8_multi(
+            plan.pieces, dtype=q.fp8_dtype, rowwise=rowwise, columnwise=columnwise
+        )
     from ..kernels.nvfp4_multi import quantize_nvfp4_multi  # Triton: lazy
 
     return quantize_nvfp4_multi(
@@ -172,6 +182,9 @@ def _storage(
     if kind == "block_1d":
         return Float8BlockStorage(shape=tuple(piece.shape), dtype=piece.dtype, quantizer=owner,
                                   block_scaling_dim=1, **fields)
+    if kind == "mxfp8":
+        return MXFP8Storage(shape=tuple(piece.shape), dtype=piece.dtype, quantizer=owner,
+                            fp8_dtype=quantizer.fp8_dtype, **fields)
     return NVFP4Storage(shape=tuple(piece.shape), dtype=piece.dtype, quantizer=owner,
                         two_dimensional=False, with_rht=quantizer.with_rht, **fields)
 
