@@ -251,6 +251,9 @@ def quantize_mxfp8(
     x2d = as_2d(x)
     m, k = x2d.shape
     require_divisible((m, k), BLOCK, "MXFP8")
+    if BLOCK_M * k >= 2**31:  # in-tile offsets are 32-bit (registers); see mxfp8_tile
+        raise ValueError(f"the MXFP8 kernel takes rows of fewer than {2**31 // BLOCK_M} "
+                         f"elements, got K = {k}; quantize the tensor in column slices")
     device = x.device
     out: dict[str, torch.Tensor] = {}
     dummy = torch.empty(0, dtype=torch.uint8, device=device)
