@@ -1,8 +1,9 @@
 """Linear forward+backward per recipe against bf16, at the issue's three (M, K, N) shapes.
 
 One step = y = x W^T, then dx and dW from an explicit dY (bf16 params and activations). The
-minifloat step includes quantizing x, W (the weight cache is cleared every step, as an optimizer
-step would invalidate it) and dY. Times are medians of device-event timings (triton do_bench).
+minifloat step includes quantizing x, W (weights are quantized on every forward by default; the
+step also clears the module's kept copies, so no is_first_microbatch reuse can sneak in) and
+dY. Times are medians of device-event timings (triton do_bench).
 
 Usage: python benchmarks/linear_step.py [--out DIR] [--recipes a,b] [--shapes MxKxN,...] [--torchao]
        [--cuda-graph fp8-current,...]   (those recipes and bf16 also as captured CUDA graphs)
