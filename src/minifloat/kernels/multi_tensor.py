@@ -12,7 +12,11 @@ finds the tensor it works on in a device table:
   tile code as the single-tensor kernels (per_tensor_fp8.cast_transpose_tile,
   block_fp8.block_1d_tile), so the bytes are the single-tensor bytes;
 - outputs live in one flat buffer per kind (data, transpose, scales); each tensor's results are
-  views into it (16-byte aligned), which keeps the buffer alive while any view is.
+  views into it (16-byte aligned), which keeps the buffer alive while any view is;
+- offsets and shapes read from the table carry none of the facts Triton specialises a single
+  launch on (16-byte pointers, M and K divisible by 16), and without them every access is
+  scalar; `tl.multiple_of` hints restore them, each always true (output offsets) or given only
+  when the host found it true of every tensor in the group (_hints).
 
 Per-tensor current scaling runs two launches (amax of every tensor, then every cast), with an
 optional amax reduction (e.g. an all-reduce over a group) in between, applied once to the
@@ -47,6 +51,9 @@ FIELDS = 8  # int64 entries per tensor in the table (unused ones are 0)
 AMAX_BLOCK = 4096
 AMAX_STEPS = 4  # loads per amax program: AMAX_BLOCK * AMAX_STEPS elements
 ALIGN = 16  # bytes; output views start on 16-byte boundaries
+# the same facts in the kernels' terms: data offsets (bytes) and fp32 scale offsets (elements)
+DATA_ALIGN = tl.constexpr(ALIGN) if tl is not None else ALIGN
+SCALE_ALIGN = tl.constexpr(ALIGN // 4) if tl is not None else ALIGN // 4
 # cast tiles: small tensors favour small tiles (more programs); 4 warps keep registers low
 TILE_M = 64
 TILE_K = 64
@@ -67,13 +74,47 @@ def _owner(starts_ptr, pid, n, STEPS: tl.constexpr):
 
 
 @jit
+def _input_pointer(x_base, row, X_DIVISOR: tl.constexpr):
+    """This tensor's input pointer; with X_DIVISOR > 1 the host found every input offset a
+    multiple of X_DIVISOR elements (16 bytes), so the hint lets 16-byte loads through."""
+    offset = tl.load(row)
+    if X_DIVISOR > 1:
+        offset = tl.multiple_of(offset, X_DIVISOR)
+    return x_base + offset
+
+
+@jit
+def _shape(row, WIDE: tl.constexpr, M_ALIGNED: tl.constexpr, K_ALIGNED: tl.constexpr):
+    """M, K of this tensor, as the single-tensor launch would pass them: int32 unless WIDE, and
+    known multiples of 16 where the host found that true of every tensor in the group (Triton
+    specialises a single launch's M, K the same way). Values read from memory carry no
+    divisibility facts; without them every access is scalar (sm_90 compile:
+    benchmarks/KERNEL_NOTES.md, "multi-tensor alignment hints")."""
+    M = tl.load(row + 1)
+    K = tl.load(row + 2)
+    if not WIDE:
+        M = M.to(tl.int32)
+        K = K.to(tl.int32)
+    if M_ALIGNED:
+        M = tl.multiple_of(M, 16)
+    if K_ALIGNED:
+        K = tl.multiple_of(K, 16)
+    return M, K
+
+
+@jit
 def _multi_amax_kernel(x_base, table_ptr, starts_ptr, amax_bits_ptr, n, STEPS: tl.constexpr,
-                       FIELDS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+                       FIELDS: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+                       X_DIVISOR: tl.constexpr, NUMEL_ALIGNED: tl.constexpr):
+    """NUMEL_ALIGNED: every tensor's element count is a multiple of 16 (the mask then stays
+    constant over a vector, so loads can be 16 bytes wide together with X_DIVISOR)."""
     pid = tl.program_id(0)
     i = _owner(starts_ptr, pid, n, STEPS)
     row = table_ptr + i * FIELDS
     numel = tl.load(row + 1) * tl.load(row + 2)
-    x_ptr = x_base + tl.load(row + 0)
+    if NUMEL_ALIGNED:
+        numel = tl.multiple_of(numel, 16)
+    x_ptr = _input_pointer(x_base, row, X_DIVISOR)
     first = (pid - tl.load(starts_ptr + i)).to(tl.int64) * (BLOCK * SUB)
     running = tl.zeros([BLOCK], dtype=tl.int32)
     for s in range(SUB):
@@ -88,20 +129,21 @@ def _multi_cast_kernel(x_base, data_base, data_t_base, table_ptr, starts_ptr, am
                        scale_inv_ptr, eps, n, E5M2: tl.constexpr, POW2: tl.constexpr,
                        ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, STEPS: tl.constexpr,
                        FIELDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                       WIDE: tl.constexpr, HW_CAST: tl.constexpr):
+                       WIDE: tl.constexpr, HW_CAST: tl.constexpr, X_DIVISOR: tl.constexpr,
+                       M_ALIGNED: tl.constexpr, K_ALIGNED: tl.constexpr):
+    """Output offsets are always multiples of ALIGN bytes (_aligned_offsets), so they are hinted
+    unconditionally; the input and M, K only as the host found (see _shape, _input_pointer)."""
     pid = tl.program_id(0)
     i = _owner(starts_ptr, pid, n, STEPS)
     row = table_ptr + i * FIELDS
-    M = tl.load(row + 1)
-    K = tl.load(row + 2)
-    if not WIDE:
-        M = M.to(tl.int32)
-        K = K.to(tl.int32)
-    local = pid - tl.load(starts_ptr + i)
+    M, K = _shape(row, WIDE, M_ALIGNED, K_ALIGNED)
+    local = (pid - tl.load(starts_ptr + i)).to(tl.int32)  # < grid size < 2^31
     tiles_k = tl.maximum(tl.cdiv(K, BLOCK_K), 1)  # an empty tensor still owns one program
     scale = scale_from_amax(tl.load(amax_ptr + i), eps, E5M2, POW2, 0x7F7FFFFF)
-    cast_transpose_tile(x_base + tl.load(row + 0), data_base + tl.load(row + 3),
-                        data_t_base + tl.load(row + 4), amax_ptr, scale, M, K, local // tiles_k,
+    data_offset = tl.multiple_of(tl.load(row + 3), DATA_ALIGN)
+    data_t_offset = tl.multiple_of(tl.load(row + 4), DATA_ALIGN)
+    cast_transpose_tile(_input_pointer(x_base, row, X_DIVISOR), data_base + data_offset,
+                        data_t_base + data_t_offset, amax_ptr, scale, M, K, local // tiles_k,
                         local % tiles_k, E5M2, ROWWISE, COLUMNWISE, False, BLOCK_M, BLOCK_K,
                         WIDE, HW_CAST)
     if local == 0:
@@ -114,20 +156,23 @@ def _multi_block_1d_kernel(x_base, row_data_base, row_si_base, col_data_base, co
                            OVERFLOW_BITS: tl.constexpr, ROWWISE: tl.constexpr,
                            COLUMNWISE: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
                            BLOCK: tl.constexpr, CHUNK: tl.constexpr, WIDE: tl.constexpr,
-                           HW_CAST: tl.constexpr):
+                           HW_CAST: tl.constexpr, X_DIVISOR: tl.constexpr,
+                           M_ALIGNED: tl.constexpr, K_ALIGNED: tl.constexpr):
+    """Data offsets are multiples of ALIGN bytes and scale offsets of ALIGN // 4 floats
+    (_aligned_offsets): hinted unconditionally; the input and M, K as the host found."""
     pid = tl.program_id(0)
     i = _owner(starts_ptr, pid, n, STEPS)
     row = table_ptr + i * FIELDS
-    M = tl.load(row + 1)
-    K = tl.load(row + 2)
-    if not WIDE:
-        M = M.to(tl.int32)
-        K = K.to(tl.int32)
-    local = pid - tl.load(starts_ptr + i)
+    M, K = _shape(row, WIDE, M_ALIGNED, K_ALIGNED)
+    local = (pid - tl.load(starts_ptr + i)).to(tl.int32)  # < grid size < 2^31
     tiles_k = tl.cdiv(K, BLOCK)
-    block_1d_tile(x_base + tl.load(row + 0), row_data_base + tl.load(row + 3),
-                  row_si_base + tl.load(row + 5), col_data_base + tl.load(row + 4),
-                  col_si_base + tl.load(row + 6), eps, M, K, local // tiles_k, local % tiles_k,
+    row_data_offset = tl.multiple_of(tl.load(row + 3), DATA_ALIGN)
+    col_data_offset = tl.multiple_of(tl.load(row + 4), DATA_ALIGN)
+    row_si_offset = tl.multiple_of(tl.load(row + 5), SCALE_ALIGN)
+    col_si_offset = tl.multiple_of(tl.load(row + 6), SCALE_ALIGN)
+    block_1d_tile(_input_pointer(x_base, row, X_DIVISOR), row_data_base + row_data_offset,
+                  row_si_base + row_si_offset, col_data_base + col_data_offset,
+                  col_si_base + col_si_offset, eps, M, K, local // tiles_k, local % tiles_k,
                   POW2, OVERFLOW_BITS, ROWWISE, COLUMNWISE, BLOCK, CHUNK, WIDE, HW_CAST)
 
 
@@ -172,6 +217,26 @@ def _input_offsets(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[
             raise ValueError("multi-tensor quantization: a tensor is not aligned to its dtype")
         offsets.append(delta // size)
     return base, offsets
+
+
+def _hints(shapes: Sequence[tuple[int, int]], x_offsets: Sequence[int],
+           element_size: int) -> dict[str, int | bool]:
+    """Divisibility facts true of every tensor in the group, as constexprs for the kernels.
+
+    Triton specialises a single-tensor launch on 16-byte aligned pointers and on M, K divisible
+    by 16, and vectorises (16-byte loads and stores, far fewer registers) from those facts; the
+    multi kernels read offsets and shapes from the table, so they get the facts only from these
+    hints. Each holds for the whole group or is not given (the kernels then take the scalar
+    path of before): X_DIVISOR, every input offset a multiple of 16 bytes (in elements; 1 is no
+    hint); M_ALIGNED / K_ALIGNED, every M / K a multiple of 16 (zero included). They change
+    no bytes, only what the compiler may assume.
+    """
+    divisor = ALIGN // element_size
+    return {
+        "X_DIVISOR": divisor if all(offset % divisor == 0 for offset in x_offsets) else 1,
+        "M_ALIGNED": all(m % 16 == 0 for m, _ in shapes),
+        "K_ALIGNED": all(k % 16 == 0 for _, k in shapes),
+    }
 
 
 def _aligned_offsets(sizes: Sequence[int], align: int) -> tuple[list[int], int]:
@@ -246,12 +311,14 @@ def quantize_current_scaling_multi(
     chunk_starts = table[n * FIELDS: n * FIELDS + n]
     tile_starts = table[n * FIELDS + n:]
     steps = _search_steps(n)
+    hints = _hints(shapes, x_offsets, base.element_size())
 
     amax = torch.zeros(n, dtype=torch.float32, device=device)
     if sum(chunk_counts):
         _multi_amax_kernel[(sum(chunk_counts),)](
             base, meta, chunk_starts, amax.view(torch.int32), n, STEPS=steps, FIELDS=FIELDS,
-            BLOCK=AMAX_BLOCK, SUB=AMAX_STEPS, num_warps=8,
+            BLOCK=AMAX_BLOCK, SUB=AMAX_STEPS, X_DIVISOR=hints["X_DIVISOR"],
+            NUMEL_ALIGNED=all(size % 16 == 0 for size in sizes), num_warps=8,
         )
     if reduce_amax is not None:
         amax = reduce_amax(amax)
@@ -281,6 +348,7 @@ def quantize_current_scaling_multi(
         BLOCK_K=TILE_K,
         WIDE=any(needs_wide_offsets(m, k, max(TILE_M, TILE_K)) for m, k in shapes),
         HW_CAST=hw_cast(base),
+        **hints,
         num_warps=4,
     )
     results = []
@@ -354,6 +422,7 @@ def quantize_block_1d_multi(
             CHUNK=CHUNK,
             WIDE=any(needs_wide_offsets(m, k, BLOCK) for m, k in shapes),
             HW_CAST=hw_cast(tensors[0]),
+            **_hints(shapes, x_offsets, base.element_size()),
             num_warps=8,
         )
     e4m3 = torch.float8_e4m3fn

@@ -49,6 +49,31 @@ def _tile_lookup(tensor_table_ptr, tile_table_ptr):
 
 
 @triton.jit
+def _pointer(row, column, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """The address in `column` of a table row as a pointer; ALIGNED: the host found that column
+    16-byte aligned in every row (the facts a single-tensor launch gets from Triton's
+    specialisation, and without which every load and store is scalar)."""
+    pointer = tl.load(row + column).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        # on the pointer itself: the hint does not pass through an int-to-pointer cast
+        pointer = tl.multiple_of(pointer, 16)
+    return pointer
+
+
+@triton.jit
+def _shape(row, NARROW: tl.constexpr):
+    """M, K as the single-tensor launch passes them: int32 when every M, K fits (NARROW; the
+    tile code widens its offsets to int64 itself), and multiples of 16, which quantize_nvfp4_multi
+    requires of every tensor (require_divisible), so the hint always holds."""
+    M = tl.load(row + 5)
+    K = tl.load(row + 6)
+    if NARROW:
+        M = M.to(tl.int32)
+        K = K.to(tl.int32)
+    return tl.multiple_of(M, 16), tl.multiple_of(K, 16)
+
+
+@triton.jit
 def _multi_amax_kernel(
     tensor_table_ptr,
     tile_table_ptr,
@@ -59,12 +84,14 @@ def _multi_amax_kernel(
     RHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    X_ALIGNED: tl.constexpr,
+    NARROW: tl.constexpr,
 ):
     """amax_bits[t, 0] / [t, 1]: plain and post-RHT amax bits of tensor t."""
     index, row, tile_m, tile_k = _tile_lookup(tensor_table_ptr, tile_table_ptr)
-    x_ptr = tl.load(row).to(tl.pointer_type(X_DTYPE))
+    M, K = _shape(row, NARROW)
     amax_tile(
-        x_ptr, amax_bits_ptr + index * 2, tl.load(row + 5), tl.load(row + 6), tile_m, tile_k,
+        _pointer(row, 0, X_DTYPE, X_ALIGNED), amax_bits_ptr + index * 2, M, K, tile_m, tile_k,
         BF16_BITS, PLAIN, RHT, BLOCK_M, BLOCK_K,
     )
 
@@ -85,16 +112,21 @@ def _multi_1d_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HW: tl.constexpr,
+    X_ALIGNED: tl.constexpr,
+    OUT_ALIGNED: tl.constexpr,
+    NARROW: tl.constexpr,
 ):
     """Rowwise / columnwise 1x16 NVFP4 of one tile of one tensor; tensor t uses amaxes [t] and
     seeds [t, 0] (rowwise) and [t, 1] (columnwise)."""
     index, row, tile_m, tile_k = _tile_lookup(tensor_table_ptr, tile_table_ptr)
-    out = tl.pointer_type(tl.uint8)
+    M, K = _shape(row, NARROW)
+    u8 = tl.uint8
     quantize_1d_tile(
-        tl.load(row).to(tl.pointer_type(X_DTYPE)),
-        tl.load(row + 1).to(out), tl.load(row + 2).to(out), row_amax_ptr + index,
-        tl.load(row + 3).to(out), tl.load(row + 4).to(out), col_amax_ptr + index,
-        seed_ptr + index * 2, tl.load(row + 5), tl.load(row + 6), tile_m, tile_k,
+        _pointer(row, 0, X_DTYPE, X_ALIGNED),
+        _pointer(row, 1, u8, OUT_ALIGNED), _pointer(row, 2, u8, OUT_ALIGNED),
+        row_amax_ptr + index,
+        _pointer(row, 3, u8, OUT_ALIGNED), _pointer(row, 4, u8, OUT_ALIGNED),
+        col_amax_ptr + index, seed_ptr + index * 2, M, K, tile_m, tile_k,
         BF16_BITS, ROWWISE, COLUMNWISE, RHT, STOCHASTIC, BLOCK_M, BLOCK_K, HW,
     )
 
@@ -170,12 +202,18 @@ def quantize_nvfp4_multi(
     tile_table = _to_device(tiles or [[0, 0, 0]], torch.int32, device)
     # the tables hold raw addresses: keep every buffer alive until both launches are queued
     grid = (len(tiles),)
+    # what Triton would specialise a single-tensor launch on, true here of every tensor
+    hints = {
+        "X_ALIGNED": all(row[0] % 16 == 0 for row in table),
+        "NARROW": all(max(row[5], row[6]) < 2**31 for row in table),
+    }
+    out_aligned = all(address % 16 == 0 for row in table for address in row[1:5])
 
     amax_bits = torch.zeros((count, 2), dtype=torch.int32, device=device)
     if tiles:
         _multi_amax_kernel[grid](
             tensor_table, tile_table, amax_bits, X_DTYPE=x_dtype, BF16_BITS=bf16_bits,
-            PLAIN=need_plain, RHT=need_rht, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
+            PLAIN=need_plain, RHT=need_rht, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, **hints,
             num_warps=AMAX_NUM_WARPS, enable_fp_fusion=FP_FUSION,
         )
     amaxes = amax_bits.view(torch.float32)
@@ -191,7 +229,7 @@ def quantize_nvfp4_multi(
             tensor_table, tile_table, row_amax, post_rht, seeds, X_DTYPE=x_dtype,
             BF16_BITS=bf16_bits, ROWWISE=rowwise, COLUMNWISE=columnwise, RHT=need_rht,
             STOCHASTIC=stochastic_rounding, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
-            HW=hw_cast(views[0]),
+            HW=hw_cast(views[0]), OUT_ALIGNED=out_aligned, **hints,
             num_warps=NUM_WARPS_STOCHASTIC if stochastic_rounding else NUM_WARPS,
             enable_fp_fusion=FP_FUSION,
         )
