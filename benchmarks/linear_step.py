@@ -6,7 +6,9 @@ step also clears the module's kept copies, so no is_first_microbatch reuse can s
 dY. Times are medians of device-event timings (triton do_bench).
 
 Usage: python benchmarks/linear_step.py [--out DIR] [--recipes a,b] [--shapes MxKxN,...] [--torchao]
-       [--cuda-graph fp8-current,...]   (those recipes and bf16 also as captured CUDA graphs)
+       [--cuda-graph fp8-current,...] [--rounds R]
+(--cuda-graph: those recipes and bf16 also as captured CUDA graphs; --rounds: interleaved
+rounds per shape, medians reported)
 (torchao 0.18.0 travels to the offline GPU machine as a wheel: see BENCHMARKS.md.)
 """
 
@@ -40,7 +42,7 @@ def _bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median"))
 
 
-def bf16_step_ms(m: int, k: int, n: int) -> float:
+def bf16_step(m: int, k: int, n: int):
     layer = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -48,10 +50,10 @@ def bf16_step_ms(m: int, k: int, n: int) -> float:
     def step():
         layer(x).backward(dy)
 
-    return _bench(step)
+    return step
 
 
-def torchao_step_ms(m: int, k: int, n: int, recipe_name: str) -> float | None:
+def torchao_step(m: int, k: int, n: int, recipe_name: str):
     """torchao.float8 training Linear (tensorwise or rowwise) under torch.compile, or None."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -67,10 +69,10 @@ def torchao_step_ms(m: int, k: int, n: int, recipe_name: str) -> float | None:
     def step():
         model(x).backward(dy)
 
-    return _bench(step)
+    return step
 
 
-def minifloat_step_ms(m: int, k: int, n: int, recipe, cuda_graph: bool = False) -> float:
+def minifloat_step(m: int, k: int, n: int, recipe):
     import minifloat as mf
 
     layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
@@ -83,7 +85,7 @@ def minifloat_step_ms(m: int, k: int, n: int, recipe, cuda_graph: bool = False) 
             y = layer(x)
         y.backward(dy)
 
-    return _bench(_graphed(step) if cuda_graph else step)
+    return step
 
 
 def _graphed(step):
@@ -102,11 +104,50 @@ def _graphed(step):
     return graph.replay
 
 
-def bf16_graphed_step_ms(m: int, k: int, n: int) -> float:
-    layer = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    return _bench(_graphed(lambda: layer(x).backward(dy)))
+def step_for(name: str, m: int, k: int, n: int):
+    """The step for "bf16", "torchao-tensorwise"/"torchao-rowwise" (None without torchao) or a
+    minifloat recipe name (profile_step.py and host_profile.py time the same steps)."""
+    if name == "bf16":
+        return bf16_step(m, k, n)
+    if name.startswith("torchao-"):
+        return torchao_step(m, k, n, name.removeprefix("torchao-"))
+    return minifloat_step(m, k, n, _recipes()[name])
+
+
+def bf16_step_ms(m: int, k: int, n: int) -> float:
+    return _bench(bf16_step(m, k, n))
+
+
+def minifloat_step_ms(m: int, k: int, n: int, recipe, cuda_graph: bool = False) -> float:
+    step = minifloat_step(m, k, n, recipe)
+    return _bench(_graphed(step) if cuda_graph else step)
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] + ordered[middle])
+
+
+def time_interleaved(steps: dict, rounds: int, baseline: str = "bf16") -> list[dict]:
+    """Time every step once per round, all steps in each round, and report per step the median
+    time over rounds and the median of its per-round speed-up over `baseline`.
+
+    Why rounds: the GPU's clocks drift over a run of minutes (heat, power), by several percent
+    (the graphed bf16 step once timed 5% slower than the eager one in one run). Timing each
+    step next to its baseline in every round and taking medians of the per-round ratios keeps
+    that drift out of the ratios; the spread over rounds is reported alongside."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            times[name].append(_bench(step))
+    rows = []
+    for name, values in times.items():
+        ratios = [b / t for b, t in zip(times[baseline], values, strict=True)]
+        rows.append({"recipe": name, "ms": _median(values), "ms_rounds": values,
+                     "speedup": _median(ratios), "speedup_min": min(ratios),
+                     "speedup_max": max(ratios)})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--recipes", default=",".join(_recipes()))
     parser.add_argument("--shapes", default=None)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved timing rounds per shape (medians reported)")
     parser.add_argument("--torchao", action="store_true",
                         help="also time torchao.float8 tensorwise/rowwise under torch.compile")
     parser.add_argument("--cuda-graph", default="",
@@ -124,40 +167,40 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     shapes = SHAPES if args.shapes is None else [
         tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    recipes = {name: _recipes()[name] for name in args.recipes.split(",")}
+    recipes = {name: _recipes()[name] for name in args.recipes.split(",") if name}
+    graphed = [name for name in args.cuda_graph.split(",") if name]
     rows = []
     for m, k, n in shapes:
-        base = bf16_step_ms(m, k, n)
-        rows.append({"shape": [m, k, n], "recipe": "bf16", "ms": base, "speedup": 1.0})
+        steps = {"bf16": bf16_step(m, k, n)}
         for name, recipe in recipes.items():
-            ms = minifloat_step_ms(m, k, n, recipe)
-            rows.append({"shape": [m, k, n], "recipe": name, "ms": ms, "speedup": base / ms})
-        graphed = [name for name in args.cuda_graph.split(",") if name]
+            steps[name] = minifloat_step(m, k, n, recipe)
         if graphed:
-            graph_base = bf16_graphed_step_ms(m, k, n)
-            rows.append({"shape": [m, k, n], "recipe": "bf16-cuda-graph", "ms": graph_base,
-                         "speedup": base / graph_base})
+            steps["bf16-cuda-graph"] = _graphed(bf16_step(m, k, n))
             for name in graphed:
-                ms = minifloat_step_ms(m, k, n, _recipes()[name], cuda_graph=True)
-                rows.append({"shape": [m, k, n], "recipe": f"{name}-cuda-graph", "ms": ms,
-                             "speedup": base / ms, "speedup_vs_graphed_bf16": graph_base / ms})
+                steps[f"{name}-cuda-graph"] = _graphed(minifloat_step(m, k, n,
+                                                                      _recipes()[name]))
         if args.torchao:
             for name in ("tensorwise", "rowwise"):
-                ms = torchao_step_ms(m, k, n, name)
-                if ms is not None:
-                    rows.append({"shape": [m, k, n], "recipe": f"torchao-{name}-compiled",
-                                 "ms": ms, "speedup": base / ms})
+                step = torchao_step(m, k, n, name)
+                if step is not None:
+                    steps[f"torchao-{name}-compiled"] = step
+        for row in time_interleaved(steps, args.rounds):
+            rows.append({"shape": [m, k, n], **row})
+        del steps
         torch.cuda.empty_cache()
-    print(f"Linear fwd+bwd on {torch.cuda.get_device_name()} (torch {torch.__version__})")
-    print(f"{'M x K x N':>20s} {'recipe':>26s} {'ms':>9s} {'vs bf16':>8s}")
+    print(f"Linear fwd+bwd on {torch.cuda.get_device_name()} (torch {torch.__version__}), "
+          f"medians of {args.rounds} interleaved rounds")
+    print(f"{'M x K x N':>20s} {'recipe':>26s} {'ms':>9s} {'vs bf16':>8s} {'range':>13s}")
     for row in rows:
         shape = "x".join(map(str, row["shape"]))
-        print(f"{shape:>20s} {row['recipe']:>26s} {row['ms']:9.3f} {row['speedup']:8.2f}")
+        spread = f"{row['speedup_min']:.2f}-{row['speedup_max']:.2f}"
+        print(f"{shape:>20s} {row['recipe']:>26s} {row['ms']:9.3f} {row['speedup']:8.2f} "
+              f"{spread:>13s}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "linear_step.json").write_text(json.dumps(
-            {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
-            indent=2))
+            {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+             "rounds": args.rounds, "rows": rows}, indent=2))
     return 0
 
 

@@ -29,41 +29,6 @@ PROFILED_STEPS = 10
 ENQUEUED_STEPS = 20
 
 
-def _step_function(name: str, m: int, k: int, n: int):
-    """The same step linear_step.py times, for bf16, torchao-* or a minifloat recipe name."""
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    if name == "bf16":
-        layer = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-
-        def step():
-            layer(x).backward(dy)
-        return step
-    if name.startswith("torchao-"):
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-        model = torch.nn.Sequential(
-            torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
-        config = Float8LinearConfig.from_recipe_name(name.removeprefix("torchao-"))
-        convert_to_float8_training(model, config=config)
-        model = torch.compile(model)
-
-        def step():
-            model(x).backward(dy)
-        return step
-    import minifloat as mf
-
-    recipe = linear_step._recipes()[name]
-    layer = mf.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
-
-    def step():
-        layer._weight_cache.clear()
-        with mf.autocast(recipe=recipe):
-            y = layer(x)
-        y.backward(dy)
-    return step
-
-
 def _host_ms(step) -> float:
     """Host milliseconds to issue one step, the GPU kept busy (no sync inside the window)."""
     torch.cuda.synchronize()
@@ -109,7 +74,7 @@ def _kernel_table(step) -> list[dict]:
 
 
 def profile_one(name: str, m: int, k: int, n: int, host_profile: int = 0) -> dict:
-    step = _step_function(name, m, k, n)
+    step = linear_step.step_for(name, m, k, n)
     for _ in range(10):
         step()
     if host_profile:
