@@ -135,8 +135,12 @@ def choose_path(
 
 
 def _fp32(scale: torch.Tensor) -> torch.Tensor:
-    """A 1-element scale as fp32; the kernels' scale_inv already is (no op then: host time)."""
-    return scale if scale.dtype == torch.float32 else scale.float()
+    """A 1-element scale as fp32 at a 16-byte aligned address, as cuBLAS's FP8 GEMM needs (it
+    answers CUBLAS_STATUS_NOT_SUPPORTED otherwise); the kernels' scale_inv already is both (no
+    op then: host time), a view into a packed scale buffer may not be (one tiny copy)."""
+    if scale.dtype != torch.float32:
+        return scale.float()
+    return scale if scale.data_ptr() % 16 == 0 else scale.clone()
 
 
 def scaled_mm_gemm(

@@ -182,3 +182,15 @@ def test_hints_hold_for_the_whole_group_or_are_not_given():
     assert multi_tensor._hints(shapes, [-8, 0], 2)["X_DIVISOR"] == 8  # base may come later
     hints = multi_tensor._hints([*shapes, (0, 5)], [0, 1536, 0], 2)  # an empty tensor counts
     assert (hints["M_ALIGNED"], hints["K_ALIGNED"]) == (True, False)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_current_scaling_scale_inv_views_are_16_byte_aligned(layout):
+    """cuBLAS's FP8 GEMM refuses a scale pointer that is not 16-byte aligned
+    (CUBLAS_STATUS_NOT_SUPPORTED, seen with GroupedLinear's second expert): every tensor's
+    scale_inv view from the multi-tensor launch starts on its own 16-byte slot."""
+    tensors = _views(layout, torch.bfloat16, DEVICE)
+    results = multi_tensor.quantize_current_scaling_multi(tensors, E4M3)
+    for _, _, scale_inv in results:
+        assert scale_inv.numel() == 1
+        assert scale_inv.data_ptr() % 16 == 0

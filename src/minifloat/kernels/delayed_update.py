@@ -36,7 +36,10 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38) if tl is not None else None
 @jit
 def _delayed_update_kernel(history_ptr, scale_ptr, fp8_max_ptr, rows, slots, margin_factor,
                            MOST_RECENT: tl.constexpr, SLOTS: tl.constexpr,
-                           ROWS: tl.constexpr):
+                           ROWS: tl.constexpr, ROLL: tl.constexpr):
+    """ROLL: the history has more than one row. A one-row history has nothing to roll, and its
+    loop must not be emitted at all: Triton specialises `rows` == 1 to a constant, and the
+    resulting zero-trip loop crashed Triton 3.6's coalescing pass on sm_90 (H200 run)."""
     slot = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)
     slot_ok = slot < slots
     row_zero = tl.load(history_ptr + slot, mask=slot_ok, other=0.0)
@@ -57,16 +60,17 @@ def _delayed_update_kernel(history_ptr, scale_ptr, fp8_max_ptr, rows, slots, mar
     # no thread stores over a row another has yet to read (nor writes a row twice out of order).
     tl.debug_barrier()
     # roll towards the front: row i <- row i + 1 (ascending chunks; see the module docstring)
-    start = 0
-    while start < rows - 1:
-        row = start + tl.arange(0, ROWS)
-        mask = (row < rows - 1)[:, None] & slot_ok[None, :]
-        values = tl.load(history_ptr + (row[:, None] + 1) * slots + slot[None, :], mask=mask,
-                         other=0.0)
-        tl.debug_barrier()
-        tl.store(history_ptr + row[:, None] * slots + slot[None, :], values, mask=mask)
-        tl.debug_barrier()
-        start += ROWS
+    if ROLL:
+        start = 0
+        while start < rows - 1:
+            row = start + tl.arange(0, ROWS)
+            mask = (row < rows - 1)[:, None] & slot_ok[None, :]
+            values = tl.load(history_ptr + (row[:, None] + 1) * slots + slot[None, :],
+                             mask=mask, other=0.0)
+            tl.debug_barrier()
+            tl.store(history_ptr + row[:, None] * slots + slot[None, :], values, mask=mask)
+            tl.debug_barrier()
+            start += ROWS
     # the oldest row takes the newest amax, then row 0 starts empty (one row: just empty)
     newest = tl.where(rows > 1, row_zero, 0.0)
     tl.store(history_ptr + (rows - 1) * slots + slot, newest, mask=slot_ok)
@@ -112,4 +116,4 @@ def delayed_scaling_update_(
     launch(_delayed_update_kernel, (cdiv(slots, SLOTS_BLOCK),), amax_history, scale, fp8_max,
            rows, slots, float32_value(2.0 ** margin),
            MOST_RECENT=amax_compute_algo == "most_recent", SLOTS=SLOTS_BLOCK, ROWS=ROWS_BLOCK,
-           num_warps=4)
+           ROLL=rows > 1, num_warps=4)

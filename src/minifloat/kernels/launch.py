@@ -49,7 +49,14 @@ def _direct_allowed(kernel: Any, args: tuple) -> bool:
     from triton import knobs
 
     hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return all(hook is None for hook in hooks)
+    return all(_no_hook(hook) for hook in hooks)
+
+
+def _no_hook(hook: Any) -> bool:
+    """Whether a launch hook slot is empty: None in older Tritons; from Triton 3.6 on a HookChain
+    object that is never None and holds its hooks in `.calls` (an `is None` test alone turned
+    the direct path off for every launch there, silently: found by benchmarks/host_profile.py)."""
+    return hook is None or (hasattr(hook, "calls") and not hook.calls)
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int = 4,

@@ -147,7 +147,7 @@ def _multi_cast_kernel(x_base, data_base, data_t_base, table_ptr, starts_ptr, am
                         local % tiles_k, E5M2, ROWWISE, COLUMNWISE, False, BLOCK_M, BLOCK_K,
                         WIDE, HW_CAST)
     if local == 0:
-        tl.store(scale_inv_ptr + i, reciprocal_rn(scale))
+        tl.store(scale_inv_ptr + i * SCALE_ALIGN, reciprocal_rn(scale))  # 16-byte slots
 
 
 @jit
@@ -326,7 +326,9 @@ def quantize_current_scaling_multi(
     data = torch.empty(max(data_total, 1), dtype=torch.uint8, device=device) if rowwise else None
     data_t = (torch.empty(max(data_total, 1), dtype=torch.uint8, device=device) if columnwise
               else None)
-    scale_inv = torch.empty(n, dtype=torch.float32, device=device)
+    # one 16-byte slot per scale: cuBLAS rejects (CUBLAS_STATUS_NOT_SUPPORTED) an FP8 GEMM whose
+    # scale pointer is not 16-byte aligned, and each tensor's scale_inv is a view into this
+    scale_inv = torch.empty(n * (ALIGN // 4), dtype=torch.float32, device=device)
     placeholder = data if data is not None else data_t
     _multi_cast_kernel[(sum(tile_counts),)](
         base,
@@ -356,7 +358,7 @@ def quantize_current_scaling_multi(
         results.append((
             None if data is None else _view(data, data_offsets[i], (m, k)).view(fp8_dtype),
             None if data_t is None else _view(data_t, data_offsets[i], (k, m)).view(fp8_dtype),
-            scale_inv[i:i + 1],
+            scale_inv[i * (ALIGN // 4):i * (ALIGN // 4) + 1],
         ))
     return results
 
