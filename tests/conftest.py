@@ -22,3 +22,28 @@ def one_rank_group():
     yield group
     if created:
         dist.destroy_process_group()
+
+
+def pytest_collection_modifyitems(config, items):
+    """MINIFLOAT_TEST_SHARD="i/n" keeps every n-th collected test starting at i (0-based).
+
+    Why: scripts/gpu-check runs test files as parallel processes, and the GPU tests spend most of
+    their time compiling Triton kernels on one CPU core per process; one file held the whole run
+    for six minutes. Shards of a file run in parallel processes; together they run every test
+    exactly once (tests/test_sharding.py checks the split)."""
+    import os
+
+    spec = os.environ.get("MINIFLOAT_TEST_SHARD")
+    if not spec:
+        return
+    try:
+        index, count = (int(part) for part in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(
+            f"MINIFLOAT_TEST_SHARD must look like 0/3 (shard index / shard count), got {spec!r}"
+        ) from None
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"MINIFLOAT_TEST_SHARD {spec!r}: need 0 <= index < count")
+    kept = [item for position, item in enumerate(items) if position % count == index]
+    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    items[:] = kept
