@@ -232,6 +232,18 @@ def test_block_2d_configs(monkeypatch, config, kind):
                          f"2D {config} {kind} {shape} {usage}")
 
 
+@pytest.mark.parametrize("cast_chunk", [16, 64])
+@pytest.mark.parametrize("kind", ["random", "nan", "ties", "subnormal"])
+def test_block_1d_words(monkeypatch, cast_chunk, kind):
+    """The transposed copy as int32 words (WORDS_1D; M % 4 == 0, hinted when M % 16 == 0),
+    with partial tiles in either direction."""
+    monkeypatch.setattr(block_fp8, "WORDS_1D", True)
+    _set_1d(monkeypatch, (True, 32, cast_chunk))
+    for shape in [(132, 260), (256, 132), (4, 9)]:
+        x = hard_input(shape, kind, torch.bfloat16, seed=shape[0])
+        _check_block(x, 1, (True, True), {}, f"words 1D {cast_chunk} {kind} {shape}")
+
+
 def test_wide_offsets(monkeypatch):
     """64-bit in-tile offsets (forced) through each 1D order and the 2D kernel."""
     monkeypatch.setattr(block_fp8, "needs_wide_offsets", lambda *args: True)

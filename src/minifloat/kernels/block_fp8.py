@@ -50,9 +50,20 @@ CHUNK = 32
 # order (column chunks, then the rowwise copy from cache), or with CHUNK_1D = 128 the whole
 # tile in registers. 16384x8192 bf16: rows-first 32/32 w4 0.282 ms, 32/64 0.282, 64/64 0.287;
 # whole tile w8 0.295; column chunks 64 w4 0.341 (all with the division-free scales).
-ROWS_FIRST_1D, CHUNK_1D, CAST_CHUNK_1D, NUM_WARPS_1D = True, 32, 32, 4
+# v3 (packed E4M3 conversion, _e4m3): 32/64 w4 predicted from SASS (KERNEL_NOTES.md, v3).
+# WORDS_1D (rows-first, M % 4 == 0): the transposed copy as int32 words from four row slices
+# (_columnwise_words) instead of a byte transpose; a variant to time, not the default (its
+# word stores compile to 4-byte STG, the byte path's to 16-byte).
+ROWS_FIRST_1D, CHUNK_1D, CAST_CHUNK_1D, NUM_WARPS_1D = True, 32, 64, 4
+WORDS_1D = False
 # 2D: whole tile in registers with 8 warps 0.201 ms; 64-row chunks 0.235; whole tile w4 0.254.
 CHUNK_2D, NUM_WARPS_2D = 128, 8
+# Four fp32 ($1..$4) to four E4M3 codes in one word ($0, $1's code in the low byte); see _e4m3.
+_E4M3_ASM = ("{ .reg .b16 lo, hi; .reg .b32 c, s, t; "
+             "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+             "mov.b32 c, {lo, hi}; prmt.b32 s, $1, $2, 0x0073; prmt.b32 t, $3, $4, 0x7300; "
+             "prmt.b32 s, s, t, 0x7610; lop3.b32 $0, c, s, 0x80808080, 0xD8; }")
+_E4M3_ASM = _E4M3_ASM if tl is None else tl.constexpr(_E4M3_ASM)
 ScaledCopies = tuple[
     torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None
 ]
@@ -111,6 +122,74 @@ def _scale_inv(scale, POW2: tl.constexpr):
 
 
 @jit
+def _e4m3(y, HW_CAST: tl.constexpr):
+    """E4M3 codes of fp32 y, the sat_rne_fp8 contract (NaN -> 0x7F | sign of y).
+
+    The hardware path does the NaN fix-up inside the conversion's asm, on four packed codes at
+    a time: cvt.rn.satfinite gives every non-NaN y its code with the sign of y already, and a NaN
+    a code whose low seven bits are 0x7F (E4M3 has no other NaN), so copying each y's sign bit
+    into bit 7 of its byte gives exactly fp8_codes' bytes (three byte permutes and one bit
+    select per four codes, where the elementwise fix-up cost about six operations per code
+    and unpacked the four codes to bytes and back)."""
+    if HW_CAST:
+        codes = tl.inline_asm_elementwise(_E4M3_ASM, "=r,r,r,r,r", [y], dtype=tl.uint8,
+                                          is_pure=True, pack=4)
+    else:
+        codes = fp8_codes(y, False, False)
+    return codes
+
+
+@jit
+def _e4m3_word(y0, y1, y2, y3, HW_CAST: tl.constexpr):
+    """E4M3 codes of y0..y3 packed little-endian into one int32 (y0 in the low byte), the
+    contract of _e4m3: the same asm with the four values from four tensors."""
+    if HW_CAST:
+        word = tl.inline_asm_elementwise(_E4M3_ASM, "=r,r,r,r,r", [y0, y1, y2, y3],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        word = (_e4m3(y0, False).to(tl.int32) | (_e4m3(y1, False).to(tl.int32) << 8)
+                | (_e4m3(y2, False).to(tl.int32) << 16) | (_e4m3(y3, False).to(tl.int32) << 24))
+    return word
+
+
+@jit
+def _columnwise_words(x_tile, col_data_ptr, scale, row0, col0, rows_left, cols_left, M, K,
+                      BLOCK: tl.constexpr, CAST_CHUNK: tl.constexpr, WIDE: tl.constexpr,
+                      HW_CAST: tl.constexpr, WORDS: tl.constexpr):
+    """The transposed copy of a tile as int32 words (M % 4 == 0): each chunk is loaded as four
+    row slices (slice j = rows 4i + j), so the four codes of rows 4i..4i+3 of a column sit in
+    one thread and one conversion packs them in the transposed byte order; only words cross
+    shared memory in Triton's layout conversion for the store, never single bytes. A partial
+    tile ends on a multiple of 4 rows, so words are whole. WORDS > 1: M % 16 == 0 (hints)."""
+    QUARTER: tl.constexpr = CAST_CHUNK // 4
+    tile = tl.arange(0, BLOCK)
+    quads = tl.arange(0, QUARTER)
+    stride = M // 4
+    if WORDS > 1:  # the host found M % 16 == 0: 16-byte aligned rows of words
+        stride = tl.multiple_of(stride, WORDS)
+    words_tile = col_data_ptr.to(tl.pointer_type(tl.int32)) + col0 * stride + row0 // 4
+    if WORDS > 1:  # the pointer cast drops the alignment Triton knew of col_data_ptr
+        words_tile = tl.multiple_of(words_tile, 16)
+    for r in range(BLOCK // CAST_CHUNK):
+        rows = r * CAST_CHUNK + 4 * quads
+        x0, _ = _load_chunk(x_tile, rows, tile, rows_left, cols_left, K, WIDE)
+        x1, _ = _load_chunk(x_tile, rows + 1, tile, rows_left, cols_left, K, WIDE)
+        x2, _ = _load_chunk(x_tile, rows + 2, tile, rows_left, cols_left, K, WIDE)
+        x3, _ = _load_chunk(x_tile, rows + 3, tile, rows_left, cols_left, K, WIDE)
+        s = scale[None, :]
+        words = _e4m3_word(x0 * s, x1 * s, x2 * s, x3 * s, HW_CAST)
+        wq = r * QUARTER + quads
+        mask_w = (4 * wq[:, None] < rows_left) & (tile[None, :] < cols_left)
+        if WIDE:
+            offsets = wq.to(tl.int64)[:, None] + tile.to(tl.int64)[None, :] * stride
+        else:
+            offsets = wq[:, None] + tile[None, :] * stride
+        # stored from its [quads, columns] shape; Triton converts the layout for the
+        # quads-contiguous store (on sm_90 it still emits 4-byte stores, see KERNEL_NOTES v3)
+        tl.store(words_tile + offsets, words, mask=mask_w)
+
+
+@jit
 def _load_chunk(x_tile, rows, cols, rows_left, cols_left, K, WIDE: tl.constexpr):
     """Tile-local x[rows, cols] as fp32 (zeros past the tensor's edge) and its mask."""
     mask = (rows[:, None] < rows_left) & (cols[None, :] < cols_left)
@@ -136,7 +215,8 @@ def block_1d_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps
     (ROWWISE) and along M into the transposed layout (COLUMNWISE): the multi-tensor kernel's
     entry, the rows-first order (see _tile_1d) with CHUNK-row chunks in both sweeps."""
     _tile_1d(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K, pid_m, pid_k,
-             POW2, OVERFLOW_BITS, ROWWISE, COLUMNWISE, BLOCK, CHUNK, CHUNK, True, WIDE, HW_CAST)
+             POW2, OVERFLOW_BITS, ROWWISE, COLUMNWISE, BLOCK, CHUNK, CHUNK, True, WIDE, HW_CAST,
+             False)
 
 
 @jit
@@ -144,7 +224,7 @@ def _tile_1d(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, 
              pid_k, POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr, ROWWISE: tl.constexpr,
              COLUMNWISE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
              CAST_CHUNK: tl.constexpr, ROWS_FIRST: tl.constexpr, WIDE: tl.constexpr,
-             HW_CAST: tl.constexpr):
+             HW_CAST: tl.constexpr, WORDS: tl.constexpr):
     """One 128x128 tile of the 1D quantization.
 
     The tile is walked in chunks to bound register use (a whole 128x128 fp32 tile held across a
@@ -160,8 +240,9 @@ def _tile_1d(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, 
     """
     row0 = pid_m.to(tl.int64) * BLOCK
     col0 = pid_k.to(tl.int64) * BLOCK
-    rows_left = M - row0
-    cols_left = K - col0
+    # clamped to the tile and narrowed: the masks compare in-tile indices in 32 bits
+    rows_left = tl.minimum(M - row0, BLOCK).to(tl.int32)
+    cols_left = tl.minimum(K - col0, BLOCK).to(tl.int32)
     x_tile = x_ptr + row0 * K + col0
     row_tile = row_data_ptr + row0 * K + col0
     col_tile = col_data_ptr + col0 * M + row0
@@ -178,17 +259,21 @@ def _tile_1d(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, 
             running = tl.maximum(running, magnitude)
             scale = _scale(tl.max(magnitude, axis=1), eps, POW2, OVERFLOW_BITS)
             tl.store(row_tile + tile_offsets(rows, tile, K, WIDE),
-                     fp8_codes(x * scale[:, None], False, HW_CAST), mask=mask)
+                     _e4m3(x * scale[:, None], HW_CAST), mask=mask)
             tl.store(row_si_ptr + (row0 + rows) * k_blocks + pid_k, _scale_inv(scale, POW2),
                      mask=rows < rows_left)
         scale = _scale(tl.max(running, axis=0), eps, POW2, OVERFLOW_BITS)
         tl.store(col_si_ptr + (col0 + tile) * m_blocks + pid_m, _scale_inv(scale, POW2),
                  mask=tile < cols_left)
-        for r in range(BLOCK // CAST_CHUNK):
-            rows = r * CAST_CHUNK + tl.arange(0, CAST_CHUNK)
-            x, mask = _load_chunk(x_tile, rows, tile, rows_left, cols_left, K, WIDE)
-            _store_columnwise(col_tile, fp8_codes(x * scale[None, :], False, HW_CAST), rows,
-                              tile, rows_left, cols_left, M, WIDE)
+        if WORDS:
+            _columnwise_words(x_tile, col_data_ptr, scale, row0, col0, rows_left, cols_left, M,
+                              K, BLOCK, CAST_CHUNK, WIDE, HW_CAST, WORDS)
+        else:
+            for r in range(BLOCK // CAST_CHUNK):
+                rows = r * CAST_CHUNK + tl.arange(0, CAST_CHUNK)
+                x, mask = _load_chunk(x_tile, rows, tile, rows_left, cols_left, K, WIDE)
+                _store_columnwise(col_tile, _e4m3(x * scale[None, :], HW_CAST), rows,
+                                  tile, rows_left, cols_left, M, WIDE)
     elif CHUNK == BLOCK:
         # whole tile in registers: one load, both maxima, both casts (no re-read)
         x, mask = _load_chunk(x_tile, tile, tile, rows_left, cols_left, K, WIDE)
@@ -196,12 +281,12 @@ def _tile_1d(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, 
         if ROWWISE:
             scale = _scale(tl.max(magnitude, axis=1), eps, POW2, OVERFLOW_BITS)
             tl.store(row_tile + tile_offsets(tile, tile, K, WIDE),
-                     fp8_codes(x * scale[:, None], False, HW_CAST), mask=mask)
+                     _e4m3(x * scale[:, None], HW_CAST), mask=mask)
             tl.store(row_si_ptr + (row0 + tile) * k_blocks + pid_k, _scale_inv(scale, POW2),
                      mask=tile < rows_left)
         if COLUMNWISE:
             scale = _scale(tl.max(magnitude, axis=0), eps, POW2, OVERFLOW_BITS)
-            _store_columnwise(col_tile, fp8_codes(x * scale[None, :], False, HW_CAST), tile,
+            _store_columnwise(col_tile, _e4m3(x * scale[None, :], HW_CAST), tile,
                               tile, rows_left, cols_left, M, WIDE)
             tl.store(col_si_ptr + (col0 + tile) * m_blocks + pid_m, _scale_inv(scale, POW2),
                      mask=tile < cols_left)
@@ -214,7 +299,7 @@ def _tile_1d(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, 
             if ROWWISE:
                 row_amax = tl.maximum(row_amax, tl.max(magnitude, axis=1))
             scale = _scale(tl.max(magnitude, axis=0), eps, POW2, OVERFLOW_BITS)
-            _store_columnwise(col_tile, fp8_codes(x * scale[None, :], False, HW_CAST), tile, cols,
+            _store_columnwise(col_tile, _e4m3(x * scale[None, :], HW_CAST), tile, cols,
                               rows_left, cols_left, M, WIDE)
             tl.store(col_si_ptr + (col0 + cols) * m_blocks + pid_m, _scale_inv(scale, POW2),
                      mask=cols < cols_left)
@@ -224,7 +309,7 @@ def _tile_1d(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, 
                 cols = c * CHUNK + chunk
                 x, mask = _load_chunk(x_tile, tile, cols, rows_left, cols_left, K, WIDE)
                 tl.store(row_tile + tile_offsets(tile, cols, K, WIDE),
-                         fp8_codes(x * scale[:, None], False, HW_CAST), mask=mask)
+                         _e4m3(x * scale[:, None], HW_CAST), mask=mask)
             tl.store(row_si_ptr + (row0 + tile) * k_blocks + pid_k, _scale_inv(scale, POW2),
                      mask=tile < rows_left)
     else:
@@ -233,7 +318,7 @@ def _tile_1d(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, 
             x, mask = _load_chunk(x_tile, rows, tile, rows_left, cols_left, K, WIDE)
             scale = _scale(tl.max(abs_bits(x), axis=1), eps, POW2, OVERFLOW_BITS)
             tl.store(row_tile + tile_offsets(rows, tile, K, WIDE),
-                     fp8_codes(x * scale[:, None], False, HW_CAST), mask=mask)
+                     _e4m3(x * scale[:, None], HW_CAST), mask=mask)
             tl.store(row_si_ptr + (row0 + rows) * k_blocks + pid_k, _scale_inv(scale, POW2),
                      mask=rows < rows_left)
 
@@ -243,12 +328,12 @@ def _block_1d_kernel(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, 
                      POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr, ROWWISE: tl.constexpr,
                      COLUMNWISE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
                      CAST_CHUNK: tl.constexpr, ROWS_FIRST: tl.constexpr, WIDE: tl.constexpr,
-                     HW_CAST: tl.constexpr):
+                     HW_CAST: tl.constexpr, WORDS: tl.constexpr):
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, BLOCK)
     _tile_1d(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K,
              pid // tiles_k, pid % tiles_k, POW2, OVERFLOW_BITS, ROWWISE, COLUMNWISE, BLOCK,
-             CHUNK, CAST_CHUNK, ROWS_FIRST, WIDE, HW_CAST)
+             CHUNK, CAST_CHUNK, ROWS_FIRST, WIDE, HW_CAST, WORDS)
 
 
 @jit
@@ -378,7 +463,8 @@ def quantize_block_1d(
     return _launch(_block_1d_kernel, x, (m, cdiv(k, BLOCK)), (k, cdiv(m, BLOCK)),
                    rowwise=rowwise, columnwise=columnwise, power_2_scale=power_2_scale,
                    amax_epsilon=amax_epsilon, chunk=CHUNK_1D, num_warps=NUM_WARPS_1D,
-                   CAST_CHUNK=CAST_CHUNK_1D, ROWS_FIRST=ROWS_FIRST_1D)
+                   CAST_CHUNK=CAST_CHUNK_1D, ROWS_FIRST=ROWS_FIRST_1D,
+                   WORDS=(4 if m % 16 == 0 else 1) if WORDS_1D and m % 4 == 0 else 0)
 
 
 def quantize_block_2d(
