@@ -154,25 +154,37 @@ def main(argv=None) -> int:
           ])
 
     # ---- MXFP8 (one read; both copies in [M, K] plus scales)
-    def mx(bm, bk, w, ENV_INT=None):
-        values = {"BLOCK_M": bm, "BLOCK_K": bk, "NUM_WARPS": w}
+    def mx(bm, bk, w, ENV_INT=None):  # v2 element kernel (WORDS off)
+        values = {"BLOCK_M": bm, "BLOCK_K": bk, "NUM_WARPS": w, "WORDS": False}
         if ENV_INT:
             values["ENV:MINIFLOAT_INTEGER_CAST"] = "1"
-        return (f"{bm}x{bk} w{w}{' int' if ENV_INT else ''}", values)
+        return (f"v2 {bm}x{bk} w{w}{' int' if ENV_INT else ''}", values)
+
+    def mxw(bk, w, ENV_INT=None):  # v3 words kernel (bf16; 32-row tiles)
+        values = {"WORDS": True, "WORDS_BLOCK_K": bk, "WORDS_NUM_WARPS": w}
+        if ENV_INT:
+            values["ENV:MINIFLOAT_INTEGER_CAST"] = "1"
+        return (f"words 32x{bk} w{w}{' int' if ENV_INT else ''}", values)
 
     group("mx", mxfp8, n * (2 + 2 + 2 / 32),
           lambda: mxfp8.quantize_mxfp8(x, rowwise=True, columnwise=True), [
-              mx(32, 64, 8, ENV_INT="1"), mx(32, 128, 4), mx(32, 64, 4), mx(32, 64, 2),
-              mx(32, 128, 2), mx(32, 256, 4), mx(64, 64, 4), mx(64, 128, 4), mx(32, 256, 8),
+              mx(32, 128, 2), mxw(128, 2), mxw(128, 2, ENV_INT="1"), mxw(64, 1), mxw(128, 4),
+              mxw(256, 4), mxw(256, 2), mxw(128, 1), mxw(64, 2), mxw(512, 8), mx(32, 128, 2),
           ])
 
     # ---- block FP8
     def blk(chunk, w, dims="1D"):
         return (f"chunk{chunk} w{w}", {f"CHUNK_{dims}": chunk, f"NUM_WARPS_{dims}": w})
 
+    def blk1(chunk, cast, w, words=False):
+        return (f"rows-first {chunk}/{cast} w{w}{' words' if words else ''}",
+                {"CHUNK_1D": chunk, "CAST_CHUNK_1D": cast, "NUM_WARPS_1D": w, "WORDS_1D": words})
+
     group("blk/1x128", block_fp8, n * (2 + 2 + 8 / 128),
           lambda: block_fp8.quantize_block_1d(x), [
-              blk(64, 4), blk(32, 8), blk(128, 8), blk(128, 4), blk(32, 4),
+              blk1(32, 64, 4), blk1(32, 32, 4), blk1(16, 64, 4), blk1(32, 128, 4),
+              blk1(32, 64, 8), blk1(32, 64, 4, True), blk1(32, 128, 4, True),
+              blk1(16, 64, 4, True),
           ])
     group("blk/128x128", block_fp8, n * 4, lambda: block_fp8.quantize_block_2d(x), [
         blk(64, 8, "2D"), blk(32, 8, "2D"), blk(128, 8, "2D"), blk(128, 4, "2D"),

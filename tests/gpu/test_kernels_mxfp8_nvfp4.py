@@ -294,6 +294,97 @@ def test_mxfp8_rejects_bad_shapes():
         mxfp8_kernels.quantize_mxfp8(torch.zeros(64, 32, device=DEVICE).t())
 
 
+# MXFP8 v3: the words kernel (bf16 inputs: int64 words in, int32 code words out)
+
+
+def _words_input(shape, seed):
+    """bf16 with every special a block can hold: NaN of either sign, infinities, FLT_MAX-range
+    blocks (E8M0 254 next to an infinity), subnormal-range blocks (E8M0 0 and 1), ties."""
+    x = random_input(shape, seed=seed, spread=20)
+    m, k = x.shape
+    x[0, 3] = float("nan")
+    x[5, 40 % k] = float("inf")
+    x[6, 7] = -float("inf")
+    x[10, :16] = torch.ldexp(torch.ones(16), torch.arange(-140, -124))
+    x[11, :8] = torch.tensor([448.0, 1.0625, 1.1875, -2.375, 272.0, 2.0**-10, 57344.0, 1.375])
+    if m >= 64:
+        x[32:64, :32] = torch.randn(32, 32) * 2.0**-135
+        x[33, 1] = -float("nan")
+        x[40, 0] = FLT_MAX
+        x[48, 33 % k] = -FLT_MAX
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("words_k", [128, 64, 256])
+@pytest.mark.parametrize("shape", [(32, 32), (64, 160), (64, 288)], ids=str)
+def test_mxfp8_words_kernel_products(monkeypatch, shape, words_k):
+    """Every tile width, masked and unmasked K, each usage and element format, through the CUDA
+    algorithm (fp32 products with exact power-of-two factors, the subnormal 2^-127 included;
+    NaN blocks overwritten per word; halfwise maxima): under the interpreter EMULATE_PRODUCTS
+    runs it with the integer cast standing in for cvt.rn.satfinite. (The interpreter's own
+    integer path of the words kernel serves every bf16 case of the tests above.)"""
+    monkeypatch.setattr(mxfp8_kernels, "WORDS_BLOCK_K", words_k)
+    monkeypatch.setattr(mxfp8_kernels, "EMULATE_PRODUCTS", True)
+    x = _words_input(shape, seed=sum(shape) + words_k)
+    assert mxfp8_kernels._takes_words(x.to(DEVICE))
+    for elem, usage in [(E4M3, (True, True)), (E4M3, (True, False)), (E4M3, (False, True)),
+                        (E5M2, (True, True))]:
+        out, ref = _mxfp8_both(x, elem, *usage)
+        assert_same_buffers(out, ref, f"{shape}/{words_k}/{elem}/{usage}.")
+
+
+def test_mxfp8_words_fallbacks(monkeypatch):
+    """The words kernel takes bf16 at 8-byte aligned addresses only; other inputs (and WORDS
+    off) take the element kernel, with the same bytes."""
+    base = _words_input((64, 160 + 2), seed=5).to(DEVICE)
+    shifted = base.flatten()[2:2 + 64 * 160].view(64, 160)  # 4-byte aligned, not 8
+    aligned = shifted.clone()
+    assert not mxfp8_kernels._takes_words(shifted)
+    assert mxfp8_kernels._takes_words(aligned)
+    assert not mxfp8_kernels._takes_words(aligned.float())
+    out, ref = _mxfp8_both(shifted.cpu(), E4M3)
+    assert_same_buffers(out, ref, "shifted.")
+    words = mxfp8_kernels.quantize_mxfp8(aligned, rowwise=True, columnwise=True)
+    monkeypatch.setattr(mxfp8_kernels, "WORDS", False)
+    assert not mxfp8_kernels._takes_words(aligned)
+    elements = mxfp8_kernels.quantize_mxfp8(aligned, rowwise=True, columnwise=True)
+    for name in words:
+        assert torch.equal(raw(words[name]), raw(elements[name])), name
+
+
+@triton.jit
+def _e8m0_probe_kernel(amax_ptr, fast_ptr, reference_ptr, n, RECIPROCAL_BITS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    amax = tl.load(amax_ptr + offsets, mask=mask, other=0.0)
+    tl.store(fast_ptr + offsets, mxfp8_kernels._e8m0(amax, RECIPROCAL_BITS), mask=mask)
+    tl.store(reference_ptr + offsets, element_cast.e8m0_exponent(amax, RECIPROCAL_BITS),
+             mask=mask)
+
+
+@pytest.mark.parametrize("element_max", [448.0, 57344.0], ids=["e4m3", "e5m2"])
+def test_mxfp8_fast_e8m0_on_every_bf16_magnitude(element_max):
+    """_e8m0 (the words kernel's scale rule) equals element_cast.e8m0_exponent and the
+    reference for every non-negative bf16 pattern (the words kernel's amaxes are bf16), NaNs,
+    infinity, zero and subnormals included; plus random fp32 amaxes."""
+    bf16_bits = torch.arange(0, 0x8000, dtype=torch.int32) << 16
+    gen = torch.Generator().manual_seed(11)
+    fp32_bits = torch.randint(0, 0x7F800001, (1 << 14,), generator=gen, dtype=torch.int32)
+    amax = torch.cat((bf16_bits, fp32_bits)).view(torch.float32)
+    n = amax.numel()
+    fast = torch.empty(n, dtype=torch.int32, device=DEVICE)
+    reference = torch.empty(n, dtype=torch.int32, device=DEVICE)
+    block = 1024
+    _e8m0_probe_kernel[(triton.cdiv(n, block),)](
+        amax.to(DEVICE), fast, reference, n, mxfp8_kernels._reciprocal_bits(element_max), block
+    )
+    assert torch.equal(fast.cpu(), reference.cpu())
+    finite = ~amax.isnan()
+    expected = numerics.e8m0_exponent(amax[finite], element_max).to(torch.int32)
+    assert torch.equal(fast.cpu()[finite], expected)
+
+
 # --------------------------------------------------------------------------------------------
 # NVFP4 (round to nearest): bytes
 # --------------------------------------------------------------------------------------------

@@ -81,7 +81,11 @@ def test_layernorm_mlp_swiglu(kind):
 
     x = torch.randn(2, 128, 256, dtype=torch.bfloat16)
     cpu, gpu = run_both(build, lambda m, x: m(x), [x], RECIPES[kind])
-    assert_close(cpu, gpu)
+    # Two quantized GEMMs in a chain: fc1's output differs across devices by GEMM summation
+    # order (one bf16 ulp), and requantizing it for fc2 (3 mantissa bits in E4M3) turns some of
+    # those ulps into whole FP8 steps; measured on an H200 5.1e-3 to 6.1e-3 for the FP8 recipes
+    # (the one-GEMM modules stay under 5e-3), so the chain gets twice the one-GEMM bound.
+    assert_close(cpu, gpu, tolerance=1e-2)
 
 
 def test_delayed_scaling_state_is_bit_exact_across_devices_over_steps():

@@ -5,7 +5,13 @@ copies are asked for. Both copies keep the [M, K] layout of the input (no transp
 - rowwise: 1x32 blocks along K -> data [M, K], E8M0 scales [M, K/32]
 - columnwise: 32x1 blocks along M -> data [M, K], E8M0 scales [M/32, K]
 Scales are compact (no padding), as numerics stores them. Elements are rounded with the integer
-casts of element_cast (Triton's float8 conversions do not match the contract everywhere).
+casts of element_cast (Triton's float8 conversions do not match the contract everywhere) under
+the interpreter, and with cvt.rn.satfinite on CUDA.
+
+Two kernels: bf16 inputs (the training case) take _mxfp8_words_kernel, which moves four
+elements per int64 / int32 word end to end (v3: ~14 SASS instructions an element instead of
+~35); other dtypes and unaligned views take _mxfp8_kernel (mxfp8_tile, shared with the
+multi-tensor kernel).
 
 Imported lazily by the MXFP8 quantizer once `minifloat.kernels.available(x)` holds.
 """
@@ -33,7 +39,7 @@ from .element_cast import (
     split_magnitude,
 )
 from .element_cast import e8m0_exponent as e8m0_from_amax
-from .fp8_common import cvt_sat_rne_fp8, hw_cast
+from .fp8_common import _capability, cvt_sat_rne_fp8, hw_cast, sat_rne_fp8
 from .launch import launch
 
 # Tile shape: 32 x 128 elements, 2 warps (64 elements a thread). Swept on an H100 with the
@@ -48,6 +54,19 @@ NUM_WARPS = 2
 # 0.245 ms against 0.248 reshaped (32x128, 2 warps; 1 warp 0.29, 4 warps 0.29, 32x64 w1 0.267).
 # A 4-D [BLOCK_M/32, 32, BLOCK_K/32, 32] view with no reshape at all was 1.4-5x slower.
 DIRECT_COLUMNS = True
+# WORDS (v3): bf16 inputs with BLOCK_M == 32 take _mxfp8_words_kernel, which reads int64 words of
+# four bf16 and writes int32 words of four FP8 codes, so no value is ever a lone byte: the v2
+# kernel spent ~35 SASS instructions an element, most of them unpacking and repacking bytes
+# around the cvt and a per-element NaN fix-up (benchmarks/KERNEL_NOTES.md, "MXFP8 v3").
+# WORDS_BLOCK_K / WORDS_NUM_WARPS are that kernel's tile width and warps (its tile is 32 rows).
+# Swept on an H200 (tune_kernels.py --only mx, copy 4168 GB/s): 32x256 w4 0.153 ms (0.853 of
+# copy), 32x256 w2 0.154, 32x128 w2 0.162, 32x128 w4 0.162, 32x64 w2 0.181; v2 kernel 0.235.
+WORDS = True
+WORDS_BLOCK_K = 256
+WORDS_NUM_WARPS = 4
+# Tests only: run the words kernel's hardware algorithm (fp32 products, per-block NaN words) in
+# the interpreter, with the integer sat_rne_fp8 standing in for the cvt and max.u16x2.
+EMULATE_PRODUCTS = False
 
 E8M0_NAN = tl.constexpr(0xFF)
 E8M0_BIAS = tl.constexpr(127)
@@ -235,6 +254,270 @@ def _mxfp8_kernel(
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# v3: words of four elements (bf16 input, 32-row tiles)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _word_floats(words):
+    """fp32 bit patterns (int32) of the four bf16 values in int64 words, element 0 in the low
+    half of the low half (little-endian memory order); one shift or mask each, exact."""
+    low = words.to(tl.int32)
+    high = (words >> 32).to(tl.int32)
+    return low << 16, low & -65536, high << 16, high & -65536
+
+
+@triton.jit
+def _e8m0(block_amax, RECIPROCAL_BITS: tl.constexpr):
+    """element_cast.e8m0_exponent in ~8 instructions instead of ~18 (it runs once per scale
+    on every thread that holds the block, 16 times per thread in a 32 x 128 tile):
+    e = ceil(log2(v)) + 127 clamped to [0, 254] for v = fp32(amax * R), with e = 0 meaning
+    2^-127, NaN -> 255. From the bits b of v (v >= 0): u = (b + 2^23 - 1) >> 23 is the
+    exponent field plus one when the mantissa is non-zero (inf -> 255, NaN -> 256);
+    min(u, 254) | (u >> 8) clamps inf and the top binade to 254 and sends NaN to 255; v <= 2^-127
+    (b <= 0x400000, zero included) gives 0. Equal to the reference rule for every fp32 v
+    (checked exhaustively over all 2^31 non-negative patterns)."""
+    reciprocal = tl.full(block_amax.shape, RECIPROCAL_BITS, tl.int32).to(tl.float32, bitcast=True)
+    bits = (block_amax * reciprocal).to(tl.int32, bitcast=True)
+    u = (bits.to(tl.uint32, bitcast=True) + 0x7FFFFF) >> 23
+    e = (tl.minimum(u, 254) | (u >> 8)).to(tl.int32)
+    return tl.where(bits <= 0x400000, 0, e)
+
+
+@triton.jit
+def _word_factor(scale_exponent):
+    """fp32 2^(127 - e), the exact element factor of the reference (numerics exp2_exact): a
+    normal for e <= 253 and the subnormal 2^-127 for e = 254 (an infinite block amax). One
+    product x * factor is then the reference's own fp32 product: the GPU's mul.f32 (no .ftz)
+    keeps subnormal operands and results. e = 255 (NaN blocks) gives 2^-127 too; those blocks
+    are overwritten after the cast (_nan_words)."""
+    bits = tl.maximum((254 - scale_exponent) << 23, 0x00400000)  # IMAD + VIMNMX
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _cvt_words(y0, y1, y2, y3, E5M2: tl.constexpr, HW_CAST: tl.constexpr):
+    """int32 words of the FP8 codes of four scaled fp32 elements (element k in byte k).
+
+    HW_CAST: two cvt.rn.satfinite (two elements each) straight into the word; that is the
+    sat_rne_fp8 contract apart from NaN, which callers handle per block (_nan_words). Without
+    it (tests under the interpreter, EMULATE_PRODUCTS) sat_rne_fp8 per element stands in for
+    the cvt, so the rest of the hardware path runs there too."""
+    if HW_CAST:
+        if E5M2:
+            words = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; cvt.rn.satfinite.e5m2x2.f32 lo, $2, $1; "
+                "cvt.rn.satfinite.e5m2x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+                "=r,r,r,r,r", [y0, y1, y2, y3], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            words = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+                "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+                "=r,r,r,r,r", [y0, y1, y2, y3], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        words = (sat_rne_fp8(y0, E5M2).to(tl.int32) | (sat_rne_fp8(y1, E5M2).to(tl.int32) << 8)
+                 | (sat_rne_fp8(y2, E5M2).to(tl.int32) << 16)
+                 | (sat_rne_fp8(y3, E5M2).to(tl.int32) << 24))
+    return words
+
+
+@triton.jit
+def _max_u16x2(a, b):
+    """Halfwise unsigned max of int32 words (max.u16x2, sm_90+): two magnitudes at once."""
+    return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _max_halves(a, b):
+    """_max_u16x2 in plain integer ops (the interpreter's path) for words whose bits 15 and 31
+    are clear, as the masked magnitudes are."""
+    return tl.maximum(a & 0xFFFF, b & 0xFFFF) | tl.maximum(a & 0x7FFF0000, b & 0x7FFF0000)
+
+
+@triton.jit
+def _max_u16x2_pairs(a0, a1, b0, b1):
+    """Combine function of a two-tensor _max_u16x2 reduction."""
+    return _max_u16x2(a0, b0), _max_u16x2(a1, b1)
+
+
+@triton.jit
+def _max_halves_pairs(a0, a1, b0, b1):
+    """Combine function of a two-tensor _max_halves reduction."""
+    return _max_halves(a0, b0), _max_halves(a1, b1)
+
+
+@triton.jit
+def _int_words(b0, b1, b2, b3, e0, e1, e2, e3, MANTISSA_BITS: tl.constexpr,
+               MIN_EXPONENT: tl.constexpr, MAX_CODE: tl.constexpr):
+    """_cvt_words by the integer rounding (_fp8_codes: NaN blocks included) for elements given
+    as fp32 bits and their blocks' E8M0 exponents; the interpreter's path."""
+    c0 = _fp8_codes(b0.to(tl.float32, bitcast=True), e0, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
+    c1 = _fp8_codes(b1.to(tl.float32, bitcast=True), e1, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
+    c2 = _fp8_codes(b2.to(tl.float32, bitcast=True), e2, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
+    c3 = _fp8_codes(b3.to(tl.float32, bitcast=True), e3, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
+    return (c0.to(tl.int32) | (c1.to(tl.int32) << 8) | (c2.to(tl.int32) << 16)
+            | (c3.to(tl.int32) << 24))
+
+
+@triton.jit
+def _scaled(bits, factor):
+    """fp32 element (given as bits) times its block factor: the reference's product."""
+    return bits.to(tl.float32, bitcast=True) * factor
+
+
+@triton.jit
+def _nan_words(words, byte_mask):
+    """Bytes under byte_mask (0xFF per byte of a NaN block) set to 0x7F, the reference's code for
+    every element of a block whose E8M0 scale is NaN (its product with the NaN scale is a
+    positive NaN). One LOP3 per word of four codes; whatever the cvt wrote there is replaced."""
+    return (words & ~byte_mask) | (byte_mask & 0x7F7F7F7F)
+
+
+@triton.jit
+def _mxfp8_words_kernel(
+    x_ptr,
+    row_data_ptr,
+    row_scale_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    M,
+    K,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
+    MAX_CODE: tl.constexpr,
+    RECIPROCAL_BITS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    PRODUCTS: tl.constexpr,
+    MAX_U16X2: tl.constexpr,
+    E5M2: tl.constexpr,
+    MASK_K: tl.constexpr,
+):
+    """Grid (M / 32, K tiles): one 32 x BLOCK_K tile of a bf16 [M, K] tensor, read as int64
+    words of four elements (x_ptr: the input viewed as int64 [M, K/4]); both copies written as
+    int32 words of four codes (row_data_ptr, col_data_ptr: int32 views [M, K/4]), columnwise
+    scales as int32 words of four (col_scale_ptr: int32 view [M/32, K/4]), rowwise scales as
+    bytes [M, K/32].
+
+    Why words: in the element-wise kernel every code was a byte in its own register, unpacked
+    from the cvt's packed result and repacked for the store, with a NaN fix-up per element:
+    ~35 SASS instructions an element against ~14 here (counts in KERNEL_NOTES.md). Element k of a
+    word is column 4j + k, so each of the four components is a [32, BLOCK_K / 4] tensor in the
+    layout of the loaded words and every step is elementwise across them.
+
+    HW_CAST: cvt by inline PTX (CUDA); PRODUCTS: the fp32-product algorithm that cvt needs
+    (also run under the interpreter by tests, with an integer stand-in for the cvt);
+    MAX_U16X2: max.u16x2 for the halfwise maxima (sm_90+; plain integer ops otherwise).
+
+    Tiles are exactly one columnwise block high (M % 32 == 0), so no row mask; columns are
+    masked only when K % BLOCK_K != 0 (MASK_K). Addresses are a 64-bit tile origin plus 32-bit
+    in-tile offsets, as in mxfp8_tile.
+    """
+    WORDS_K: tl.constexpr = BLOCK_K // 4
+    RUNS: tl.constexpr = BLOCK_K // SCALE_BLOCK  # rowwise blocks per tile row
+    RUN_WORDS: tl.constexpr = SCALE_BLOCK // 4
+    k_words = K // 4
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, SCALE_BLOCK)
+    cols = tl.arange(0, WORDS_K)
+    origin = (pid_m * SCALE_BLOCK).to(tl.int64) * k_words + pid_k * WORDS_K
+    offsets = rows[:, None] * k_words + cols[None, :]
+    if MASK_K:
+        col_ok = pid_k * WORDS_K + cols < k_words
+        mask = tl.broadcast_to(col_ok[None, :], [SCALE_BLOCK, WORDS_K])
+        words = tl.load(x_ptr + origin + offsets, mask=mask, other=0)
+    else:
+        col_ok = None
+        mask = None
+        words = tl.load(x_ptr + origin + offsets)
+    # |x| of two bf16 per int32 (sign bits cleared): as unsigned 16-bit halves they are ordered
+    # like the values with every NaN above inf, so a halfwise max is torch.amax's NaN-propagating
+    # absolute max, two elements per instruction (max.u16x2 on CUDA)
+    low = words.to(tl.int32) & 0x7FFF7FFF
+    high = (words >> 32).to(tl.int32) & 0x7FFF7FFF
+
+    if ROWWISE:
+        if MAX_U16X2:
+            pairs = tl.reduce(tl.reshape(_max_u16x2(low, high), [SCALE_BLOCK, RUNS, RUN_WORDS]),
+                              2, _max_u16x2)
+        else:
+            pairs = tl.reduce(tl.reshape(_max_halves(low, high), [SCALE_BLOCK, RUNS, RUN_WORDS]),
+                              2, _max_halves)
+        block_amax = (tl.maximum(pairs & 0xFFFF, pairs >> 16) << 16).to(tl.float32, bitcast=True)
+        row_scale = _e8m0(block_amax, RECIPROCAL_BITS)  # [32, RUNS]
+    if COLUMNWISE:
+        if MAX_U16X2:
+            low_max, high_max = tl.reduce((low, high), 0, _max_u16x2_pairs)
+        else:
+            low_max, high_max = tl.reduce((low, high), 0, _max_halves_pairs)
+        e0 = _e8m0((low_max << 16).to(tl.float32, bitcast=True), RECIPROCAL_BITS)  # [WORDS_K]
+        e1 = _e8m0((low_max & -65536).to(tl.float32, bitcast=True), RECIPROCAL_BITS)
+        e2 = _e8m0((high_max << 16).to(tl.float32, bitcast=True), RECIPROCAL_BITS)
+        e3 = _e8m0((high_max & -65536).to(tl.float32, bitcast=True), RECIPROCAL_BITS)
+
+    # the elements as fp32 bits, taken from the words again here (not kept from above), so the
+    # tile stays in registers as words until the casts
+    b0, b1, b2, b3 = _word_floats(words)
+    if ROWWISE:
+        element_scale = expand_blocks(row_scale, SCALE_BLOCK, WORDS_K, RUN_WORDS)
+        if PRODUCTS:
+            factor = expand_blocks(_word_factor(row_scale), SCALE_BLOCK, WORDS_K, RUN_WORDS)
+            data = _cvt_words(_scaled(b0, factor), _scaled(b1, factor), _scaled(b2, factor),
+                              _scaled(b3, factor), E5M2, HW_CAST)
+            data = _nan_words(data, tl.where(element_scale == E8M0_NAN, -1, 0))
+        else:
+            data = _int_words(b0, b1, b2, b3, element_scale, element_scale, element_scale,
+                              element_scale, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
+        tl.store(row_data_ptr + origin + offsets, data, mask=mask)
+        runs_k = K // SCALE_BLOCK
+        run_cols = tl.arange(0, RUNS)
+        scale_origin = (pid_m * SCALE_BLOCK).to(tl.int64) * runs_k + pid_k * RUNS
+        scale_offsets = rows[:, None] * runs_k + run_cols[None, :]
+        scale_mask = None
+        if MASK_K:
+            scale_mask = tl.broadcast_to((pid_k * RUNS + run_cols < runs_k)[None, :],
+                                         [SCALE_BLOCK, RUNS])
+        tl.store(row_scale_ptr + scale_origin + scale_offsets, row_scale.to(tl.uint8),
+                 mask=scale_mask)
+
+    if COLUMNWISE:
+        if PRODUCTS:
+            data = _cvt_words(_scaled(b0, _word_factor(e0)[None, :]),
+                              _scaled(b1, _word_factor(e1)[None, :]),
+                              _scaled(b2, _word_factor(e2)[None, :]),
+                              _scaled(b3, _word_factor(e3)[None, :]), E5M2, HW_CAST)
+            # (e + 1) >> 8 is 1 for e = 255 (NaN) only
+            nan_bytes = (((e0 + 1) >> 8) | (((e1 + 1) >> 8) << 8) | (((e2 + 1) >> 8) << 16)
+                         | (((e3 + 1) >> 8) << 24)) * 0xFF
+            data = _nan_words(data, nan_bytes[None, :])
+        else:
+            data = _int_words(b0, b1, b2, b3, e0[None, :], e1[None, :], e2[None, :], e3[None, :],
+                              MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
+        tl.store(col_data_ptr + origin + offsets, data, mask=mask)
+        scale_words = e0 | (e1 << 8) | (e2 << 16) | (e3 << 24)
+        tl.store(col_scale_ptr + pid_m.to(tl.int64) * k_words + pid_k * WORDS_K + cols,
+                 scale_words, mask=col_ok)
+
+def _takes_words(x2d: torch.Tensor) -> bool:
+    """Whether _mxfp8_words_kernel serves x2d: bf16 (four elements fill an int64 word), the
+    input 8-byte aligned so it can be read as int64 words, WORDS on and a power-of-two
+    WORDS_BLOCK_K of at least one block. Other inputs take _mxfp8_kernel."""
+    width = WORDS_BLOCK_K
+    return (WORDS and x2d.dtype == torch.bfloat16 and x2d.data_ptr() % 8 == 0
+            and x2d.storage_offset() % 4 == 0 and width >= BLOCK and width & (width - 1) == 0)
+
+
+def _int32_view(buffer: torch.Tensor) -> torch.Tensor:
+    """A uint8 output buffer as int32 words (last dim / 4); the empty dummy stays as it is."""
+    return buffer.view(torch.int32) if buffer.numel() else buffer
+
+
 def quantize_mxfp8(
     x: torch.Tensor,
     *,
@@ -270,6 +553,22 @@ def quantize_mxfp8(
         mantissa_bits, min_exponent, max_code = (
             E4M3_CONSTANTS if dtype == torch.float8_e4m3fn else E5M2_CONSTANTS
         )
+        if _takes_words(x2d):
+            words_k = WORDS_BLOCK_K
+            hw = hw_cast(x2d)
+            launch(
+                _mxfp8_words_kernel, (m // BLOCK, triton.cdiv(k, words_k)),
+                x2d.view(torch.int64), _int32_view(row_data), row_scale, _int32_view(col_data),
+                _int32_view(col_scale), m, k,
+                ROWWISE=rowwise, COLUMNWISE=columnwise, MANTISSA_BITS=mantissa_bits,
+                MIN_EXPONENT=min_exponent, MAX_CODE=max_code,
+                RECIPROCAL_BITS=_reciprocal_bits(fmt.max_value), BLOCK_K=words_k,
+                SCALE_BLOCK=BLOCK, HW_CAST=hw, PRODUCTS=hw or EMULATE_PRODUCTS,
+                MAX_U16X2=hw and _capability(x.device.index or 0) >= (9, 0),
+                E5M2=dtype == torch.float8_e5m2, MASK_K=k % words_k != 0,
+                num_warps=WORDS_NUM_WARPS,
+            )
+            return out
         grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))
         x_view, bf16_bits = kernel_view(x2d)
         launch(
