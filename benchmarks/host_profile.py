@@ -17,7 +17,6 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,23 +24,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import linear_step  # noqa: E402
-
-
-def host_us_per_step(step, steps: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / steps * 1e6
+import profile_step  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipes", default="bf16,fp8-current,fp8-delayed,fp8-block")
     parser.add_argument("--shape", default="1024x1024x1024")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=200, help="steps under cProfile")
     parser.add_argument("--top", type=int, default=35)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -54,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         step = linear_step.step_for(name, m, k, n)
         for _ in range(20):  # compile, fill caches
             step()
-        us = min(host_us_per_step(step, args.steps) for _ in range(3))
+        us = min(profile_step.host_ms(step) for _ in range(3)) * 1e3  # 20 steps each
         summary.append((name, us))
         profiler = cProfile.Profile()
         profiler.enable()

@@ -29,7 +29,7 @@ PROFILED_STEPS = 10
 ENQUEUED_STEPS = 20
 
 
-def _host_ms(step) -> float:
+def host_ms(step) -> float:
     """Host milliseconds to issue one step, the GPU kept busy (no sync inside the window)."""
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -80,9 +80,9 @@ def profile_one(name: str, m: int, k: int, n: int, host_profile: int = 0) -> dic
     if host_profile:
         _print_host_profile(step, host_profile)
     step_ms = linear_step._bench(step)
-    host_ms = _host_ms(step)
+    issue_ms = host_ms(step)
     kernels = _kernel_table(step)
-    return {"recipe": name, "shape": [m, k, n], "step_ms": step_ms, "host_ms": host_ms,
+    return {"recipe": name, "shape": [m, k, n], "step_ms": step_ms, "host_ms": issue_ms,
             "kernel_ms": sum(row["ms_per_step"] for row in kernels), "kernels": kernels}
 
 

@@ -21,6 +21,7 @@ import triton.language as tl
 from ..numerics.blocks import as_2d, require_divisible
 from .element_cast import kernel_view
 from .fp8_common import hw_cast
+from .multi_tensor import _owner, _search_steps
 from .nvfp4 import (
     AMAX_NUM_WARPS,
     BLOCK,
@@ -48,13 +49,7 @@ def _tile_lookup(tensor_table_ptr, starts_ptr, count, STEPS: tl.constexpr,
     index whose first program is <= this one (STEPS halvings of [0, count)), then the tile from
     the program's offset within that tensor, row-major over its tiles."""
     pid = tl.program_id(0)
-    lo = pid * 0
-    hi = lo + count
-    for _ in tl.static_range(STEPS):
-        mid = (lo + hi) // 2
-        right = tl.load(starts_ptr + mid) <= pid
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid)
+    lo = _owner(starts_ptr, pid, count, STEPS)
     row = tensor_table_ptr + lo.to(tl.int64) * TABLE_WIDTH
     local = pid - tl.load(starts_ptr + lo)
     tiles_k = tl.maximum(tl.cdiv(tl.load(row + 6), BLOCK_K), 1).to(tl.int32)
@@ -218,7 +213,7 @@ def quantize_nvfp4_multi(
     starts_table = _to_device(starts, torch.int32, device)
     # the tables hold raw addresses: keep every buffer alive until both launches are queued
     grid = (programs,)
-    steps = max(1, (count - 1).bit_length()) + 1  # halvings of [0, count) down to one index
+    steps = _search_steps(count)
     # what Triton would specialise a single-tensor launch on, true here of every tensor
     hints = {
         "X_ALIGNED": all(row[0] % 16 == 0 for row in table),
