@@ -91,7 +91,8 @@ def minifloat_step(m: int, k: int, n: int, recipe):
 def _graphed(step):
     """The step captured as one CUDA graph (after a warm-up on a side stream): the same kernels
     without the host's Python, i.e. what the GPU alone needs. Gradients accumulate across
-    replays as they do across eager steps."""
+    replays as they do across eager steps. The returned replay keeps `step` (and so the tensors
+    the graph uses) alive."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -101,7 +102,15 @@ def _graphed(step):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return graph.replay
+
+    def replay():
+        # `step` holds the layer, x and dY: the graph reads and writes their memory but does
+        # not own it. Returning graph.replay alone let them be freed and reused by the next
+        # step built, and replays then wrote into that memory (an illegal memory access).
+        graph.replay()
+        return step
+
+    return replay
 
 
 def step_for(name: str, m: int, k: int, n: int):
