@@ -125,7 +125,9 @@ def main(argv=None) -> int:
 
     # ---- amax: read-only floor n*2 bytes
     group("amax", amax, n * 2, lambda: amax.compute_amax(x), [
-        ("b4096 u1 w8 p4 (v0)", {}),
+        ("b4096 u1 w8 p4 fp32-bits (v0)", {"AMAX_BF16_BITS": False}),
+        ("b4096 u1 w8 p4 bf16-bits", {"AMAX_BF16_BITS": True}),
+        ("b4096 u4 w8 p4 fp32-bits", {"AMAX_UNROLL": 4, "AMAX_BF16_BITS": False}),
         ("b4096 u4 w8 p4", {"AMAX_UNROLL": 4}),
         ("b4096 u2 w8 p8", {"AMAX_UNROLL": 2, "PROGRAMS_PER_SM": 8}),
         ("b8192 u2 w8 p4", {"AMAX_BLOCK": 8192, "AMAX_UNROLL": 2}),
@@ -134,6 +136,9 @@ def main(argv=None) -> int:
         ("b2048 u8 w4 p8", {"AMAX_BLOCK": 2048, "AMAX_UNROLL": 8, "AMAX_WARPS": 4,
                             "PROGRAMS_PER_SM": 8}),
         ("b4096 u4 w8 p2", {"AMAX_UNROLL": 4, "PROGRAMS_PER_SM": 2}),
+        ("b8192 u4 w8 p4", {"AMAX_BLOCK": 8192, "AMAX_UNROLL": 4}),
+        ("b4096 u8 w8 p4", {"AMAX_UNROLL": 8}),
+        ("b4096 u2 w8 p16", {"AMAX_UNROLL": 2, "PROGRAMS_PER_SM": 16}),
     ])
 
     # ---- per-tensor FP8 (delayed: one read, two FP8 copies; current: + amax read)
