@@ -19,9 +19,9 @@ def main() -> int:
     args = parser.parse_args()
     failures = 0
     failures += quantize_bandwidth.main(["--out", str(args.out)]) != 0
-    failures += linear_step.main(["--out", str(args.out), "--torchao",
+    failures += linear_step.main(["--out", str(args.out), "--torchao", "--rounds", "3",
                                   "--cuda-graph", "fp8-current,fp8-delayed"]) != 0
-    failures += gpt_step.main(["--out", str(args.out)]) != 0
+    failures += gpt_step.main(["--out", str(args.out), "--single-thread-backward", "both"]) != 0
     return 1 if failures else 0
 
 

@@ -52,7 +52,8 @@ def gpt_table(data: dict) -> str:
              "| preset | step | recipe | ms/step | tokens/s | vs bf16 | final loss | peak GiB |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
     for row in data["rows"]:
-        mode = "CUDA graph" if row.get("cuda_graph") else "eager"
+        mode = "CUDA graph" if row.get("cuda_graph") else (
+            "eager, single-thread backward" if row.get("single_thread_backward") else "eager")
         if "error" in row:
             lines.append(f"| {row['preset']} | {mode} | {row['recipe']} | failed: "
                          f"{row['error']} | | | | |")
