@@ -142,21 +142,20 @@ def main(argv=None) -> int:
     ])
 
     # ---- per-tensor FP8 (delayed: one read, two FP8 copies; current: + amax read)
-    def tiles(tm, tk, w, hw=True):
-        values = {"TILE_M": tm, "TILE_K": tk, "NUM_WARPS": w}
-        if not hw:
+    def ptw(tm, tk, w, integer=False):  # words kernel (bf16; per_tensor_fp8_words.py)
+        values = {"WORDS": True, "WORDS_TILE_M": tm, "WORDS_TILE_K": tk, "WORDS_NUM_WARPS": w}
+        if integer:
             values["ENV:MINIFLOAT_INTEGER_CAST"] = "1"
-        return (f"{tm}x{tk} w{w} {'hw' if hw else 'int'}", values)
+        return (f"words {tm}x{tk} w{w}{' int' if integer else ''}", values)
 
+    pt_variants = [("old 64x128 w4 hw", {"WORDS": False}), ptw(64, 128, 4),
+                   ptw(64, 128, 4, integer=True), ptw(32, 256, 4), ptw(64, 64, 4),
+                   ptw(32, 128, 4), ptw(64, 64, 2), ptw(128, 128, 8), ptw(64, 128, 2)]
     group("pt/delayed", per_tensor_fp8, n * 4,
-          lambda: per_tensor_fp8.quantize_delayed_scaling(x, scale, amax_state, e4m3), [
-              tiles(64, 64, 4, False), tiles(64, 128, 4), tiles(64, 64, 4), tiles(32, 128, 4),
-              tiles(64, 128, 2),
-          ])
+          lambda: per_tensor_fp8.quantize_delayed_scaling(x, scale, amax_state, e4m3),
+          pt_variants)
     group("pt/current", per_tensor_fp8, n * 6,
-          lambda: per_tensor_fp8.quantize_current_scaling(x, e4m3), [
-              tiles(64, 64, 4, False), tiles(64, 128, 4), tiles(64, 64, 4),
-          ])
+          lambda: per_tensor_fp8.quantize_current_scaling(x, e4m3), pt_variants)
 
     # ---- MXFP8 (one read; both copies in [M, K] plus scales)
     def mx(bm, bk, w, ENV_INT=None):  # v2 element kernel (WORDS off)
@@ -178,22 +177,20 @@ def main(argv=None) -> int:
           ])
 
     # ---- block FP8
-    def blk(chunk, w, dims="1D"):
-        return (f"chunk{chunk} w{w}", {f"CHUNK_{dims}": chunk, f"NUM_WARPS_{dims}": w})
+    def blkw(w, dims="1D", integer=False):  # words kernel (bf16; block_fp8_words.py)
+        values = {"WORDS": True, f"WORDS_NUM_WARPS_{dims}": w}
+        if integer:
+            values["ENV:MINIFLOAT_INTEGER_CAST"] = "1"
+        return (f"words w{w}{' int' if integer else ''}", values)
 
-    def blk1(chunk, cast, w, words=False):
-        return (f"rows-first {chunk}/{cast} w{w}{' words' if words else ''}",
-                {"CHUNK_1D": chunk, "CAST_CHUNK_1D": cast, "NUM_WARPS_1D": w, "WORDS_1D": words})
-
+    old_1d = ("old rows-first 32/64 w4", {"WORDS": False})
     group("blk/1x128", block_fp8, n * (2 + 2 + 8 / 128),
           lambda: block_fp8.quantize_block_1d(x), [
-              blk1(32, 64, 4), blk1(32, 32, 4), blk1(16, 64, 4), blk1(32, 128, 4),
-              blk1(32, 64, 8), blk1(32, 64, 4, True), blk1(32, 128, 4, True),
-              blk1(16, 64, 4, True),
+              old_1d, blkw(4), blkw(8), blkw(2), blkw(4, integer=True), old_1d,
           ])
     group("blk/128x128", block_fp8, n * 4, lambda: block_fp8.quantize_block_2d(x), [
-        blk(64, 8, "2D"), blk(32, 8, "2D"), blk(128, 8, "2D"), blk(128, 4, "2D"),
-        blk(64, 4, "2D"),
+        ("old whole tile w8", {"WORDS": False}), blkw(4, "2D"), blkw(8, "2D"), blkw(2, "2D"),
+        blkw(4, "2D", integer=True),
     ])
 
     # ---- NVFP4 (amax read + cast read; 1 byte of data per element both copies + scales)

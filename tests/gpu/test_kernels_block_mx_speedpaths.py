@@ -314,3 +314,109 @@ def test_mxfp8_configs_adversarial(monkeypatch, config, kind):
         x = _mx_input((64, 160), kind, dtype)
         for elem in (E4M3, E5M2):
             _check_mx(x, (True, True), elem, f"{config} {kind} {dtype} {elem}")
+
+
+# ---------------------------------------------------------------------------------------------
+# block FP8 words kernel (bf16, M and K multiples of 4)
+# ---------------------------------------------------------------------------------------------
+
+from minifloat.kernels import block_fp8_words  # noqa: E402
+
+# partial tiles along either side, several tiles, a 3D view, one word of columns
+WORDS_SHAPES = [(132, 260), (256, 132), (4, 8), (2, 4, 132)]
+if CUDA:
+    WORDS_SHAPES += [(516, 1000), (1024, 2048)]
+WORDS_USAGES = [(True, True), (True, False), (False, True)]
+
+
+def _words_input(shape, kind, seed):
+    """hard_input in bf16, plus an all-zero 128x128 tile (all-zero blocks of both directions)
+    and a row of bf16 max (an overflowing row and column amax) where the shape has room."""
+    x = hard_input(shape, kind, torch.bfloat16, seed=seed).reshape(-1, shape[-1])
+    if x.shape[0] >= 128 and x.shape[1] >= 256:
+        x[:128, 128:256] = 0.0
+    if kind == "random" and x.shape[0] > 3:
+        x[3, :] = torch.finfo(torch.bfloat16).max
+    return x.reshape(shape)
+
+
+@pytest.fixture
+def words_calls(monkeypatch):
+    """Counts launches of the words kernel (so a test knows which kernel served it)."""
+    calls = []
+    real = block_fp8_words.launch_words
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["tile_2d"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(block_fp8_words, "launch_words", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+@pytest.mark.parametrize("shape", WORDS_SHAPES, ids=str)
+def test_block_words_random(words_calls, dim, shape):
+    """Every usage, power-of-two and exact scales, with and without epsilon."""
+    x = _words_input(shape, "random", seed=sum(shape) + dim)
+    for usage in WORDS_USAGES:
+        _check_block(x, dim, usage, {}, f"words {dim}D {shape} {usage}")
+    _check_block(x, dim, (True, True), {"power_2_scale": False, "amax_epsilon": 1e-3},
+                 f"words {dim}D exact-scale eps {shape}")
+    _check_block(x, dim, (True, True), {"amax_epsilon": 2.0**-100},
+                 f"words {dim}D pow2 eps {shape}")
+    assert words_calls and all(tile_2d == (dim == 2) for tile_2d in words_calls)
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+def test_block_words_adversarial(words_calls, dim, kind):
+    """NaN of both signs, infinities, bf16 max (overflowing scales), subnormal and zero blocks,
+    rounding ties, with power-of-two scales (pairs of shapes with partial tiles) and exact
+    scales."""
+    for shape in [(132, 260)] if not CUDA else [(132, 260), (256, 516)]:
+        x = _words_input(shape, kind, seed=shape[1])
+        _check_block(x, dim, (True, True), {}, f"words {dim}D {kind} {shape}")
+        _check_block(x, dim, (True, True), {"power_2_scale": False},
+                     f"words {dim}D exact {kind} {shape}")
+    assert len(words_calls) == 2 * (2 if CUDA else 1)
+
+
+def test_block_words_fallbacks(monkeypatch, words_calls):
+    """The words kernel serves bf16 with M, K % 4 == 0 at 8-byte aligned addresses only; other
+    inputs, WORDS = False and wide offsets take the element kernels, with the same bytes."""
+    base = hard_input((12, 136), "nan", torch.bfloat16, seed=3).to(DEVICE)
+    cases = {
+        "K % 4": base[:, :134].contiguous(),
+        "M % 4": base[:10].contiguous(),
+        "fp16": base.to(torch.float16),
+        "fp32": base.float(),
+        "unaligned": base.reshape(-1)[2:2 + 8 * 132].view(8, 132),
+    }
+    for name, x in cases.items():
+        assert x.is_contiguous()
+        assert not block_fp8_words.takes_words(x.reshape(-1, x.shape[-1]), False), name
+        for dim in (1, 2):
+            _check_block(x.cpu(), dim, (True, True), {}, f"fallback {name} {dim}D")
+    assert not words_calls
+    aligned = base[:, :132].contiguous()
+    assert block_fp8_words.takes_words(aligned, False)
+    assert not block_fp8_words.takes_words(aligned, True)
+    monkeypatch.setattr(block_fp8, "WORDS", False)
+    for dim in (1, 2):
+        _check_block(aligned.cpu(), dim, (True, True), {}, f"WORDS off {dim}D")
+    monkeypatch.setattr(block_fp8, "WORDS", True)
+    monkeypatch.setattr(block_fp8, "needs_wide_offsets", lambda *args: True)
+    _check_block(aligned.cpu(), 1, (True, True), {}, "wide offsets")
+    assert not words_calls
+
+
+@pytest.mark.parametrize("warps", [2, 8])
+def test_block_words_warps(monkeypatch, words_calls, warps):
+    """Other warp counts (the kernel's layouts change with them)."""
+    monkeypatch.setattr(block_fp8, "WORDS_NUM_WARPS_1D", warps)
+    monkeypatch.setattr(block_fp8, "WORDS_NUM_WARPS_2D", warps)
+    x = _words_input((132, 260), "nan", seed=warps)
+    for dim in (1, 2):
+        _check_block(x, dim, (True, True), {}, f"words w{warps} {dim}D")
+    assert len(words_calls) == 2

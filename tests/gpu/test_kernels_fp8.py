@@ -352,6 +352,111 @@ def test_per_tensor_given_amax(device):
         check_per_tensor(result, data, scale_inv, x.shape, (True, True), E4M3, f"amax={value}")
 
 
+def _words_specials(shape, seed):
+    """bf16 with NaN of both signs, infinities, a huge value, subnormal-range and zero runs, in
+    the first tile only, so other tiles take the NaN-free path of the words kernel."""
+    x = random_input(shape, torch.float32, seed)
+    m, k = x.shape
+    x[0, 1] = float("nan")
+    x[min(3, m - 1), 2] = -float("nan")
+    x[min(2, m - 1), 3] = float("inf")
+    x[1 % m, 0] = -float("inf")
+    x[min(5, m - 1), min(6, k - 1)] = 3e38
+    x[-1, :4] = torch.tensor([2.0**-133, -(2.0**-130), 0.0, -0.0])[: min(4, k)]
+    return x.to(torch.bfloat16)
+
+
+def _per_tensor_pair(x, fp8_dtype, usage, mode, monkeypatch):
+    """(words kernel result, element kernel result) for one call; mode: delayed / current /
+    given (current scaling with an amax given from outside, 100: says nothing about NaN)."""
+    results = []
+    for words in (True, False):
+        monkeypatch.setattr(per_tensor_fp8, "WORDS", words)
+        if mode == "delayed":
+            amax = torch.tensor([0.25], device=DEVICE)
+            out = per_tensor_fp8.quantize_delayed_scaling(
+                x.to(DEVICE), torch.tensor([3.5], device=DEVICE), amax, fp8_dtype,
+                rowwise=usage[0], columnwise=usage[1])
+            results.append((*out, amax))
+        else:
+            amax = torch.tensor([100.0], device=DEVICE) if mode == "given" else None
+            results.append(per_tensor_fp8.quantize_current_scaling(
+                x.to(DEVICE), fp8_dtype, amax=amax, rowwise=usage[0], columnwise=usage[1]))
+    return results
+
+
+@pytest.mark.parametrize("emulate", [False, True], ids=["int", "products"])
+@pytest.mark.parametrize("shape", [(32, 64), (36, 68), (12, 100), (64, 40)])
+def test_per_tensor_words_kernel(device, shape, emulate, monkeypatch):
+    """The bf16 words kernel: small tiles so shapes cover full tiles, a ragged last tile in M
+    and in K, and several tiles; each usage, both formats, delayed / current / given amax.
+    Bytes equal the element kernel's exactly (NaN sign included: both follow 0x7F | sign(y))
+    and the reference's (NaN sign canonical); the delayed amax and scale_inv too. `products`
+    runs the CUDA algorithm under the interpreter (per-tile NaN fix-up over a cvt stand-in
+    that writes a wrong NaN byte); on CUDA both ids run the hardware path."""
+    monkeypatch.setattr(per_tensor_fp8, "WORDS_TILE_M", 16)
+    monkeypatch.setattr(per_tensor_fp8, "WORDS_TILE_K", 32)
+    monkeypatch.setattr(per_tensor_fp8, "EMULATE_PRODUCTS", emulate)
+    x = _words_specials(shape, seed=sum(shape))
+    assert per_tensor_fp8._takes_words(x.to(DEVICE), *shape, True)
+    cases = [(E4M3, (True, True), "delayed"), (E5M2, (True, True), "current"),
+             (E4M3, (True, False), "current"), (E5M2, (False, True), "delayed"),
+             (E4M3, (True, True), "given"), (E5M2, (True, True), "delayed")]
+    for fp8_dtype, usage, mode in cases:
+        words, elements = _per_tensor_pair(x, fp8_dtype, usage, mode, monkeypatch)
+        what = f"{shape} {fp8_dtype} {usage} {mode}"
+        for a, b in zip(words, elements, strict=True):
+            assert (a is None) == (b is None), what
+            if a is not None:
+                assert torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8)), what
+        if mode == "delayed":
+            data, scale_inv = numerics.quantize_with_scale(x, torch.tensor([3.5]), fp8_dtype)
+        else:
+            amax = torch.tensor(100.0) if mode == "given" else None
+            data, scale_inv = numerics.quantize_current_scaling(x, fp8_dtype, amax=amax)
+        check_per_tensor(words[:3], data, scale_inv, shape, usage, fp8_dtype, what)
+
+
+@pytest.mark.parametrize("emulate", [False, True], ids=["int", "products"])
+@pytest.mark.parametrize("scale_value", [0.0, float("inf"), float("nan")], ids=str)
+def test_per_tensor_words_special_scales(device, scale_value, emulate, monkeypatch):
+    """Delayed scales that make NaN products out of finite inputs (0 * inf, NaN scale) take
+    the NaN fix-up in every tile: the words kernel's bytes equal the element kernel's."""
+    monkeypatch.setattr(per_tensor_fp8, "WORDS_TILE_M", 16)
+    monkeypatch.setattr(per_tensor_fp8, "WORDS_TILE_K", 32)
+    monkeypatch.setattr(per_tensor_fp8, "EMULATE_PRODUCTS", emulate)
+    x = random_input((20, 40), torch.bfloat16, seed=9)
+    x[0, :3] = torch.tensor([0.0, float("inf"), -float("inf")])
+    results = []
+    for words in (True, False):
+        monkeypatch.setattr(per_tensor_fp8, "WORDS", words)
+        results.append(per_tensor_fp8.quantize_delayed_scaling(
+            x.to(DEVICE), torch.tensor([scale_value], device=DEVICE),
+            torch.zeros(1, device=DEVICE), E4M3))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
+
+
+def test_per_tensor_words_fallbacks(device, monkeypatch):
+    """Inputs the words kernel cannot take as words go to the element kernel (same bytes as
+    the reference): K % 4 != 0, other dtypes, M % 4 != 0 with the transposed copy, an input
+    not 8-byte aligned; WORDS = False turns it off."""
+    x = random_input((8, 40), torch.bfloat16, seed=3).to(DEVICE)
+    assert per_tensor_fp8._takes_words(x, 8, 40, True)
+    assert not per_tensor_fp8._takes_words(x[:, :38].contiguous(), 8, 38, True)
+    assert not per_tensor_fp8._takes_words(x.float(), 8, 40, True)
+    assert not per_tensor_fp8._takes_words(x[:6].contiguous(), 6, 40, True)
+    assert per_tensor_fp8._takes_words(x[:6].contiguous(), 6, 40, False)
+    shifted = x.flatten()[2:2 + 7 * 40].view(7, 40)  # 4-byte aligned, not 8
+    assert not per_tensor_fp8._takes_words(shifted, 7, 40, False)
+    run_current(shifted.cpu(), device, E4M3, (True, False))
+    run_current(random_input((6, 38), torch.bfloat16, seed=4), device, E4M3, (True, True))
+    run_delayed(random_input((6, 40), torch.bfloat16, seed=5), device, E5M2, (True, True), 2.0)
+    run_delayed(random_input((6, 40), torch.bfloat16, seed=5), device, E5M2, (True, False), 2.0)
+    monkeypatch.setattr(per_tensor_fp8, "WORDS", False)
+    assert not per_tensor_fp8._takes_words(x, 8, 40, True)
+
+
 # ---------------------------------------------------------------------------------------------
 # block FP8
 # ---------------------------------------------------------------------------------------------

@@ -58,6 +58,12 @@ ROWS_FIRST_1D, CHUNK_1D, CAST_CHUNK_1D, NUM_WARPS_1D = True, 32, 64, 4
 WORDS_1D = False
 # 2D: whole tile in registers with 8 warps 0.201 ms; 64-row chunks 0.235; whole tile w4 0.254.
 CHUNK_2D, NUM_WARPS_2D = 128, 8
+# WORDS (v4): bf16 inputs with M, K % 4 == 0 take block_fp8_words._block_words_kernel (int64
+# words of four bf16 in, int32 words of four codes out in both directions, one load of the tile,
+# halfwise maxima; KERNEL_NOTES.md "block FP8 words"); WORDS_NUM_WARPS_1D / _2D its warps.
+# Other inputs (and WORDS = False) take the element kernels above.
+WORDS = True
+WORDS_NUM_WARPS_1D, WORDS_NUM_WARPS_2D = 4, 4
 # Four fp32 ($1..$4) to four E4M3 codes in one word ($0, $1's code in the low byte); see _e4m3.
 _E4M3_ASM = ("{ .reg .b16 lo, hi; .reg .b32 c, s, t; "
              "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
@@ -403,7 +409,7 @@ def _check(x: torch.Tensor, rowwise: bool, columnwise: bool) -> tuple[int, int]:
 
 def _launch(kernel, x: torch.Tensor, row_grid: tuple[int, int], col_grid: tuple[int, int], *,
             rowwise: bool, columnwise: bool, power_2_scale: bool, amax_epsilon: float,
-            chunk: int, num_warps: int, **constexprs) -> ScaledCopies:
+            chunk: int, num_warps: int, words_warps: int, **constexprs) -> ScaledCopies:
     m, k = _check(x, rowwise, columnwise)
     device = x.device
 
@@ -417,6 +423,21 @@ def _launch(kernel, x: torch.Tensor, row_grid: tuple[int, int], col_grid: tuple[
     col_data, col_si = buffers(columnwise, (k, m), col_grid)
     present = next(t for t in (row_data, col_data) if t is not None)
     present_si = row_si if row_si is not None else col_si
+    wide = needs_wide_offsets(m, k, BLOCK)
+    x2d = x.view(m, k)
+    if WORDS:
+        from . import block_fp8_words  # imports this module: loaded on first use
+
+        if block_fp8_words.takes_words(x2d, wide):
+            block_fp8_words.launch_words(
+                x2d, row_data if row_data is not None else present,
+                row_si if row_si is not None else present_si,
+                col_data if col_data is not None else present,
+                col_si if col_si is not None else present_si, float32_value(amax_epsilon),
+                tile_2d=kernel is _block_2d_kernel, rowwise=rowwise, columnwise=columnwise,
+                power_2_scale=power_2_scale, overflow_bits=dtype_max_bits(x.dtype),
+                num_warps=words_warps)
+            return _views(row_data, row_si, col_data, col_si)
     grid = (cdiv(m, BLOCK) * cdiv(k, BLOCK),)
     launch(
         kernel,
@@ -435,11 +456,17 @@ def _launch(kernel, x: torch.Tensor, row_grid: tuple[int, int], col_grid: tuple[
         COLUMNWISE=columnwise,
         BLOCK=BLOCK,
         CHUNK=chunk,
-        WIDE=needs_wide_offsets(m, k, BLOCK),
+        WIDE=wide,
         HW_CAST=hw_cast(x),
         num_warps=num_warps,
         **constexprs,
     )
+    return _views(row_data, row_si, col_data, col_si)
+
+
+def _views(row_data: torch.Tensor | None, row_si: torch.Tensor | None,
+           col_data: torch.Tensor | None, col_si: torch.Tensor | None) -> ScaledCopies:
+    """The uint8 data buffers as E4M3 tensors, with their scale grids."""
     e4m3 = torch.float8_e4m3fn
     return (None if row_data is None else row_data.view(e4m3), row_si,
             None if col_data is None else col_data.view(e4m3), col_si)
@@ -463,6 +490,7 @@ def quantize_block_1d(
     return _launch(_block_1d_kernel, x, (m, cdiv(k, BLOCK)), (k, cdiv(m, BLOCK)),
                    rowwise=rowwise, columnwise=columnwise, power_2_scale=power_2_scale,
                    amax_epsilon=amax_epsilon, chunk=CHUNK_1D, num_warps=NUM_WARPS_1D,
+                   words_warps=WORDS_NUM_WARPS_1D,
                    CAST_CHUNK=CAST_CHUNK_1D, ROWS_FIRST=ROWS_FIRST_1D,
                    WORDS=(4 if m % 16 == 0 else 1) if WORDS_1D and m % 4 == 0 else 0)
 
@@ -485,4 +513,5 @@ def quantize_block_2d(
     tiles_m, tiles_k = cdiv(m, BLOCK), cdiv(k, BLOCK)
     return _launch(_block_2d_kernel, x, (tiles_m, tiles_k), (tiles_k, tiles_m),
                    rowwise=rowwise, columnwise=columnwise, power_2_scale=power_2_scale,
-                   amax_epsilon=amax_epsilon, chunk=CHUNK_2D, num_warps=NUM_WARPS_2D)
+                   amax_epsilon=amax_epsilon, chunk=CHUNK_2D, num_warps=NUM_WARPS_2D,
+                   words_warps=WORDS_NUM_WARPS_2D)

@@ -3,7 +3,9 @@
 One pass over the input writes the rowwise data [M, K] and its transpose [K, M] (the columnwise
 copy, a byte transpose with the same scale_inv): each program loads one BLOCK_M x BLOCK_K tile,
 rounds it once and stores it twice, the second store through a register transpose so both
-writes are coalesced.
+writes are coalesced. bf16 inputs take the words kernel (per_tensor_fp8_words.py: int64 words of
+four elements in, int32 words of four codes out, the transpose done on words); other dtypes,
+K % 4 != 0, unaligned inputs and WORDS = False take the element kernel below.
 
 - Current scaling: the amax kernel (amax.py) reduces max|x| into a device scalar (the caller may
   all-reduce it in between) or, without a reduction, leaves per-program partial maxima that
@@ -21,8 +23,10 @@ from __future__ import annotations
 import torch
 
 from . import amax as amax_kernels
+from . import per_tensor_fp8_words as words_kernels
 from .amax import reduce_partials
 from .fp8_common import (
+    _capability,
     abs_bits,
     cdiv,
     float32_value,
@@ -46,6 +50,16 @@ from .launch import launch
 TILE_M = 64
 TILE_K = 128
 NUM_WARPS = 4
+# v3 words kernel (bf16, K % 4 == 0, 8-byte aligned input; M % 4 == 0 when the transposed copy
+# is asked for): WORDS_TILE_M x WORDS_TILE_K tiles, WORDS_NUM_WARPS warps. Its SASS per element
+# is a fraction of the element kernel's (benchmarks/KERNEL_NOTES.md, "per-tensor FP8 v3").
+WORDS = True
+WORDS_TILE_M = 64
+WORDS_TILE_K = 128
+WORDS_NUM_WARPS = 4
+# Tests only: run the words kernel's CUDA algorithm (cvt stand-in with a wrong NaN byte, NaN
+# fix-up per tile, plain halfwise maxima) under the interpreter.
+EMULATE_PRODUCTS = False
 
 
 @jit
@@ -118,6 +132,23 @@ def _matrix_shape(x: torch.Tensor) -> tuple[int, int]:
     return x.numel() // k, k
 
 
+def _takes_words(x: torch.Tensor, m: int, k: int, columnwise: bool) -> bool:
+    """Whether the words kernel serves x viewed as [M, K]: bf16 (four elements fill an int64
+    word), rows of whole words (K % 4 == 0) at 8-byte aligned addresses, whole transposed
+    words (M % 4 == 0) when that copy is asked for, power-of-two tiles of at least 4 x 4 words,
+    and in-tile word offsets within int32. Others take the element kernel."""
+    tile_m, tile_k = WORDS_TILE_M, WORDS_TILE_K
+    return (WORDS and x.dtype == torch.bfloat16 and k % 4 == 0 and x.data_ptr() % 8 == 0
+            and x.storage_offset() % 4 == 0 and (m % 4 == 0 or not columnwise)
+            and tile_m >= 16 and tile_k >= 16 and tile_m & (tile_m - 1) == 0
+            and tile_k & (tile_k - 1) == 0 and max(tile_m * k, tile_k * m) // 4 + tile_k < 2**31)
+
+
+def _words_view(buffer: torch.Tensor) -> torch.Tensor:
+    """A uint8 output [rows, cols] as int32 words [rows, cols / 4] (the dummy stays as is)."""
+    return buffer.view(torch.int32) if buffer.dim() == 2 else buffer
+
+
 def _launch(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -145,6 +176,54 @@ def _launch(
     scale_inv = torch.empty(1, dtype=torch.float32, device=device)
     current = scale is None
     dummy = scale_inv  # stands in for absent outputs; the constexpr flags skip their stores
+    if _takes_words(x, m, k, columnwise):
+        hw = hw_cast(x)
+        launch(
+            words_kernels.per_tensor_words_kernel,
+            (cdiv(m, WORDS_TILE_M) * cdiv(k, WORDS_TILE_K),),
+            x.reshape(m, k).view(torch.int64),
+            _words_view(data if data is not None else dummy),
+            _words_view(data_t if data_t is not None else dummy),
+            scale_inv if current else scale,
+            amax if current else amax.view(torch.int32),
+            scale_inv,
+            float32_value(amax_epsilon),
+            m,
+            k,
+            amax.numel() if partials else 1,
+            E5M2=e5m2,
+            CURRENT=current,
+            POW2=power_2_scale,
+            ROWWISE=rowwise,
+            COLUMNWISE=columnwise,
+            BLOCK_M=WORDS_TILE_M,
+            BLOCK_K=WORDS_TILE_K,
+            HW_CAST=hw,
+            PRODUCTS=hw or EMULATE_PRODUCTS,
+            MAX_U16X2=hw and _capability(device.index if device.index is not None else 0)
+            >= (9, 0),
+            MASK_M=m % WORDS_TILE_M != 0,
+            MASK_K=k % WORDS_TILE_K != 0,
+            PARTIALS_BLOCK=triton.next_power_of_2(amax.numel()) if partials else 0,
+            num_warps=WORDS_NUM_WARPS,
+        )
+    else:
+        _launch_elements(x, data, data_t, scale, amax, scale_inv, amax_epsilon, partials,
+                         e5m2, power_2_scale, rowwise, columnwise, m, k)
+    return (
+        None if data is None else data.view(fp8_dtype),
+        None if data_t is None else data_t.view(fp8_dtype),
+        scale_inv,
+    )
+
+
+def _launch_elements(x: torch.Tensor, data: torch.Tensor | None, data_t: torch.Tensor | None,
+                     scale: torch.Tensor | None, amax: torch.Tensor, scale_inv: torch.Tensor,
+                     amax_epsilon: float, partials: bool, e5m2: bool, power_2_scale: bool,
+                     rowwise: bool, columnwise: bool, m: int, k: int) -> None:
+    """The element kernel (_cast_transpose_kernel): any kernel input dtype and shape."""
+    current = scale is None
+    dummy = scale_inv
     grid = (cdiv(m, TILE_M) * cdiv(k, TILE_K),)
     launch(
         _cast_transpose_kernel,
@@ -170,11 +249,6 @@ def _launch(
         HW_CAST=hw_cast(x),
         PARTIALS_BLOCK=triton.next_power_of_2(amax.numel()) if partials else 0,
         num_warps=NUM_WARPS,
-    )
-    return (
-        None if data is None else data.view(fp8_dtype),
-        None if data_t is None else data_t.view(fp8_dtype),
-        scale_inv,
     )
 
 
