@@ -6,7 +6,8 @@ its output bytes equal the first variant of its group (bit-exactness must not de
 config), and times it with triton's do_bench (median). Prints one table: ms, GB/s over the
 format's floor bytes, fraction of the device-to-device copy bandwidth measured in the same run.
 
-Usage: python benchmarks/tune_kernels.py [--only amax,pt,mx,blk,nv] [--out DIR] [--budget S]
+Usage: python benchmarks/tune_kernels.py [--only amax,pt,mx,blk,nv,nv/2d,...] [--out DIR]
+       [--budget S]   (--only takes sections or single groups)
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     amax_state = torch.zeros(1, device="cuda")
 
     def group(title, module, floor_bytes, fn, variants, seeded=False):
-        if not any(s in sections for s in title.split("/")[:1]):
+        if title not in sections and title.split("/")[0] not in sections:  # "nv" or "nv/2d"
             return
         reference = None
         for label, values in variants:
@@ -177,16 +178,19 @@ def main(argv=None) -> int:
           ])
 
     # ---- block FP8
-    def blkw(w, dims="1D", integer=False):  # words kernel (bf16; block_fp8_words.py)
+    def blkw(w, dims="1D", integer=False, apart=False):  # words kernel (block_fp8_words.py)
         values = {"WORDS": True, f"WORDS_NUM_WARPS_{dims}": w}
+        if dims == "1D":
+            values["WORDS_APART_1D"] = apart
         if integer:
             values["ENV:MINIFLOAT_INTEGER_CAST"] = "1"
-        return (f"words w{w}{' int' if integer else ''}", values)
+        return (f"words w{w}{' apart' if apart else ''}{' int' if integer else ''}", values)
 
     old_1d = ("old rows-first 32/64 w4", {"WORDS": False})
     group("blk/1x128", block_fp8, n * (2 + 2 + 8 / 128),
           lambda: block_fp8.quantize_block_1d(x), [
-              old_1d, blkw(4), blkw(8), blkw(2), blkw(4, integer=True), old_1d,
+              old_1d, blkw(4), blkw(8), blkw(2), blkw(4, apart=True), blkw(8, apart=True),
+              blkw(2, apart=True), blkw(4, integer=True), old_1d,
           ])
     group("blk/128x128", block_fp8, n * 4, lambda: block_fp8.quantize_block_2d(x), [
         ("old whole tile w8", {"WORDS": False}), blkw(4, "2D"), blkw(8, "2D"), blkw(2, "2D"),
@@ -206,9 +210,18 @@ def main(argv=None) -> int:
     group("nv/rht", nvfp4, nv_floor,
           lambda: nvfp4.quantize_nvfp4(x, rowwise=True, columnwise=True, with_rht=True),
           nv_variants)
+    def nvw(bm, bk, w, integer=False):  # 2D words kernel (bf16; nvfp4_words.py)
+        values = {"WORDS_2D": True, "WORDS_BLOCK_M_2D": bm, "WORDS_BLOCK_K_2D": bk,
+                  "WORDS_NUM_WARPS_2D": w}
+        if integer:
+            values["ENV:MINIFLOAT_INTEGER_CAST"] = "1"
+        return (f"words {bm}x{bk} w{w}{' int' if integer else ''}", values)
+
+    old_2d = ("v2 64x64 w2", {"WORDS_2D": False})
     group("nv/2d", nvfp4, nv_floor,
           lambda: nvfp4.quantize_nvfp4(x, rowwise=True, columnwise=True, two_dimensional=True),
-          nv_variants)
+          [old_2d, nvw(16, 512, 2), nvw(16, 256, 1), nvw(16, 1024, 4), nvw(32, 256, 2),
+           nvw(64, 128, 2), nvw(16, 512, 2, integer=True), old_2d])
     group("nv/sr", nvfp4, nv_floor,
           lambda: nvfp4.quantize_nvfp4(x, rowwise=True, columnwise=True,
                                        stochastic_rounding=True), nv_variants, seeded=True)

@@ -420,3 +420,16 @@ def test_block_words_warps(monkeypatch, words_calls, warps):
     for dim in (1, 2):
         _check_block(x, dim, (True, True), {}, f"words w{warps} {dim}D")
     assert len(words_calls) == 2
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+def test_block_words_apart(monkeypatch, words_calls, warps):
+    """WORDS_APART_1D (the transposed copy unpacks the words again, CUDA only; the interpreter
+    runs the default path): same bytes, every usage, full and partial tiles, NaN blocks."""
+    monkeypatch.setattr(block_fp8, "WORDS_APART_1D", True)
+    monkeypatch.setattr(block_fp8, "WORDS_NUM_WARPS_1D", warps)
+    for shape in ((128, 256), (132, 260)):
+        x = _words_input(shape, "nan", seed=warps + shape[0])
+        for usage in ((True, True), (True, False), (False, True)):
+            _check_block(x, 1, usage, {}, f"words apart w{warps} {shape} {usage}")
+    assert len(words_calls) == 6

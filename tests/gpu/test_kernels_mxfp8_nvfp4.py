@@ -432,6 +432,21 @@ def test_nvfp4_adversarial(kind, mode):
         assert_same_buffers(out, ref, f"{kind}/{in_dtype}.")
 
 
+@pytest.mark.parametrize("kind", ADVERSARIAL)
+def test_nvfp4_2d_words_kernel_adversarial(monkeypatch, kind):
+    """The 16x16 words kernel (nvfp4.WORDS_2D, bf16 only) on every planted hard case, with a
+    reduced amax between the kernels as the quantizer may apply."""
+    monkeypatch.setattr(nvfp4_kernels, "WORDS_2D", True)
+    monkeypatch.setattr(nvfp4_kernels, "WORDS_BLOCK_M_2D", 32)
+    monkeypatch.setattr(nvfp4_kernels, "WORDS_BLOCK_K_2D", 64)
+    monkeypatch.setattr(nvfp4_kernels, "WORDS_NUM_WARPS_2D", 1)
+    x = adversarial_input((64, 96), kind, torch.bfloat16)
+    out, ref = _nvfp4_both(x, two_dimensional=True)
+    assert_same_buffers(out, ref, f"{kind}.")
+    out, ref = _nvfp4_both(x, two_dimensional=True, reduce_amax=lambda amax: amax * 4.0)
+    assert_same_buffers(out, ref, f"{kind}/reduced.")
+
+
 def test_nvfp4_fp4_ties_round_to_even():
     x = adversarial_input((32, 32), "fp4_ties")
     out, _ = _nvfp4_both(x)

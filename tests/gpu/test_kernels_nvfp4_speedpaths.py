@@ -292,3 +292,112 @@ def test_sr_odd_shapes_are_neighbours_with_exact_scales(shape, mode):
         ok = (magnitude == lower) | (magnitude == upper)
         assert ok.all(), f"{direction}: {(~ok).sum().item()} results are not neighbours"
         assert not torch.equal(values, rne), direction
+
+
+# --------------------------------------------------------------------------------------------
+# 16x16 (2D) words kernel (kernels/nvfp4_words.py): int64 words in, nibble words out
+# --------------------------------------------------------------------------------------------
+
+WORDS_TILES = [(16, 64, 1), (16, 256, 1), (16, 512, 2), (32, 128, 2), (64, 64, 2)]
+
+
+def _words_2d(monkeypatch, tile=None) -> list:
+    """Route 2D bf16 quantization through the words kernel (with `tile`) and record its calls."""
+    from minifloat.kernels import nvfp4_words
+
+    monkeypatch.setattr(nvfp4_kernels, "WORDS_2D", True)
+    if tile is not None:
+        for name, value in zip(("WORDS_BLOCK_M_2D", "WORDS_BLOCK_K_2D", "WORDS_NUM_WARPS_2D"),
+                               tile, strict=True):
+            monkeypatch.setattr(nvfp4_kernels, name, value)
+    calls = []
+    launch = nvfp4_words.launch_2d_words
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(nvfp4_words, "launch_2d_words", spy)
+    return calls
+
+
+def _hard_2d_tiles() -> torch.Tensor:
+    """[64, 96] bf16 whose 16x16 tiles are each a special case: NaN of both signs, +-inf, huge
+    (FLT_MAX, bf16 max), subnormal-only, all +-0, and mixed signs around the E2M1 ties."""
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(64, 96, generator=gen) * 3.0
+    signs = torch.where(torch.rand(64, 96, generator=gen) < 0.5, -1.0, 1.0)
+    x[0:16, 0:16] = 0.0 * signs[0:16, 0:16]  # signed zeros only
+    x[0:16, 16:32] *= 2.0**-130  # bf16 subnormals only (amax subnormal too)
+    x[3, 40] = float("nan")
+    x[20, 5] = -float("nan")
+    x[17, 50] = float("inf")
+    x[30, 70] = -float("inf")
+    x[40:56, 0:16] = FLT_MAX * signs[40:56, 0:16]
+    x[40:56, 16:32] = torch.finfo(torch.bfloat16).max * signs[40:56, 16:32]
+    x[56:64, 32:48] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]).repeat(8, 2)
+    x[48, 32] = 6.0
+    x[56:64, 48:64] = -x[56:64, 32:48]
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("tile", WORDS_TILES, ids=str)
+def test_2d_words_kernel_matches_reference(monkeypatch, tile):
+    """Tiles cut by the tensor edge in both dimensions (masked runs and pairs)."""
+    calls = _words_2d(monkeypatch, tile)
+    shapes = [(16, 272), (208, 48), (2, 48, 176)] + ([(528, 1040), (1040, 528)] if CUDA else [])
+    for shape in shapes:
+        x = _spread(shape, seed=sum(shape), dtype=torch.bfloat16, spread=20)
+        out, ref = _both(x, two_dimensional=True)
+        _assert_same(out, ref, f"{shape}/{tile}.")
+    assert len(calls) == len(shapes)
+
+
+@pytest.mark.parametrize("usage", [(False, True), (True, False)], ids=["columnwise", "rowwise"])
+def test_2d_words_kernel_single_direction(monkeypatch, usage):
+    calls = _words_2d(monkeypatch, (32, 128, 2))
+    x = _spread((80, 144), seed=7, dtype=torch.bfloat16, spread=20)
+    out, ref = _both(x, *usage, two_dimensional=True)
+    _assert_same(out, ref, f"{usage}.")
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("usage", [(True, True), (False, True), (True, False)],
+                         ids=["both", "columnwise", "rowwise"])
+def test_2d_words_kernel_special_tiles(monkeypatch, usage):
+    calls = _words_2d(monkeypatch, (16, 64, 1))
+    x = _hard_2d_tiles()
+    out, ref = _both(x, *usage, two_dimensional=True)
+    _assert_same(out, ref, "nan.")
+    finite = torch.nan_to_num(x.float(), nan=1.0, posinf=2.0, neginf=-2.0)
+    finite[40:56, 0:16] = 1.0
+    for source in (finite, finite.t().contiguous(), torch.zeros(32, 48),
+                   torch.full((16, 16), -0.0)):
+        out, ref = _both(source.to(torch.bfloat16), *usage, two_dimensional=True)
+        _assert_same(out, ref, "finite.")
+    assert len(calls) == 5
+
+
+def test_2d_words_kernel_e2m1_boundaries(monkeypatch):
+    """Every piece boundary and tie of the E2M1 rule (element scale 1), both directions."""
+    calls = _words_2d(monkeypatch, (32, 128, 2))
+    x = _boundary_tensor(True).to(torch.bfloat16)
+    for source in (x, x.t().contiguous()):
+        out, ref = _both(source, two_dimensional=True)
+        _assert_same(out, ref, "boundaries.")
+    assert len(calls) == 2
+
+
+def test_2d_words_kernel_only_serves_bf16_round_to_nearest(monkeypatch):
+    calls = _words_2d(monkeypatch)
+    x = _spread((32, 64), seed=5)
+    for dtype in (torch.float32, torch.float16):
+        out, ref = _both(x.to(dtype), two_dimensional=True)
+        _assert_same(out, ref, f"{dtype}.")
+    nvfp4_kernels.quantize_nvfp4(x.bfloat16().to(DEVICE), columnwise=True,
+                                 two_dimensional=True, stochastic_rounding=True)
+    assert not calls
+    monkeypatch.setattr(nvfp4_kernels, "WORDS_2D", False)
+    out, ref = _both(x.bfloat16(), two_dimensional=True)
+    _assert_same(out, ref, "flag off.")
+    assert not calls

@@ -64,6 +64,10 @@ CHUNK_2D, NUM_WARPS_2D = 128, 8
 # Other inputs (and WORDS = False) take the element kernels above.
 WORDS = True
 WORDS_NUM_WARPS_1D, WORDS_NUM_WARPS_2D = 4, 4
+# WORDS_APART_1D: the words kernel's 1x128 transposed copy unpacks the bf16 words again instead
+# of reusing the rowwise copy's fp32 (fewer live registers, more instructions; KERNEL_NOTES.md
+# "block FP8 words", 1x128 registers). A variant to time, not the default.
+WORDS_APART_1D = False
 # Four fp32 ($1..$4) to four E4M3 codes in one word ($0, $1's code in the low byte); see _e4m3.
 _E4M3_ASM = ("{ .reg .b16 lo, hi; .reg .b32 c, s, t; "
              "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from . import block_fp8
 from .block_fp8 import _scale, _scale_inv
 from .fp8_common import _capability, cdiv, hw_cast, jit, sat_rne_fp8, tl
 from .launch import launch
@@ -121,6 +122,39 @@ def _floats(words):
             (high << 16).to(tl.float32, bitcast=True), (high & -65536).to(tl.float32, bitcast=True))
 
 
+# bf16 element 0 / 1 of an int32 ($1) as fp32 bits ($0): byte permutes, opaque to the compilers'
+# common-subexpression elimination (see _floats_apart).
+_ELEM0_ASM = "prmt.b32 $0, $1, 0, 0x1044;"
+_ELEM0_ASM = _ELEM0_ASM if tl is None else tl.constexpr(_ELEM0_ASM)
+_ELEM1_ASM = "prmt.b32 $0, $1, 0, 0x3244;"
+_ELEM1_ASM = _ELEM1_ASM if tl is None else tl.constexpr(_ELEM1_ASM)
+
+
+@jit
+def _float_asm(half, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, "=r,r", [half], dtype=tl.int32, is_pure=True,
+                                     pack=1).to(tl.float32, bitcast=True)
+
+
+@jit
+def _floats_apart(words, APART: tl.constexpr):
+    """_floats(words), computed apart from _floats (APART, CUDA only): the same bits from byte
+    permutes in inline asm, so no compiler merges them with the rowwise copy's unpacking. The
+    1x128 kernel unpacks the tile twice then, once per direction: the merged unpack kept all
+    128 fp32 of a thread live from the rowwise stores to the transposed ones (161 registers at
+    4 warps), the apart one keeps the int64 words only (half as many registers)."""
+    if APART:
+        low = words.to(tl.int32)
+        high = (words >> 32).to(tl.int32)
+        f0 = _float_asm(low, _ELEM0_ASM)
+        f1 = _float_asm(low, _ELEM1_ASM)
+        f2 = _float_asm(high, _ELEM0_ASM)
+        f3 = _float_asm(high, _ELEM1_ASM)
+    else:
+        f0, f1, f2, f3 = _floats(words)
+    return f0, f1, f2, f3
+
+
 @jit
 def _magnitudes(words):
     """|x| of the four bf16 of int64 words as two int32 words of two halves (sign bits clear)."""
@@ -138,7 +172,8 @@ def _block_words_kernel(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_pt
                         M_WORDS, K_WORDS, POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr,
                         ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
                         TILE_2D: tl.constexpr, HW_CAST: tl.constexpr,
-                        MAX_U16X2: tl.constexpr, MASK_M: tl.constexpr, MASK_K: tl.constexpr):
+                        MAX_U16X2: tl.constexpr, MASK_M: tl.constexpr, MASK_K: tl.constexpr,
+                        APART: tl.constexpr = False):
     """One 128x128 tile of a bf16 [M, K] tensor per program (grid: tiles, K fastest).
 
     x_ptr: the input as int64 [M, K/4]; row_data_ptr: int32 [M, K/4]; col_data_ptr: int32
@@ -146,6 +181,8 @@ def _block_words_kernel(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_pt
     divisibility). TILE_2D: one scale per tile (quantize_block_2d, the columnwise copy being its
     exact transpose), else 1x128 blocks along K (rowwise) and along M (columnwise).
     MASK_M / MASK_K: the tensor has partial tiles along M / K (masks compiled in only then).
+    APART (1x128 with both copies, CUDA): the transposed copy unpacks the words again
+    (_floats_apart) instead of reusing the rowwise copy's fp32 (block_fp8.WORDS_APART_1D).
     """
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K_WORDS, QUADS)
@@ -263,6 +300,11 @@ def _block_words_kernel(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_pt
             tl.store(row_si_ptr + si_rows + 2 * k_blocks, _scale_inv(r2, POW2), mask=row_ok)
             tl.store(row_si_ptr + si_rows + 3 * k_blocks, _scale_inv(r3, POW2), mask=row_ok)
         if COLUMNWISE:
+            if APART and ROWWISE:  # unpacked again, apart from the rowwise copy's fp32
+                f00, f01, f02, f03 = _floats_apart(x0, True)
+                f10, f11, f12, f13 = _floats_apart(x1, True)
+                f20, f21, f22, f23 = _floats_apart(x2, True)
+                f30, f31, f32, f33 = _floats_apart(x3, True)
             col_tile = col_data_ptr + (4 * word0).to(tl.int64) * M_WORDS + quad0
             col_offsets = i[:, None] + w[None, :] * (4 * M_WORDS)  # column c adds c * M_WORDS
             t = c0[None, :]
@@ -317,5 +359,7 @@ def launch_words(x2d: torch.Tensor, row_data: torch.Tensor, row_si: torch.Tensor
         POW2=power_2_scale, OVERFLOW_BITS=overflow_bits, ROWWISE=rowwise, COLUMNWISE=columnwise,
         TILE_2D=tile_2d, HW_CAST=hw,
         MAX_U16X2=hw and _capability(x2d.device.index or 0) >= (9, 0),
-        MASK_M=m % TILE != 0, MASK_K=k % TILE != 0, num_warps=num_warps,
+        MASK_M=m % TILE != 0, MASK_K=k % TILE != 0,
+        APART=bool(block_fp8.WORDS_APART_1D) and hw and not tile_2d and rowwise and columnwise,
+        num_warps=num_warps,
     )

@@ -61,6 +61,15 @@ NUM_WARPS_STOCHASTIC = 4
 BLOCK_M_2D = 64
 BLOCK_K_2D = 64
 NUM_WARPS_2D = 2
+# WORDS_2D (v3): bf16 16x16 quantization with round-to-nearest takes nvfp4_words's kernel
+# (int64 words in, packed nibble words out, ~16 SASS an element against ~28, KERNEL_NOTES.md
+# "NVFP4 v3"). H200 sweep (tune_kernels --only nv/2d, bytes equal): 64x128 w2 0.226 ms against
+# 0.273 for the v2 kernel; the 16-row tiles that need no shared memory were slower (16x512 w2
+# 0.401: their columnwise stores are 8 bytes a column, a quarter of a sector).
+WORDS_2D = True
+WORDS_BLOCK_M_2D = 64
+WORDS_BLOCK_K_2D = 128
+WORDS_NUM_WARPS_2D = 2
 
 # No fp contraction: a product rounded by the reference (x * element scale) must stay rounded
 # before it is added to (_e2m1_nibbles); intended fused products are explicit tl.fma.
@@ -491,6 +500,9 @@ def quantize_nvfp4(
     in the reference's order (plain amax first, then the post-RHT amax). Stochastic rounding takes
     two seeds from torch's generator on x's device (one per direction) without a host sync.
     """
+    from .nvfp4_words import launch_2d_words as _launch_2d_words
+    from .nvfp4_words import takes_words_2d as _takes_words_2d
+
     if two_dimensional and with_rht:
         raise ValueError("NVFP4 2D (weight) quantization takes no RHT: disable one of them")
     if not x.is_contiguous():
@@ -531,7 +543,14 @@ def quantize_nvfp4(
             BF16_BITS=bf16_bits, ROWWISE=rowwise, COLUMNWISE=columnwise,
             STOCHASTIC=stochastic_rounding,
         )
-        if two_dimensional:
+        if two_dimensional and WORDS_2D and _takes_words_2d(
+            x2d, stochastic_rounding, WORDS_BLOCK_M_2D, WORDS_BLOCK_K_2D
+        ):
+            _launch_2d_words(
+                x2d, row_data, row_scale, col_data, col_scale, plain_amax, rowwise, columnwise,
+                WORDS_BLOCK_M_2D, WORDS_BLOCK_K_2D, WORDS_NUM_WARPS_2D, hw_cast(x2d), FP_FUSION,
+            )
+        elif two_dimensional:
             grid_2d = (triton.cdiv(m, BLOCK_M_2D), triton.cdiv(k, BLOCK_K_2D))
             launch(
                 _nvfp4_2d_kernel, grid_2d, x_view, row_data, row_scale, col_data, col_scale,
