@@ -129,9 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # Why single-thread backward: on CUDA, autograd runs backward on a device thread of its
     # own; minifloat's backward is Python (autograd.Function), so each one hands the GIL to that
-    # thread and back. Measured on an H200 (scratch timing of a 256^3 FP8 Linear step): 1282 us
-    # of host time a step with the device thread, 778 us without. One-GPU training loses
-    # nothing by running backward on the calling thread.
+    # thread and back. A scratch timing of one 256^3 FP8 Linear step on an H200 measured 1282 us
+    # of host time with that thread and 778 us without; on the GPT models the effect was mixed
+    # (BENCHMARKS.md), so it is measured here, not recommended.
     graph_modes = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
     thread_modes = {"off": [False], "on": [True], "both": [False, True]}[
         args.single_thread_backward]
