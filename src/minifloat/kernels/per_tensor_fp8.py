@@ -174,28 +174,19 @@ def _launch(
     data = torch.empty((m, k), dtype=torch.uint8, device=device) if rowwise else None
     data_t = torch.empty((k, m), dtype=torch.uint8, device=device) if columnwise else None
     scale_inv = torch.empty(1, dtype=torch.float32, device=device)
-    current = scale is None
     dummy = scale_inv  # stands in for absent outputs; the constexpr flags skip their stores
     if _takes_words(x, m, k, columnwise):
         hw = hw_cast(x)
+        scalars, flags = _shared_arguments(scale, amax, scale_inv, amax_epsilon, partials, e5m2,
+                                           power_2_scale, rowwise, columnwise, m, k)
         launch(
             words_kernels.per_tensor_words_kernel,
             (cdiv(m, WORDS_TILE_M) * cdiv(k, WORDS_TILE_K),),
             x.reshape(m, k).view(torch.int64),
             _words_view(data if data is not None else dummy),
             _words_view(data_t if data_t is not None else dummy),
-            scale_inv if current else scale,
-            amax if current else amax.view(torch.int32),
-            scale_inv,
-            float32_value(amax_epsilon),
-            m,
-            k,
-            amax.numel() if partials else 1,
-            E5M2=e5m2,
-            CURRENT=current,
-            POW2=power_2_scale,
-            ROWWISE=rowwise,
-            COLUMNWISE=columnwise,
+            *scalars,
+            **flags,
             BLOCK_M=WORDS_TILE_M,
             BLOCK_K=WORDS_TILE_K,
             HW_CAST=hw,
@@ -204,7 +195,7 @@ def _launch(
             >= (9, 0),
             MASK_M=m % WORDS_TILE_M != 0,
             MASK_K=k % WORDS_TILE_K != 0,
-            PARTIALS_BLOCK=triton.next_power_of_2(amax.numel()) if partials else 0,
+            PARTIALS_BLOCK=_partials_block(amax, partials),
             num_warps=WORDS_NUM_WARPS,
         )
     else:
@@ -217,37 +208,45 @@ def _launch(
     )
 
 
+def _shared_arguments(scale: torch.Tensor | None, amax: torch.Tensor, scale_inv: torch.Tensor,
+                      amax_epsilon: float, partials: bool, e5m2: bool, power_2_scale: bool,
+                      rowwise: bool, columnwise: bool, m: int, k: int) -> tuple[tuple, dict]:
+    """The runtime arguments after the three data pointers, and the flags, that the element
+    and the words kernels take alike (the same scale logic: see _cast_transpose_kernel)."""
+    current = scale is None
+    scalars = (scale_inv if current else scale, amax if current else amax.view(torch.int32),
+               scale_inv, float32_value(amax_epsilon), m, k, amax.numel() if partials else 1)
+    flags = {"E5M2": e5m2, "CURRENT": current, "POW2": power_2_scale, "ROWWISE": rowwise,
+             "COLUMNWISE": columnwise}
+    return scalars, flags
+
+
+def _partials_block(amax: torch.Tensor, partials: bool) -> int:
+    return triton.next_power_of_2(amax.numel()) if partials else 0
+
+
 def _launch_elements(x: torch.Tensor, data: torch.Tensor | None, data_t: torch.Tensor | None,
                      scale: torch.Tensor | None, amax: torch.Tensor, scale_inv: torch.Tensor,
                      amax_epsilon: float, partials: bool, e5m2: bool, power_2_scale: bool,
                      rowwise: bool, columnwise: bool, m: int, k: int) -> None:
     """The element kernel (_cast_transpose_kernel): any kernel input dtype and shape."""
-    current = scale is None
     dummy = scale_inv
     grid = (cdiv(m, TILE_M) * cdiv(k, TILE_K),)
+    scalars, flags = _shared_arguments(scale, amax, scale_inv, amax_epsilon, partials, e5m2,
+                                       power_2_scale, rowwise, columnwise, m, k)
     launch(
         _cast_transpose_kernel,
         grid,
         x,
         data if data is not None else dummy,
         data_t if data_t is not None else dummy,
-        scale_inv if current else scale,
-        amax if current else amax.view(torch.int32),
-        scale_inv,
-        float32_value(amax_epsilon),
-        m,
-        k,
-        amax.numel() if partials else 1,
-        E5M2=e5m2,
-        CURRENT=current,
-        POW2=power_2_scale,
-        ROWWISE=rowwise,
-        COLUMNWISE=columnwise,
+        *scalars,
+        **flags,
         BLOCK_M=TILE_M,
         BLOCK_K=TILE_K,
         WIDE=needs_wide_offsets(m, k, max(TILE_M, TILE_K)),
         HW_CAST=hw_cast(x),
-        PARTIALS_BLOCK=triton.next_power_of_2(amax.numel()) if partials else 0,
+        PARTIALS_BLOCK=_partials_block(amax, partials),
         num_warps=NUM_WARPS,
     )
 
