@@ -302,9 +302,10 @@ def check_per_tensor(result, data, scale_inv, shape, usage, fp8_dtype, what):
 
 
 def run_current(x, device, fp8_dtype, usage, **options):
+    """x may already be on the device: a view there keeps its offset (its alignment)."""
     result = per_tensor_fp8.quantize_current_scaling(
         x.to(device), fp8_dtype, rowwise=usage[0], columnwise=usage[1], **options)
-    data, scale_inv = numerics.quantize_current_scaling(x, fp8_dtype, **options)
+    data, scale_inv = numerics.quantize_current_scaling(x.cpu(), fp8_dtype, **options)
     check_per_tensor(result, data, scale_inv, x.shape, usage, fp8_dtype, "current")
 
 
@@ -449,7 +450,7 @@ def test_per_tensor_words_fallbacks(device, monkeypatch):
     assert per_tensor_fp8._takes_words(x[:6].contiguous(), 6, 40, False)
     shifted = x.flatten()[2:2 + 7 * 40].view(7, 40)  # 4-byte aligned, not 8
     assert not per_tensor_fp8._takes_words(shifted, 7, 40, False)
-    run_current(shifted.cpu(), device, E4M3, (True, False))
+    run_current(shifted, device, E4M3, (True, False))  # the unaligned view itself
     run_current(random_input((6, 38), torch.bfloat16, seed=4), device, E4M3, (True, True))
     run_delayed(random_input((6, 40), torch.bfloat16, seed=5), device, E5M2, (True, True), 2.0)
     run_delayed(random_input((6, 40), torch.bfloat16, seed=5), device, E5M2, (True, False), 2.0)
