@@ -44,6 +44,8 @@ def pytest_collection_modifyitems(config, items):
         ) from None
     if not 0 <= index < count:
         raise pytest.UsageError(f"MINIFLOAT_TEST_SHARD {spec!r}: need 0 <= index < count")
-    kept = [item for position, item in enumerate(items) if position % count == index]
-    config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    kept, dropped = [], []
+    for position, item in enumerate(items):
+        (kept if position % count == index else dropped).append(item)
+    config.hook.pytest_deselected(items=dropped)
     items[:] = kept

@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_common import _sm_count, abs_bits, cdiv, jit, kernel_input, max_programs, tl
+from .fp8_common import (
+    _sm_count,
+    abs_bits,
+    cdiv,
+    jit,
+    kernel_input,
+    max_programs,
+    scale_from_amax,
+    tl,
+)
 from .launch import launch
 
 AMAX_BLOCK = 4096
@@ -59,6 +68,20 @@ def reduce_partials(partials_ptr, count, PARTIALS_BLOCK: tl.constexpr):
     index = tl.arange(0, PARTIALS_BLOCK)
     bits = tl.load(partials_ptr + index, mask=index < count, other=0)
     return tl.max(bits, axis=0).to(tl.float32, bitcast=True)
+
+
+@jit
+def current_scale(amax_ptr, partial_count, eps, E5M2: tl.constexpr, POW2: tl.constexpr,
+                  PARTIALS_BLOCK: tl.constexpr):
+    """(amax, scale) of current scaling in a cast kernel: amax_ptr holds the fp32 amax (already
+    reduced) or, with PARTIALS_BLOCK > 0, amax_partials' per-program maxima; the scale follows
+    numerics.scale_from_amax with overflow value FLT_MAX (0x7F7FFFFF). One copy of this rule
+    for the per-tensor element and words kernels."""
+    if PARTIALS_BLOCK > 0:
+        amax = reduce_partials(amax_ptr, partial_count, PARTIALS_BLOCK)
+    else:
+        amax = tl.load(amax_ptr)
+    return amax, scale_from_amax(amax, eps, E5M2, POW2, 0x7F7FFFFF)
 
 
 def _programs(x: torch.Tensor) -> tuple[int, int]:

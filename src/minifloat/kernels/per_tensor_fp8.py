@@ -24,7 +24,7 @@ import torch
 
 from . import amax as amax_kernels
 from . import per_tensor_fp8_words as words_kernels
-from .amax import reduce_partials
+from .amax import current_scale
 from .fp8_common import (
     _capability,
     abs_bits,
@@ -37,7 +37,6 @@ from .fp8_common import (
     kernel_input,
     needs_wide_offsets,
     reciprocal_rn,
-    scale_from_amax,
     tile_offsets,
     tl,
     triton,
@@ -106,14 +105,7 @@ def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, sca
     pid_m = pid // tiles_k
     pid_k = pid % tiles_k
     if CURRENT:
-        # amax_ptr: the fp32 amax (already reduced), or with PARTIALS_BLOCK > 0 the amax
-        # kernel's per-program partial maxima; scale follows numerics.scale_from_amax with
-        # overflow value FLT_MAX (0x7F7FFFFF)
-        if PARTIALS_BLOCK > 0:
-            amax = reduce_partials(amax_ptr, partial_count, PARTIALS_BLOCK)
-        else:
-            amax = tl.load(amax_ptr)
-        scale = scale_from_amax(amax, eps, E5M2, POW2, 0x7F7FFFFF)
+        _, scale = current_scale(amax_ptr, partial_count, eps, E5M2, POW2, PARTIALS_BLOCK)
         cast_transpose_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, M, K, pid_m, pid_k,
                             E5M2, ROWWISE, COLUMNWISE, False, BLOCK_M, BLOCK_K, WIDE, HW_CAST)
     else:

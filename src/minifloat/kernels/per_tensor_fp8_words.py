@@ -27,8 +27,8 @@ Imported by per_tensor_fp8, which chooses between the kernels (WORDS and its WOR
 
 from __future__ import annotations
 
-from .amax import reduce_partials
-from .fp8_common import jit, reciprocal_rn, sat_rne_fp8, scale_from_amax, tl
+from .amax import current_scale
+from .fp8_common import jit, reciprocal_rn, sat_rne_fp8, tl
 
 # cvt.rn.satfinite x2 writes its first source operand to the upper byte: $1 ends in byte 0.
 _E4M3_WORD_ASM = ("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
@@ -353,11 +353,7 @@ def per_tensor_words_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, sc
     pid_m = pid // tiles_k
     pid_k = pid % tiles_k
     if CURRENT:
-        if PARTIALS_BLOCK > 0:
-            amax = reduce_partials(amax_ptr, partial_count, PARTIALS_BLOCK)
-        else:
-            amax = tl.load(amax_ptr)
-        scale = scale_from_amax(amax, eps, E5M2, POW2, 0x7F7FFFFF)
+        amax, scale = current_scale(amax_ptr, partial_count, eps, E5M2, POW2, PARTIALS_BLOCK)
     else:
         scale = tl.load(scale_ptr)
     # a NaN product needs a NaN input, or a zero, infinite or NaN scale (0 * inf)
