@@ -25,33 +25,41 @@ from __future__ import annotations
 import torch
 
 from . import gemm_paths, numerics
-from .quantizers import NVFP4Storage, QuantizedStorage, QuantizedTensor, as_storage
+from .quantizers import NVFP4Storage, QuantizedStorage, QuantizedTensor
 
 Operand = torch.Tensor | QuantizedStorage
 
 
-def _operand(x: Operand, columnwise: bool, label: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(values [rows, reduction] fp32, optional per-tensor factor) of one operand's copy."""
-    if isinstance(x, QuantizedTensor | QuantizedStorage):
-        storage = as_storage(x)
-        has_copy = storage.has_columnwise() if columnwise else storage.has_rowwise()
-        if not has_copy:
-            direction = "columnwise" if columnwise else "rowwise"
-            raise ValueError(
-                f"general_gemm: operand {label} ({storage!r}) lacks the {direction} copy this "
-                f"GEMM needs; quantize it with {direction} usage or call update_usage"
-            )
+def _copy_storage(x: Operand, columnwise: bool, label: str) -> QuantizedStorage | None:
+    """The storage holding the copy this GEMM reads (a hybrid answers with that direction's
+    sub-storage), or None for a plain tensor. Resolved once per operand and call: the dispatch
+    below and the decode both take it from here."""
+    if isinstance(x, QuantizedStorage):
+        storage = x
+    elif isinstance(x, QuantizedTensor):
+        storage = x._storage
+    else:
+        return None
+    copy = storage.direction_storage(columnwise)  # a hybrid lacking the copy raises here
+    if not (storage.has_columnwise() if columnwise else storage.has_rowwise()):
+        direction = "columnwise" if columnwise else "rowwise"
+        raise ValueError(
+            f"general_gemm: operand {label} ({storage!r}) lacks the {direction} copy this "
+            f"GEMM needs; quantize it with {direction} usage or call update_usage"
+        )
+    return copy
+
+
+def _operand(x: Operand, storage: QuantizedStorage | None, columnwise: bool, label: str
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(values [rows, reduction] fp32, optional per-tensor factor) of one operand's copy;
+    `storage` is _copy_storage's answer for x."""
+    if storage is not None:
         return storage.gemm_operand(columnwise)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"general_gemm: operand {label} must be a tensor, got {type(x).__name__}")
     matrix = x.reshape(-1, x.shape[-1])
     return (matrix.t() if columnwise else matrix), None
-
-
-def _storage_or_none(x: Operand, columnwise: bool) -> QuantizedStorage | None:
-    if isinstance(x, QuantizedTensor | QuantizedStorage):
-        return as_storage(x).direction_storage(columnwise)
-    return None
 
 
 def _uses_rht(storage: QuantizedStorage | None, columnwise: bool) -> bool:
@@ -74,43 +82,41 @@ def general_gemm(
     out_dtype defaults to the nominal dtype of A. With `accumulate_into` (an fp32 `main_grad`
     of shape [rows(A), rows(B)]) the product is added into it in fp32 and it is returned.
     """
-    a_storage, b_storage = _storage_or_none(a, a_columnwise), _storage_or_none(b, b_columnwise)
+    a_storage = _copy_storage(a, a_columnwise, "A")
+    b_storage = _copy_storage(b, b_columnwise, "B")
     if _uses_rht(a_storage, a_columnwise) != _uses_rht(b_storage, b_columnwise):
         raise ValueError(
             "general_gemm: only one operand carries the random Hadamard transform, so it would "
             "not cancel; give both wgrad operands RHT (NVFP4 inputs and gradients) or neither"
         )
     if out_dtype is None:
-        out_dtype = a.dtype if isinstance(a, torch.Tensor | QuantizedStorage) else torch.float32
+        out_dtype = a.dtype if isinstance(a, (torch.Tensor, QuantizedStorage)) else torch.float32
     if accumulate_into is not None and accumulate_into.dtype != torch.float32:
         raise TypeError(f"main_grad must be float32 to accumulate into, got "
                         f"{accumulate_into.dtype}")
-    fast = None
-    if gemm_paths.scaled_mm_applies(a_storage, a_columnwise, b_storage, b_columnwise):
-        fast = "scaled_mm"
-    elif gemm_paths.blockwise_scaled_mm_applies(a_storage, a_columnwise, b_storage,
-                                                b_columnwise):
-        fast = "blockwise_scaled_mm"
-    if fast is not None:
+    path = gemm_paths.fast_path(a_storage, a_columnwise, b_storage, b_columnwise)
+    if path is not None:
         a_values = b_values = a_alpha = b_alpha = None
-        path = fast
-        rows_a = gemm_paths.operand_dims(a_storage, a_columnwise)[0]
-        rows_b = gemm_paths.operand_dims(b_storage, b_columnwise)[0]
     else:
-        a_values, a_alpha = _operand(a, a_columnwise, "A")
-        b_values, b_alpha = _operand(b, b_columnwise, "B")
+        a_values, a_alpha = _operand(a, a_storage, a_columnwise, "A")
+        b_values, b_alpha = _operand(b, b_storage, b_columnwise, "B")
         if a_values.shape[1] != b_values.shape[1]:
             raise ValueError(
                 f"general_gemm: reduction dims differ: A gives {tuple(a_values.shape)} and B "
                 f"gives {tuple(b_values.shape)} (both [rows, reduction])"
             )
         path = gemm_paths.choose_path(a_storage, a_values, b_storage, b_values)
-        rows_a, rows_b = a_values.shape[0], b_values.shape[0]
-    if accumulate_into is not None and tuple(accumulate_into.shape) != (rows_a, rows_b):
-        raise ValueError(
-            f"general_gemm: main_grad has shape {tuple(accumulate_into.shape)}, the product "
-            f"{(rows_a, rows_b)}; give a main_grad shaped like the weight"
-        )
+    if accumulate_into is not None:
+        if a_values is None:
+            rows_a = gemm_paths.operand_dims(a_storage, a_columnwise)[0]
+            rows_b = gemm_paths.operand_dims(b_storage, b_columnwise)[0]
+        else:
+            rows_a, rows_b = a_values.shape[0], b_values.shape[0]
+        if tuple(accumulate_into.shape) != (rows_a, rows_b):
+            raise ValueError(
+                f"general_gemm: main_grad has shape {tuple(accumulate_into.shape)}, the "
+                f"product {(rows_a, rows_b)}; give a main_grad shaped like the weight"
+            )
     product_dtype = torch.float32 if accumulate_into is not None else out_dtype
     if path == "scaled_mm":
         fprop = not (a_columnwise or b_columnwise)
@@ -123,9 +129,10 @@ def general_gemm(
                                                       bias=bias)
     else:
         alpha = None
-        for factor in (a_alpha, b_alpha):
-            if factor is not None:
-                alpha = factor.float() if alpha is None else alpha * factor.float()
+        if a_alpha is not None:
+            alpha = a_alpha.float()
+        if b_alpha is not None:
+            alpha = b_alpha.float() if alpha is None else alpha * b_alpha.float()
         if path == "bf16":
             product = gemm_paths.bf16_gemm(a_values, b_values, alpha=alpha, bias=bias,
                                            out_dtype=product_dtype)

@@ -33,6 +33,7 @@ from .quantizers import (
     NVFP4Storage,
     QuantizedStorage,
 )
+from .quantizers.base import kernel_module
 
 _BF16_EXACT = (Float8Storage, MXFP8Storage, NVFP4Storage)
 
@@ -54,6 +55,10 @@ def operand_dims(storage: QuantizedStorage, columnwise: bool) -> tuple[int, int]
     return (k, m) if columnwise else (m, k)
 
 
+def _on_cuda(storage: QuantizedStorage) -> bool:
+    return storage.device.type == "cuda"
+
+
 def scaled_mm_applies(
     a: QuantizedStorage | None, a_columnwise: bool, b: QuantizedStorage | None,
     b_columnwise: bool,
@@ -61,11 +66,15 @@ def scaled_mm_applies(
     """Both per-tensor FP8 on CUDA, not both E5M2, every dim a multiple of 16, same reduction."""
     if not (isinstance(a, Float8Storage) and isinstance(b, Float8Storage)):
         return False
-    if a.device.type != "cuda" or a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2:
+    if a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2 or not _on_cuda(a):
         return False
     rows_a, reduction = operand_dims(a, a_columnwise)
     rows_b, reduction_b = operand_dims(b, b_columnwise)
     return reduction == reduction_b and all(n % 16 == 0 for n in (rows_a, reduction, rows_b))
+
+
+# torch.nn.functional.scaled_mm with BlockWise scaling types (newer torch); fixed per process
+_HAS_BLOCKWISE_SCALED_MM = hasattr(torch.nn.functional, "ScalingType")
 
 
 def blockwise_scaled_mm_applies(
@@ -75,13 +84,26 @@ def blockwise_scaled_mm_applies(
     """Block FP8 on CUDA, A 1D, every dim a multiple of 128, same reduction."""
     if not (isinstance(a, Float8BlockStorage) and isinstance(b, Float8BlockStorage)):
         return False
-    if a.device.type != "cuda" or a.block_scaling_dim != 1:
-        return False
-    if not hasattr(torch.nn.functional, "ScalingType"):
+    if a.block_scaling_dim != 1 or not _HAS_BLOCKWISE_SCALED_MM or not _on_cuda(a):
         return False
     rows_a, reduction = operand_dims(a, a_columnwise)
     rows_b, reduction_b = operand_dims(b, b_columnwise)
     return reduction == reduction_b and all(n % 128 == 0 for n in (rows_a, reduction, rows_b))
+
+
+def fast_path(
+    a: QuantizedStorage | None, a_columnwise: bool, b: QuantizedStorage | None,
+    b_columnwise: bool,
+) -> str | None:
+    """"scaled_mm", "blockwise_scaled_mm" or None (decode and emulate) for the copies a GEMM
+    reads. One family test per call: only per-tensor and block FP8 storages have a fast path,
+    so every other pair (and every plain tensor) answers None without the shape arithmetic."""
+    if isinstance(a, Float8Storage):
+        return "scaled_mm" if scaled_mm_applies(a, a_columnwise, b, b_columnwise) else None
+    if isinstance(a, Float8BlockStorage):
+        return ("blockwise_scaled_mm"
+                if blockwise_scaled_mm_applies(a, a_columnwise, b, b_columnwise) else None)
+    return None
 
 
 def _column_major(grid: torch.Tensor) -> torch.Tensor:
@@ -127,7 +149,7 @@ def choose_path(
     b_values: torch.Tensor,
 ) -> str:
     """"bf16" or "fp32" for decoded operands (scaled_mm is decided before decoding)."""
-    if a_values.device.type != "cuda":
+    if not a_values.is_cuda:
         return "fp32"
     if _bf16_exact(a, a_values) and _bf16_exact(b, b_values):
         return "bf16"
@@ -186,9 +208,8 @@ def bf16_gemm(
                        out_dtype=torch.float32)
     if kernels.available(product) and out_dtype in (torch.bfloat16, torch.float16,
                                                     torch.float32):
-        from .kernels.epilogue import scale_bias_cast  # Triton: fast path only
-
-        return scale_bias_cast(product, alpha, bias, out_dtype)
+        epilogue = kernel_module("epilogue")  # Triton: fast path only
+        return epilogue.scale_bias_cast(product, alpha, bias, out_dtype)
     if alpha is not None:
         product = product * alpha.float()
     if bias is not None:

@@ -22,9 +22,12 @@ machine without Triton; its kernels then refuse to launch with a clear error.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
+
+from ..numerics.formats import fp32_bits, fp32_round
 
 try:  # guarded: minifloat must import without Triton (CPU-only installs)
     import triton
@@ -87,16 +90,16 @@ def is_e5m2(fp8_dtype: torch.dtype) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def float32_bits(value: float) -> int:
-    """The fp32 bit pattern of a Python float (rounded to fp32), as a Python int. Cached: the
-    values are a few recipe constants, and building a tensor per launch costs host time."""
-    return int(torch.tensor(value, dtype=torch.float32).view(torch.int32).item())
+    """The fp32 bit pattern of a Python float (rounded to fp32), as a signed int. Host-only
+    integer rounding (numerics.formats.fp32_bits): no tensor built, no device read."""
+    return fp32_bits(value)
 
 
 @functools.lru_cache(maxsize=256)
 def float32_value(value: float) -> float:
-    """A Python float rounded to fp32 once on the host, so a kernel's fp32 argument is exact
-    (cached like float32_bits)."""
-    return float(torch.tensor(value, dtype=torch.float32).item())
+    """A Python float rounded to fp32 once on the host, so a kernel's fp32 argument is exact.
+    Host-only integer rounding (numerics.formats.fp32_round): no tensor, no .item() per call."""
+    return fp32_round(value)
 
 
 def dtype_max_bits(dtype: torch.dtype) -> int:
@@ -265,8 +268,6 @@ def hw_cast(x: torch.Tensor) -> bool:
     """Whether the kernels may use the hardware FP8 conversion for `x`: on CUDA (sm_89+, where
     cvt.rn.satfinite to e4m3/e5m2 exists), not under the interpreter. MINIFLOAT_INTEGER_CAST=1
     forces the integer rounding (for comparisons)."""
-    import os
-
     if os.environ.get("MINIFLOAT_INTEGER_CAST", "0") == "1" or not x.is_cuda:
         return False
     return _capability(x.device.index if x.device.index is not None else 0) >= (8, 9)

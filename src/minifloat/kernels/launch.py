@@ -24,12 +24,20 @@ from typing import Any
 import torch
 
 _DIRECT = os.environ.get("MINIFLOAT_TRITON_LAUNCH", "0") != "1"
-_COMPILED: dict[tuple, tuple[Any, int]] = {}
+# key -> (compiled kernel, its trailing constexpr values in signature order)
+_COMPILED: dict[tuple, tuple[Any, tuple]] = {}
 _INT32 = range(-(2**31), 2**31)
+_KNOBS: list[Any] = []  # triton.knobs, imported once (an import statement a launch cost
+#                          about a microsecond of host time)
 
 
 def _argument_key(value: Any) -> tuple:
     """What Triton specialises a runtime argument on (conservatively: a superset)."""
+    kind = type(value)  # exact scalar types first (most arguments), then the isinstance chain
+    if kind is int:
+        return ("int", value == 1, value % 16 == 0, value in _INT32, value >= 0)
+    if kind is bool:
+        return ("bool", value)
     if isinstance(value, torch.Tensor):
         return (value.dtype, value.data_ptr() % 16 == 0)
     if isinstance(value, bool):
@@ -41,15 +49,25 @@ def _argument_key(value: Any) -> tuple:
     return ("value", value)
 
 
+def _launch_hooks() -> tuple[Any, Any]:
+    if not _KNOBS:
+        from triton import knobs
+
+        _KNOBS.append(knobs)
+    runtime = _KNOBS[0].runtime
+    return runtime.launch_enter_hook, runtime.launch_exit_hook
+
+
 def _direct_allowed(kernel: Any, args: tuple) -> bool:
     if not _DIRECT or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
-    if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.is_cuda:
+            break
+    else:
         return False
-    from triton import knobs
-
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return all(_no_hook(hook) for hook in hooks)
+    enter, leave = _launch_hooks()
+    return _no_hook(enter) and _no_hook(leave)
 
 
 def _no_hook(hook: Any) -> bool:
@@ -73,15 +91,18 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int = 4,
         kernel[grid](*args, num_warps=num_warps, **options, **constexprs)
         return
     device = torch.cuda.current_device()
-    key = (kernel, device, num_warps, tuple(sorted(options.items())),
-           tuple(constexprs.items()), tuple(_argument_key(a) for a in args))
+    key = (kernel, device, num_warps, tuple(sorted(options.items())) if options else (),
+           tuple(constexprs.items()), tuple([_argument_key(a) for a in args]))
     entry = _COMPILED.get(key)
     if entry is not None:
-        compiled, _ = entry
-        grid3 = tuple(grid) + (1,) * (3 - len(grid))
-        trailing = tuple(constexprs[name] for name in kernel.arg_names[len(args):])
+        compiled, trailing = entry
+        # the key holds every constexpr value, so the trailing values are those of the first
+        # launch under this key (kept with the compiled kernel instead of rebuilt per launch)
+        grid_x = grid[0]
+        grid_y = grid[1] if len(grid) > 1 else 1
+        grid_z = grid[2] if len(grid) > 2 else 1
         try:
-            compiled.run(grid3[0], grid3[1], grid3[2], torch._C._cuda_getCurrentRawStream(device),
+            compiled.run(grid_x, grid_y, grid_z, torch._C._cuda_getCurrentRawStream(device),
                          compiled.function, compiled.packed_metadata, None, None, None,
                          *args, *trailing)
             return
@@ -91,5 +112,6 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int = 4,
     compiled = kernel[grid](*args, num_warps=num_warps, **options, **constexprs)
     if hasattr(compiled, "result"):
         compiled = compiled.result()
-    if set(kernel.arg_names[len(args):]) == set(constexprs):
-        _COMPILED[key] = (compiled, len(args))
+    names = kernel.arg_names[len(args):]
+    if set(names) == set(constexprs):
+        _COMPILED[key] = (compiled, tuple(constexprs[name] for name in names))

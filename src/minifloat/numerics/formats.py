@@ -11,6 +11,8 @@ largest finite value, infinities included, becomes +-max. NaN stays NaN where th
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -213,3 +215,51 @@ def float_bits(x: torch.Tensor) -> torch.Tensor:
 def clear_mantissa(x: torch.Tensor) -> torch.Tensor:
     """Round positive fp32 values down to a power of two by clearing the 23 mantissa bits."""
     return (float_bits(x) & ~0x7FFFFF).view(torch.float32)
+
+
+# ---- fp32 rounding of host (Python) numbers ----
+
+
+def _fp32_round(value: float) -> tuple[float, int]:
+    """(value rounded to fp32, its unsigned bit pattern): round to nearest, ties to even,
+    overflow to +-inf, subnormals kept, exactly as an IEEE double -> float cast rounds."""
+    if math.isnan(value):  # the C cast's NaN (sign and quiet bit kept): what torch stores
+        return value, struct.unpack("<I", struct.pack("<f", value))[0]
+    sign = 0x80000000 if math.copysign(1.0, value) < 0 else 0
+    magnitude = abs(value)
+    if magnitude == 0.0 or math.isinf(magnitude):
+        return value, sign | (0x7F800000 if magnitude else 0)
+    _, exponent = math.frexp(magnitude)  # 2^(exponent - 1) <= magnitude < 2^exponent
+    shift = max(exponent - 24, -149)  # the fp32 quantum here: 24 significant bits, or 2^-149
+    numerator, denominator = magnitude.as_integer_ratio()  # exact (denominator a power of two)
+    if shift >= 0:
+        denominator <<= shift
+    else:
+        numerator <<= -shift
+    units, remainder = divmod(numerator, denominator)  # magnitude / 2^shift = units + r / d
+    if 2 * remainder > denominator or (2 * remainder == denominator and units & 1):
+        units += 1
+    if units == 1 << 24:  # rounded up to the next power of two
+        units, shift = 1 << 23, shift + 1
+    biased = shift + 150 if units >= 1 << 23 else 0  # units < 2^23 only below 2^-126
+    if biased >= 255:
+        return math.copysign(math.inf, value), sign | 0x7F800000
+    bits = (biased << 23) | (units & 0x7FFFFF) if biased else units
+    return math.copysign(math.ldexp(units, shift), value), sign | bits
+
+
+def fp32_round(value: float) -> float:
+    """A Python float rounded to the nearest fp32 value (what `torch.tensor(value,
+    dtype=torch.float32).item()` gives), computed in exact integer arithmetic on the host.
+
+    Why: kernel arguments and scalar constants must be the fp32 numbers the reference uses;
+    building a tensor to round one number costs a device copy (and a host sync on a GPU) per
+    call, and a host-only rounding cannot be flushed to zero by an FPU mode."""
+    return _fp32_round(value)[0]
+
+
+def fp32_bits(value: float) -> int:
+    """The fp32 bit pattern of `value` rounded to fp32, as a signed int32 (what
+    `torch.tensor(value, dtype=torch.float32).view(torch.int32).item()` gives)."""
+    bits = _fp32_round(value)[1]
+    return bits - (1 << 32) if bits & 0x80000000 else bits

@@ -10,7 +10,15 @@ from __future__ import annotations
 import torch
 
 from .blocks import as_2d, expand_tiles, require_divisible, tile_amax
-from .formats import E8M0_BIAS, cast_to_fp8, e8m0_to_float, exp2_exact, float_bits, fp8_format
+from .formats import (
+    E8M0_BIAS,
+    cast_to_fp8,
+    e8m0_to_float,
+    exp2_exact,
+    float_bits,
+    fp8_format,
+    fp32_round,
+)
 
 BLOCK = 32
 
@@ -21,9 +29,11 @@ def e8m0_exponent(block_amax: torch.Tensor, element_max: float = 448.0) -> torch
     From the fp32 bits of v: exponent field E, mantissa m; e = E + 1 when m > 0 and E != 0xFE
     and not (E == 0 and m <= 0x400000), else E. NaN -> 0xFF, inf -> 0xFE, 0 -> 0.
     """
-    # R = fp32(1/element_max): the rule multiplies by this constant, it does not divide.
-    reciprocal = torch.tensor(1.0 / element_max, dtype=torch.float32, device=block_amax.device)
-    v = block_amax.float() * reciprocal
+    # R = fp32(1/element_max): the rule multiplies by this constant, it does not divide. A
+    # Python number already rounded to fp32: an fp32 tensor times a Python scalar multiplies in
+    # fp32 with the scalar cast to fp32 (exact here), the bits of a multiply by an fp32 tensor
+    # holding R, without building that tensor (a device copy) per call.
+    v = block_amax.float() * fp32_round(1.0 / element_max)
     bits = float_bits(v)
     exponent_field = (bits >> 23) & 0xFF
     mantissa = bits & 0x7FFFFF

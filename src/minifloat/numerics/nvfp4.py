@@ -23,6 +23,7 @@ from .formats import (
     cast_to_fp8,
     e2m1_to_float,
     fp32_divide,
+    fp32_round,
     pack_nibbles,
     unpack_nibbles,
 )
@@ -31,7 +32,7 @@ from .per_tensor import compute_amax
 
 BLOCK = 16
 GLOBAL_SCALE_NUMERATOR = 2688.0  # 448 (UE4M3 max) * 6 (E2M1 max)
-ONE_SIXTH_FP32 = 1.0 / 6.0  # used as fp32(1/6): see _quantize_direction
+ONE_SIXTH_FP32 = fp32_round(1.0 / 6.0)  # fp32(1/6) as a Python float: see _quantize_direction
 
 
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -60,8 +61,7 @@ def _quantize_direction(
     s_dec = torch.reciprocal(s_enc)
     block_amax = tile_amax(x2d, tile_rows, BLOCK)
     # s_b = ue4m3(min(block_amax * (S_enc * fp32(1/6)), FLT_MAX)), the product S_enc/6 first.
-    one_sixth = torch.tensor(ONE_SIXTH_FP32, dtype=torch.float32, device=x2d.device)
-    scale_factor = s_enc * one_sixth
+    scale_factor = s_enc * ONE_SIXTH_FP32  # fp32 * an fp32-exact Python scalar: fp32 product
     block_scale = cast_to_fp8(
         torch.clamp(block_amax * scale_factor, max=FLT_MAX), UE4M3.torch_dtype
     )

@@ -10,11 +10,40 @@ derivation of one direction from the other.
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
 
 _FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
+_HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TENSOR_CLASS: list[type] = []  # QuantizedTensor, imported on first use (tensor.py imports us)
+
+
+_KERNEL_MODULES: dict[str, ModuleType] = {}
+
+
+def kernel_module(name: str) -> ModuleType:
+    """minifloat.kernels.<name>, imported on the first fast-path call and kept.
+
+    Why: the kernel modules import Triton, so the quantizers import them only once a CUDA tensor
+    (or the interpreter) asks for a kernel; an import statement at that point ran on every
+    quantize call (about half a microsecond of host time each), a dict lookup does not."""
+    module = _KERNEL_MODULES.get(name)
+    if module is None:
+        module = importlib.import_module(f"minifloat.kernels.{name}")
+        _KERNEL_MODULES[name] = module
+    return module
+
+
+def _tensor_class() -> type:
+    """QuantizedTensor, without an import statement per quantize call."""
+    if not _TENSOR_CLASS:
+        from .tensor import QuantizedTensor
+
+        _TENSOR_CLASS.append(QuantizedTensor)
+    return _TENSOR_CLASS[0]
 
 
 class QuantizedStorage:
@@ -31,6 +60,12 @@ class QuantizedStorage:
     shared_fields: ClassVar[tuple[str, ...]] = ()  # tensors both copies use (never dropped)
     metadata_fields: ClassVar[tuple[str, ...]] = ()
     format_name: ClassVar[str] = "quantized"
+    _tensor_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # the field tuple every constructor, copy and save walks: built once per class
+        cls._tensor_fields = cls.rowwise_fields + cls.columnwise_fields + cls.shared_fields
 
     def __init__(
         self,
@@ -40,13 +75,16 @@ class QuantizedStorage:
         quantizer: Quantizer | None = None,
         **fields: Any,
     ) -> None:
-        self.shape = torch.Size(shape)
-        self.dtype = dtype
-        self.quantizer = quantizer
-        for name in self.tensor_fields():
-            setattr(self, name, fields.pop(name, None))
+        # written into __dict__ directly: one storage per quantize call, on the host's hot path
+        state = self.__dict__
+        state["shape"] = shape if type(shape) is torch.Size else torch.Size(shape)
+        state["dtype"] = dtype
+        state["quantizer"] = quantizer
+        pop = fields.pop
+        for name in self._tensor_fields:
+            state[name] = pop(name, None)
         for name in self.metadata_fields:
-            setattr(self, name, fields.pop(name))
+            state[name] = pop(name)
         if fields:
             raise TypeError(f"{type(self).__name__} got unknown fields {sorted(fields)}")
 
@@ -54,7 +92,7 @@ class QuantizedStorage:
 
     @classmethod
     def tensor_fields(cls) -> tuple[str, ...]:
-        return cls.rowwise_fields + cls.columnwise_fields + cls.shared_fields
+        return cls._tensor_fields
 
     def has_rowwise(self) -> bool:
         return getattr(self, self.rowwise_fields[0]) is not None
@@ -81,12 +119,29 @@ class QuantizedStorage:
         return m, k
 
     def _replace(self, transform) -> QuantizedStorage:
-        """A new storage of the same class with every present buffer mapped through `transform`."""
-        fields = {name: getattr(self, name) for name in self.metadata_fields}
-        for name in self.tensor_fields():
-            buffer = getattr(self, name)
-            fields[name] = None if buffer is None else transform(buffer)
-        return type(self)(shape=self.shape, dtype=self.dtype, quantizer=self.quantizer, **fields)
+        """A new storage of the same class with every present buffer mapped through `transform`.
+
+        Built without the keyword constructor (detach runs per GEMM operand on the hot path);
+        a subclass with its own __init__ goes through it."""
+        cls = type(self)
+        source = self.__dict__
+        if cls.__init__ is not QuantizedStorage.__init__:
+            fields = {name: source[name] for name in cls.metadata_fields}
+            for name in cls._tensor_fields:
+                buffer = source[name]
+                fields[name] = None if buffer is None else transform(buffer)
+            return cls(shape=self.shape, dtype=self.dtype, quantizer=self.quantizer, **fields)
+        new = object.__new__(cls)
+        state = new.__dict__
+        state["shape"] = source["shape"]
+        state["dtype"] = source["dtype"]
+        state["quantizer"] = source["quantizer"]
+        for name in cls._tensor_fields:
+            buffer = source[name]
+            state[name] = None if buffer is None else transform(buffer)
+        for name in cls.metadata_fields:
+            state[name] = source[name]
+        return new
 
     # ---- values ----
 
@@ -318,7 +373,7 @@ class Quantizer:
         """Quantize the usages this quantizer asks for; a QuantizedTensor unless `internal`."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if x.dtype not in _HIGH_PRECISION_DTYPES:
             raise TypeError(
                 f"quantize expects a float32, bfloat16 or float16 tensor, got {x.dtype}; "
                 "dequantize or cast it first"
@@ -328,9 +383,8 @@ class Quantizer:
                 f"{type(self).__name__} has neither rowwise nor columnwise usage; call "
                 "set_usage(rowwise=True) or set_usage(columnwise=True) first"
             )
-        self.check_shape(tuple(x.shape))
-        storage = self._quantize_impl(x.detach(), self._output_quantizer())
-        return self._wrap(storage)
+        self.check_shape(x.shape)  # a torch.Size is a tuple of ints
+        return self._wrap(self._quantize_impl(x.detach(), self._output_quantizer()))
 
     __call__ = quantize
 
@@ -344,11 +398,7 @@ class Quantizer:
         return owner
 
     def _wrap(self, storage: QuantizedStorage) -> torch.Tensor | QuantizedStorage:
-        if self.internal:
-            return storage
-        from .tensor import QuantizedTensor
-
-        return QuantizedTensor(storage)
+        return storage if self.internal else _tensor_class()(storage)
 
     def reduce_amax(self, amax: torch.Tensor) -> torch.Tensor:
         """All-reduce (MAX) an amax over this call's reduction group, when one is set."""

@@ -12,7 +12,7 @@ import torch
 
 from .. import kernels, numerics
 from ..numerics.blocks import as_2d
-from .base import QuantizedStorage, Quantizer
+from .base import QuantizedStorage, Quantizer, kernel_module
 
 
 class Float8BlockStorage(QuantizedStorage):
@@ -89,8 +89,7 @@ class Float8BlockQuantizer(Quantizer):
         options = {"power_2_scale": self.power_2_scale, "amax_epsilon": self.amax_epsilon}
         fields: dict[str, torch.Tensor | None] = {}
         if kernels.available(x):
-            from ..kernels import block_fp8  # Triton: imported on the fast path only
-
+            block_fp8 = kernel_module("block_fp8")  # Triton: fast path only
             if block_fp8.kernel_input(x):
                 quantize = (block_fp8.quantize_block_2d if self.block_scaling_dim == 2
                             else block_fp8.quantize_block_1d)
@@ -116,7 +115,7 @@ class Float8BlockQuantizer(Quantizer):
                     numerics.quantize_block_1d_columnwise(x2d, **options)
                 )
         return Float8BlockStorage(
-            shape=tuple(x.shape),
+            shape=x.shape,
             dtype=x.dtype,
             quantizer=owner,
             block_scaling_dim=self.block_scaling_dim,

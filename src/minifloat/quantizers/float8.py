@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 
 from .. import kernels, numerics
-from .base import QuantizedStorage, Quantizer
+from .base import QuantizedStorage, Quantizer, kernel_module
 
 
 class Float8Storage(QuantizedStorage):
@@ -50,16 +50,17 @@ def _per_tensor_storage(
 ) -> Float8Storage:
     """Lay out the requested copies of per-tensor data quantized over the [M, K] view (a kernel
     hands over the transpose it wrote; otherwise it is taken from the data here)."""
-    data2d = None if data is None else data.reshape(-1, x.shape[-1])
+    # reshapes only where needed: a kernel already hands over [M, K] data and a [1] scale_inv
+    data2d = data if data is None or data.dim() == 2 else data.reshape(-1, x.shape[-1])
     if data_transpose is None and quantizer.columnwise_usage:
         data_transpose = data2d.t().contiguous()
     return Float8Storage(
-        shape=tuple(x.shape),
+        shape=x.shape,
         dtype=x.dtype,
         quantizer=owner,
         data=data2d if quantizer.rowwise_usage else None,
         data_transpose=data_transpose if quantizer.columnwise_usage else None,
-        scale_inv=scale_inv.reshape(1),
+        scale_inv=scale_inv if scale_inv.dim() == 1 else scale_inv.reshape(1),
         fp8_dtype=fp8_dtype,
     )
 
@@ -100,8 +101,7 @@ class Float8Quantizer(Quantizer):
 
     def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> Float8Storage:
         if kernels.available(x):
-            from ..kernels import per_tensor_fp8  # Triton: imported on the fast path only
-
+            per_tensor_fp8 = kernel_module("per_tensor_fp8")  # Triton: fast path only
             if per_tensor_fp8.kernel_input(x, self.scale, self.amax):
                 data, data_t, scale_inv = per_tensor_fp8.quantize_delayed_scaling(
                     x, self.scale, self.amax, self.fp8_dtype,
@@ -142,14 +142,12 @@ class Float8CurrentScalingQuantizer(Quantizer):
 
     def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> Float8Storage:
         if kernels.available(x):
-            from ..kernels import amax as amax_kernel  # Triton: fast path only
-            from ..kernels import per_tensor_fp8
-
+            per_tensor_fp8 = kernel_module("per_tensor_fp8")  # Triton: fast path only
             if per_tensor_fp8.kernel_input(x):
                 # without a reduction group the cast kernel reduces the amax pass's partial
                 # maxima itself (amax=None): one allocation and one launch fewer per call
                 amax = (None if self.amax_reduction_group is None
-                        else self.reduce_amax(amax_kernel.compute_amax(x)))
+                        else self.reduce_amax(kernel_module("amax").compute_amax(x)))
                 data, data_t, scale_inv = per_tensor_fp8.quantize_current_scaling(
                     x, self.fp8_dtype, amax=amax,
                     amax_epsilon=self.amax_epsilon, power_2_scale=self.power_2_scale,

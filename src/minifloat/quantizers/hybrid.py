@@ -317,28 +317,40 @@ class HybridQuantizer(Quantizer):
     # ---- quantization ----
 
     def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> HybridStorage:
-        subs = {}
+        subs: dict[str, QuantizedStorage | None] = {}
         for direction, child, in_use in (
             ("rowwise", self.rowwise_quantizer, self.rowwise_usage),
             ("columnwise", self.columnwise_quantizer, self.columnwise_usage),
         ):
-            if not in_use:
-                subs[direction] = None
-                continue
-            call = child.copy()  # a throwaway copy carries this call's reduction group
-            call.amax_reduction_group = self.amax_reduction_group
-            call.internal = True
-            # pinned again per call: a child object shared with another hybrid may have been
-            # re-pinned there
-            call.set_usage(rowwise=direction == "rowwise", columnwise=direction == "columnwise")
-            subs[direction] = call.quantize(x)
+            subs[direction] = (self._quantize_child(child, x, direction == "rowwise")
+                               if in_use else None)
         return HybridStorage(
-            shape=tuple(x.shape),
+            shape=x.shape,
             dtype=x.dtype,
             quantizer=owner,
             rowwise_storage=subs["rowwise"],
             columnwise_storage=subs["columnwise"],
         )
+
+    def _quantize_child(self, child: Quantizer, x: torch.Tensor, rowwise: bool
+                        ) -> QuantizedStorage:
+        """One direction's sub-storage: the child pinned to that direction, internal, with this
+        call's reduction group, quantizing x (already checked and detached by quantize()).
+
+        A child already in exactly that state (the usual case: _pin_children set it, and no
+        group is set) quantizes as it is; otherwise a throwaway copy carries the pinning and
+        the group, so that a child object shared with another hybrid, or re-pinned there, is
+        left alone. The output records a stripped copy either way, as quantize() would."""
+        group = self.amax_reduction_group
+        if not (child.rowwise_usage is rowwise and child.columnwise_usage is (not rowwise)
+                and child.internal is True and child.amax_reduction_group is group):
+            child = child.copy()
+            child.amax_reduction_group = group
+            child.internal = True
+            child.set_usage(rowwise=rowwise, columnwise=not rowwise)
+        if type(child).quantize is not Quantizer.quantize:  # a child with its own entry point
+            return child.quantize(x)
+        return child._quantize_impl(x, child._output_quantizer())
 
     def __repr__(self) -> str:
         return (f"HybridQuantizer(rowwise={self.rowwise_quantizer!r}, "

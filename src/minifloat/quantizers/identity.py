@@ -62,7 +62,7 @@ class IdentityQuantizer(Quantizer):
         # a copy, never a view: in-place updates of the result must not reach the caller's x
         values = x.reshape(-1, x.shape[-1]).to(dtype=dtype, copy=True)
         return IdentityStorage(
-            shape=tuple(x.shape),
+            shape=x.shape,
             dtype=dtype,
             quantizer=owner,
             rowwise_data=values if self.rowwise_usage else None,

@@ -6,6 +6,7 @@ derives from the other; each is quantized from high precision in the same call.
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from .. import kernels, numerics
 from ..numerics.blocks import require_divisible
 from ..numerics.mxfp8 import BLOCK
-from .base import QuantizedStorage, Quantizer
+from .base import QuantizedStorage, Quantizer, kernel_module
 
 KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -41,10 +42,9 @@ class MXFP8Storage(QuantizedStorage):
         equal to the reference's values cast to bf16 (exact for block scales >= 2^-118)."""
         data = self.columnwise_data if columnwise else self.rowwise_data
         if kernels.available(data):
-            from ..kernels.dequantize import dequantize_mxfp8_bf16  # Triton: lazy import
-
             scale = self.columnwise_scale if columnwise else self.rowwise_scale
-            return dequantize_mxfp8_bf16(data, scale, columnwise=columnwise), None
+            return kernel_module("dequantize").dequantize_mxfp8_bf16(  # Triton: fast path only
+                data, scale, columnwise=columnwise), None
         if columnwise:
             values = numerics.dequantize_mxfp8(
                 self.columnwise_data, self.columnwise_scale, columnwise=True
@@ -73,16 +73,16 @@ class MXFP8Quantizer(Quantizer):
     def check_shape(self, shape: tuple[int, ...]) -> None:
         super().check_shape(shape)
         k = shape[-1]
-        require_divisible((torch.Size(shape).numel() // k if k else 0, k), BLOCK, "MXFP8")
+        require_divisible((math.prod(shape) // k if k else 0, k), BLOCK, "MXFP8")
 
     def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> MXFP8Storage:
         quantize = numerics.quantize_mxfp8
         if kernels.available(x) and x.is_contiguous() and x.dtype in KERNEL_INPUT_DTYPES:
-            from ..kernels.mxfp8 import quantize_mxfp8 as quantize  # Triton: lazy import
+            quantize = kernel_module("mxfp8").quantize_mxfp8  # Triton: fast path only
         buffers = quantize(
             x, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage, dtype=self.fp8_dtype
         )
         return MXFP8Storage(
-            shape=tuple(x.shape), dtype=x.dtype, quantizer=owner, fp8_dtype=self.fp8_dtype,
+            shape=x.shape, dtype=x.dtype, quantizer=owner, fp8_dtype=self.fp8_dtype,
             **buffers,
         )

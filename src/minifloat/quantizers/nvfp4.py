@@ -7,6 +7,7 @@ columnwise copy and stochastic rounding (gradients); those copies are quantized 
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from .. import kernels, numerics
 from ..numerics.blocks import require_divisible
 from ..numerics.nvfp4 import BLOCK
-from .base import QuantizedStorage, Quantizer
+from .base import QuantizedStorage, Quantizer, kernel_module
 
 KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -50,11 +51,10 @@ class NVFP4Storage(QuantizedStorage):
         """
         data = self.columnwise_data if columnwise else self.rowwise_data
         if kernels.available(data):
-            from ..kernels.dequantize import dequantize_nvfp4_blocks_bf16  # Triton: lazy import
-
             scale = self.columnwise_scale if columnwise else self.rowwise_scale
             amax = self.amax_columnwise if columnwise else self.amax_rowwise
-            return dequantize_nvfp4_blocks_bf16(data, scale), numerics.global_decode_scale(amax)
+            values = kernel_module("dequantize").dequantize_nvfp4_blocks_bf16(data, scale)
+            return values, numerics.global_decode_scale(amax)  # Triton above: fast path only
         if columnwise:
             values = numerics.dequantize_nvfp4_blocks(self.columnwise_data, self.columnwise_scale)
             return values, numerics.global_decode_scale(self.amax_columnwise)
@@ -111,7 +111,7 @@ class NVFP4Quantizer(Quantizer):
     def check_shape(self, shape: tuple[int, ...]) -> None:
         super().check_shape(shape)
         k = shape[-1]
-        require_divisible((torch.Size(shape).numel() // k if k else 0, k), BLOCK, "NVFP4")
+        require_divisible((math.prod(shape) // k if k else 0, k), BLOCK, "NVFP4")
 
     def is_requantization_safe(self) -> bool:
         return not self.stochastic_rounding
@@ -119,8 +119,8 @@ class NVFP4Quantizer(Quantizer):
     def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> NVFP4Storage:
         quantize = numerics.quantize_nvfp4
         if kernels.available(x) and x.is_contiguous() and x.dtype in KERNEL_INPUT_DTYPES:
-            # Triton (lazy import); it applies reduce_amax to the device amax between kernels
-            from ..kernels.nvfp4 import quantize_nvfp4 as quantize
+            # Triton (fast path only); it applies reduce_amax to the device amax between kernels
+            quantize = kernel_module("nvfp4").quantize_nvfp4
         buffers = quantize(
             x,
             rowwise=self.rowwise_usage,
@@ -131,7 +131,7 @@ class NVFP4Quantizer(Quantizer):
             reduce_amax=self.reduce_amax,
         )
         return NVFP4Storage(
-            shape=tuple(x.shape),
+            shape=x.shape,
             dtype=x.dtype,
             quantizer=owner,
             two_dimensional=self.with_2d_quantization,

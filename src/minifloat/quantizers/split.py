@@ -55,8 +55,13 @@ def split_quantize(
     loop would (stochastic rounding aside: its random bits come from one draw for all splits).
     `loop=True`, or the environment variable MINIFLOAT_SPLIT_LOOP=1, forces the per-split loop.
     """
+    if (type(m_splits) in (list, tuple) and len(m_splits) == 1 and len(quantizers) == 1
+            and type(m_splits[0]) is int and m_splits[0] == x.shape[0]):
+        # a Linear: the whole tensor, no split views, no list checks (host time per call);
+        # anything else, errors included, goes through check_splits below
+        return [quantizers[0](x) if x.shape[0] else None]
     splits = check_splits(x.shape[0], m_splits, len(quantizers))
-    if len(splits) == 1:  # a Linear: the whole tensor, no split views (host time per call)
+    if len(splits) == 1:
         return [quantizers[0](x) if splits[0] else None]
     if sum(1 for rows in splits if rows) > 1 and not (loop or loop_forced()):
         # one split alone takes its quantizer's own single-tensor kernels: a multi-tensor
