@@ -4,7 +4,7 @@ scaled-matmul fast paths on NVIDIA GPUs.
 """
 
 from . import factories, numerics, ops
-from .autocast import autocast, quantized_model_init
+from .autocast import autocast, quantized_model_init, update_delayed_backward_scales
 from .checkpoint import checkpoint
 from .convert import convert_model
 from .gemm import general_gemm
@@ -89,4 +89,5 @@ __all__ = [
     "numerics",
     "ops",
     "register_safe_globals",
+    "update_delayed_backward_scales",
 ]

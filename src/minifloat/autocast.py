@@ -1,10 +1,21 @@
 """autocast and quantized_model_init: the contexts that turn quantization on.
 
 `autocast(recipe=...)` makes minifloat modules quantize their GEMM operands inside it. It nests
-and restores the previous state on exit. Under DelayedScaling it also closes the loop of
-NUMERICS.md §3: forward slots update at the exit of the outermost autocast that ran them;
-backward slots update once the last pending backward of the round has run (the first module's,
-in a plain network).
+and restores the previous state on exit.
+
+The active recipe is also published as a small integer, `active_token()` (0: quantization off),
+so that a module's forward reads one int instead of objects: torch.compile guards on that int,
+equal for every layer, never on a recipe, quantizer or module name.
+
+Delayed scaling (NUMERICS.md §3): each module registers its delayed-scaling states once, when
+they are created, and each call notes them in the round of the outermost autocast (one list
+append; the compiled op does the same from its state tensors). At the exit of the outermost
+autocast the forward slots of the states noted in it are updated; their backward slots are
+updated at the entry of the next outermost autocast (or by update_delayed_backward_scales()),
+before any backward of the new step can read them, so no Python runs in backward: a standard
+step (forward in autocast, then backward) sees the scales of an update right after its
+backward. A replayed CUDA graph runs no Python and notes nothing: a round of a delayed recipe
+that noted no state updates every state registered under that recipe.
 
 `quantized_model_init(recipe=...)` makes modules built inside it hold QuantizedTensor weights.
 """
@@ -12,44 +23,40 @@ in a plain network).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+import torch
 
 from .recipes import DelayedScaling, Recipe
 
 
 @dataclass
 class DelayedScalingRound:
-    """Delayed-scaling states touched inside one outermost autocast."""
+    """The delayed recipes and the states used inside one outermost autocast, and the group to
+    reduce over."""
 
     amax_reduction_group: object = None
-    forward_states: list = field(default_factory=list)
-    backward_states: list = field(default_factory=list)
-    pending_backwards: int = 0
+    recipes: list = field(default_factory=list)
+    used: dict = field(default_factory=dict)  # id(pair) -> _StatePair, in order of first use
 
-    def register(self, forward_state, backward_state, will_run_backward: bool) -> None:
-        """Record a module call's states; count it when its backward will run."""
-        if not any(state is forward_state for state in self.forward_states):
-            self.forward_states.append(forward_state)
-        if not any(state is backward_state for state in self.backward_states):
-            self.backward_states.append(backward_state)
-        if will_run_backward:
-            self.pending_backwards += 1
+    def add(self, recipe: Recipe) -> None:
+        if recipe.uses_delayed_scaling() and recipe not in self.recipes:
+            self.recipes.append(recipe)
 
-    def backward_done(self) -> None:
-        """Called by each counted backward; the last one updates every backward slot, so a
-        frozen first layer (no backward) does not leave the round without an update."""
-        self.pending_backwards -= 1
-        if self.pending_backwards == 0:
-            self.update_backward()
+    def pairs(self) -> list:
+        if self.used:
+            return list(self.used.values())
+        return [pair for recipe in self.recipes for pair in registered_delayed_states(recipe)]
 
     def update_forward(self) -> None:
-        for state in self.forward_states:
-            state.update(self.amax_reduction_group)
+        for pair in self.pairs():
+            pair.forward.update(self.amax_reduction_group)
 
     def update_backward(self) -> None:
-        for state in self.backward_states:
-            state.update(self.amax_reduction_group)
+        for pair in self.pairs():
+            pair.backward.update(self.amax_reduction_group)
 
 
 @dataclass
@@ -61,30 +68,107 @@ class AutocastState:
     # Set inside minifloat.checkpoint: the record of delayed scales its forward used, replayed
     # by the recompute (see checkpoint.py).
     recompute_record: object = None
+    token: int = 0  # recipe_token(recipe) while enabled, else 0
 
 
 _STATE = AutocastState()
 _INIT_STATE: dict = {"enabled": False, "recipe": None, "keep_high_precision_copy": False}
+
+# The int published for the active recipe; equal recipes share one token for the process.
+_ACTIVE_TOKEN = 0
+_TOKENS: dict[Recipe, int] = {}
+_RECIPES: list[Recipe | None] = [None]  # token -> recipe (0: none)
+
+# Delayed-scaling states by recipe, in registration order (the same order on every rank, so
+# that their all-reduces pair up): weak references to (forward, backward) state pairs.
+_DELAYED_STATES: dict[Recipe, list[weakref.ref]] = {}
+# The round whose backward slots the next outermost autocast entry updates.
+_BACKWARD_PENDING: DelayedScalingRound | None = None
 
 
 def default_recipe() -> Recipe:
     return DelayedScaling()
 
 
+def recipe_token(recipe: Recipe) -> int:
+    """The process-wide int standing for `recipe` (equal recipes share it)."""
+    token = _TOKENS.get(recipe)
+    if token is None:
+        token = _TOKENS[recipe] = len(_RECIPES)
+        _RECIPES.append(recipe)
+    return token
+
+
+def recipe_for_token(token: int) -> Recipe:
+    return _RECIPES[token]
+
+
+def active_token() -> int:
+    """recipe_token of the active recipe, or 0 outside autocast (read by every module call)."""
+    return _ACTIVE_TOKEN
+
+
+class _StatePair:
+    """A module's forward and backward delayed-scaling states, registered as one entry."""
+
+    def __init__(self, forward, backward) -> None:
+        self.forward, self.backward = forward, backward
+
+
+def register_delayed_states(recipe: Recipe, forward, backward) -> object:
+    """Enrol a module's delayed-scaling states for `recipe` in the autocast updates; returns
+    the handle the caller must keep alive (the registry holds it weakly)."""
+    pair = _StatePair(forward, backward)
+    _DELAYED_STATES.setdefault(recipe, []).append(weakref.ref(pair))
+    return pair
+
+
+def registered_delayed_states(recipe: Recipe) -> list[_StatePair]:
+    """The state pairs registered for `recipe` that are still alive, in order."""
+    refs = _DELAYED_STATES.get(recipe, [])
+    pairs = [ref() for ref in refs]
+    if any(pair is None for pair in pairs):
+        _DELAYED_STATES[recipe] = [ref for ref, pair in zip(refs, pairs, strict=True)
+                                   if pair is not None]
+    return [pair for pair in pairs if pair is not None]
+
+
+def note_delayed_use(pair: _StatePair) -> None:
+    """Record that a module call used these states (its amaxes go into this round's update)."""
+    delayed_round = _STATE.delayed_round
+    if delayed_round is not None and id(pair) not in delayed_round.used:
+        delayed_round.used[id(pair)] = pair
+
+
+def update_delayed_backward_scales() -> None:
+    """Update the backward slots of the last round's delayed recipes (once per round): what
+    the next outermost autocast entry does; call it by hand to read the updated scales of a
+    step's backward before the next step starts."""
+    global _BACKWARD_PENDING
+    pending, _BACKWARD_PENDING = _BACKWARD_PENDING, None
+    if pending is not None:
+        pending.update_backward()
+
+
 def get_autocast_state() -> AutocastState:
     return _STATE
+
+
+def _activate(state: AutocastState) -> None:
+    global _STATE, _ACTIVE_TOKEN
+    _STATE = state
+    _ACTIVE_TOKEN = state.token if state.enabled else 0
 
 
 @contextlib.contextmanager
 def autocast_state_scope(state: AutocastState) -> Iterator[None]:
     """Make `state` the active autocast state inside the block (activation recompute)."""
-    global _STATE
     previous = _STATE
-    _STATE = state
+    _activate(state)
     try:
         yield
     finally:
-        _STATE = previous
+        _activate(previous)
 
 
 def is_quantization_enabled() -> bool:
@@ -102,27 +186,41 @@ def autocast(
     amax_reduction_group (a torch.distributed group) is used at the point of use: delayed-scaling
     amax all-reduce at updates, current-scaling amax reductions by TP layers. It is never stored
     on a quantizer.
+
+    Enter it outside torch.compile'd code (around the compiled model or step), as with
+    TransformerEngine's fp8_autocast: the compiled graph reads which recipe is active.
     """
-    global _STATE
+    global _BACKWARD_PENDING
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"autocast recipe must be a minifloat Recipe, got {type(recipe).__name__}")
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            "minifloat.autocast was entered inside torch.compile'd code; enter it outside the "
+            "compiled function or module (with mf.autocast(recipe=r): compiled_model(x))"
+        )
     previous = _STATE
     recipe = recipe if recipe is not None else default_recipe()
     delayed_round = previous.delayed_round
     record = previous.recompute_record
     owns_round = False
-    if enabled and recipe.uses_delayed_scaling() and delayed_round is None:
+    if enabled and delayed_round is None and not getattr(record, "replaying", False):
+        update_delayed_backward_scales()
         delayed_round = DelayedScalingRound(amax_reduction_group=amax_reduction_group)
-        # a recompute replays the scales of the original forward and must not update them
-        owns_round = not getattr(record, "replaying", False)
+        owns_round = True
+    if enabled and delayed_round is not None and not getattr(record, "replaying", False):
+        delayed_round.add(recipe)
     active_recipe = recipe if enabled else None
-    _STATE = AutocastState(enabled, active_recipe, amax_reduction_group, delayed_round, record)
+    token = recipe_token(recipe) if enabled else 0
+    _activate(AutocastState(enabled, active_recipe, amax_reduction_group, delayed_round, record,
+                            token))
     try:
         yield
     finally:
-        _STATE = previous
-        if owns_round:
+        _activate(previous)
+        if owns_round and delayed_round.recipes:
+            # a recompute replays the scales of the original forward and must not update them
             delayed_round.update_forward()
+            _BACKWARD_PENDING = delayed_round
 
 
 def get_quantized_init_state() -> dict:

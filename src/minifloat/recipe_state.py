@@ -105,6 +105,17 @@ class RecipeState:
     def make_quantizers(self) -> list[Quantizer]:
         return [self._make_quantizer(index, role) for index, role in enumerate(self.roles)]
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The tensors this state's quantizers read and record into (delayed scaling: scale
+        and amax history), in a fixed order: what a compiled graph passes to minifloat's ops."""
+        return []
+
+    def with_state_tensors(self, tensors: list[torch.Tensor]
+                           ) -> tuple[RecipeState, list[torch.Tensor]]:
+        """(a state like this one whose quantizers use `tensors` in place of its own, the
+        tensors left over); stateless recipes return themselves."""
+        return self, tensors
+
     def _make_quantizer(self, index: int, role: QuantizerRole) -> Quantizer:
         recipe = self.recipe
         if isinstance(recipe, CustomRecipe):
@@ -192,6 +203,16 @@ class DelayedScalingRecipeState(RecipeState):
             self.fp8_dtypes[index],
         )
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [self.scale, self.amax_history]
+
+    def with_state_tensors(self, tensors: list[torch.Tensor]
+                           ) -> tuple[RecipeState, list[torch.Tensor]]:
+        bound = object.__new__(type(self))
+        bound.__dict__.update(self.__dict__)
+        bound.scale, bound.amax_history = tensors[0], tensors[1]
+        return bound, tensors[2:]
+
     def update(self, amax_reduction_group=None) -> None:
         """Reduce slot-0 amaxes over the group (when reduce_amax), then roll and rescale."""
         recipe = self.recipe
@@ -254,6 +275,18 @@ class HybridRecipeState(RecipeState):
 
     def delayed_states(self) -> list[DelayedScalingRecipeState]:
         return [s for state in self.sub_states.values() for s in state.delayed_states()]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for state in self.sub_states.values() for t in state.state_tensors()]
+
+    def with_state_tensors(self, tensors: list[torch.Tensor]
+                           ) -> tuple[RecipeState, list[torch.Tensor]]:
+        bound = object.__new__(type(self))
+        bound.__dict__.update(self.__dict__)
+        bound.sub_states = {}
+        for sub, state in self.sub_states.items():
+            bound.sub_states[sub], tensors = state.with_state_tensors(tensors)
+        return bound, tensors
 
     def update(self, amax_reduction_group=None) -> None:
         """Roll and rescale the delayed-scaling sub-states (the others keep no history)."""

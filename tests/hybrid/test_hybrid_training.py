@@ -54,6 +54,7 @@ def one_step(lin, recipe, x, dy):
     with mf.autocast(recipe=recipe):
         y = lin(xg)
     y.backward(dy)
+    mf.update_delayed_backward_scales()  # backward slots update at the next entry
     return y.detach(), xg.grad
 
 
@@ -419,6 +420,7 @@ def test_delayed_children_inside_a_hybrid_update_every_step():
         assert_bitwise_equal(fwd.scale, torch.tensor(fwd_scale), f"{step}: fwd scale")
         assert_bitwise_equal(bwd.amax_history, torch.tensor(bwd_hist), f"{step}: bwd early")
         y.backward(dy)
+        mf.update_delayed_backward_scales()  # backward slots update at the next entry
         bwd_hist, bwd_scale = _delayed_update(bwd_hist, [dy.abs().max().item(), 0.0],
                                               [57344.0] * 2, bwd_scale)
         assert_bitwise_equal(bwd.amax_history, torch.tensor(bwd_hist), f"{step}: bwd history")

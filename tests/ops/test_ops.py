@@ -76,6 +76,7 @@ def step(model, recipe, x, dy, **kwargs):
     with mf.autocast(enabled=recipe is not None, recipe=recipe):
         y = model(x, **kwargs)
     y.backward(dy)
+    mf.update_delayed_backward_scales()  # backward slots update at the next entry
     return y.detach(), x.grad
 
 
@@ -160,7 +161,9 @@ def test_swiglu_alone_is_the_torch_expression():
     assert_bitwise_equal(y, y_ref, "y")
     dy = torch.randn_like(y)
     y.backward(dy)
+    mf.update_delayed_backward_scales()  # backward slots update at the next entry
     y_ref.backward(dy)
+    mf.update_delayed_backward_scales()  # backward slots update at the next entry
     assert_bitwise_equal(x.grad, x_ref.grad, "dx")
     with pytest.raises(ValueError, match="odd"):
         ops.Sequential(ops.SwiGLU())(torch.randn(4, 5))
@@ -219,6 +222,7 @@ def test_grouped_op_between_gemm_ops(kind):
     with mf.autocast(recipe=recipe):
         y_b = fc2(experts(fc1(x_b), SPLITS))
     y_b.backward(dy)
+    mf.update_delayed_backward_scales()  # backward slots update at the next entry
     assert_bitwise_equal(y_a, y_b.detach(), "y")
     assert_bitwise_equal(dx_a, x_b.grad, "dx")
     module_params = [*fc1.parameters(), *experts.parameters(), *fc2.parameters()]
@@ -372,6 +376,7 @@ def test_gemm_op_hands_its_dgrad_to_the_previous_gemm_op(monkeypatch):
     with mf.autocast(recipe=recipe):
         y = seq(x)
     y.backward(dy)
+    mf.update_delayed_backward_scales()  # backward slots update at the next entry
     handed = received.backward["a"]
     assert not handed.storage.has_rowwise() and handed.storage.has_columnwise()
     assert received.forward["b"].storage.has_columnwise()  # b's wgrad copy, saved and used
@@ -407,6 +412,7 @@ def test_checkpoint_gives_identical_gradients(kind):
         with mf.autocast(recipe=recipe):
             y_b = mf.checkpoint(seq_b, x_b)
         y_b.backward(dy)
+        mf.update_delayed_backward_scales()  # backward slots update at the next entry
         assert_bitwise_equal(y_a, y_b.detach(), "y")
         assert_bitwise_equal(dx_a, x_b.grad, "dx")
         for mine, theirs in zip(seq_a.parameters(), seq_b.parameters(), strict=True):
@@ -453,6 +459,7 @@ def test_quantized_model_init_weights(kind):
     with mf.autocast(recipe=recipe):
         y_b = fc(F.gelu(x_b))
     y_b.backward(dy)
+    mf.update_delayed_backward_scales()  # backward slots update at the next entry
     assert_bitwise_equal(y_a, y_b.detach(), "y")
     assert_bitwise_equal(dx_a, x_b.grad, "dx")
     assert_bitwise_equal(seq[1].weight.grad, fc.weight.grad, "dw")

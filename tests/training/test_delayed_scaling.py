@@ -98,6 +98,7 @@ def test_scales_and_history_follow_python_recomputation(history_len, margin, alg
         fwd_model.check(fwd_state, f"step {step} forward")
         bwd_model.check(bwd_state, f"step {step} backward slots before backward")
         y.backward(dy)
+        mf.update_delayed_backward_scales()  # backward slots update at the next entry
         bwd_model.record(0, amax_of(dy))
         bwd_model.update()
         bwd_model.check(bwd_state, f"step {step} backward")
@@ -192,6 +193,7 @@ def test_backward_slots_update_once_after_the_last_backward_of_the_step():
         assert not bwd.amax_history.any() and torch.equal(bwd.scale, torch.ones(2))
         assert fwd.amax_history[-1].any()  # forward slots were rolled at the autocast exit
     y.backward(dy)
+    mf.update_delayed_backward_scales()  # backward slots update at the next entry
     for name, grad in (("fc1", h.grad), ("fc2", dy)):
         _, bwd = states[name]
         amax = amax_of(grad)
@@ -239,6 +241,7 @@ def test_backward_slots_update_when_the_first_module_is_frozen():
     with mf.autocast(recipe=recipe):
         y = fc2(fc1(x))
     y.backward(dy)
+    mf.update_delayed_backward_scales()  # backward slots update at the next entry
     assert fc2.weight.grad is not None
     _, bwd = fc2.recipe_states(recipe)
     amax = amax_of(dy)

@@ -346,7 +346,13 @@ def test_weight_copies_kept_across_microbatches_with_is_first_microbatch(kind, m
         run_step(lin, recipe, x, dy, is_first_microbatch=first)
     assert len(quantize_spy.of_shape(weight_shape)) == 1, "weight quantized more than once"
     first_copy = gemm_spy.fprop_weights[0]
-    assert all(w is first_copy for w in gemm_spy.fprop_weights + gemm_spy.dgrad_weights)
+    assert all(w is first_copy for w in gemm_spy.fprop_weights)
+    # backward keeps a detached view of the kept copy with only its columnwise buffers
+    kept = first_copy.direction_storage(True)
+    field = type(kept).columnwise_fields[0]
+    assert all(getattr(w, field).data_ptr() == getattr(kept, field).data_ptr()
+               for w in gemm_spy.dgrad_weights)
+    assert all(not w.has_rowwise() for w in gemm_spy.dgrad_weights)
 
     torch.optim.SGD(lin.parameters(), lr=0.1).step()
     x, dy = make_data(4)

@@ -16,6 +16,7 @@ import functools
 import os
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 @functools.cache
@@ -36,9 +37,15 @@ def available(x: torch.Tensor) -> bool:
     interpreter), with Triton installed. MINIFLOAT_DISABLE_KERNELS=1 forces the reference."""
     if os.environ.get("MINIFLOAT_DISABLE_KERNELS", "0") == "1":
         return False
-    if not triton_importable():
+    if not triton_importable() or is_fake(x):
         return False
     return x.is_cuda or (interpreter_enabled() and x.device.type == "cpu")
+
+
+def is_fake(x: torch.Tensor) -> bool:
+    """Whether x is a fake tensor (torch.compile tracing, meta implementations): shapes only,
+    so the quantizers take the pure-torch reference path, which lays out the same buffers."""
+    return isinstance(x, FakeTensor)
 
 
 def kernel_device() -> torch.device | None:

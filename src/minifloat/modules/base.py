@@ -11,20 +11,52 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..autocast import get_autocast_state, get_quantized_init_state
+from ..autocast import (
+    active_token,
+    get_autocast_state,
+    get_quantized_init_state,
+    note_delayed_use,
+    recipe_for_token,
+    register_delayed_states,
+)
 from ..quantizers import QuantizedTensor, Quantizer
 from ..recipe_state import RecipeState
 from ..recipes import QuantizerRole, Recipe
+from .gemm_op import (
+    GemmBinding,
+    compiled_gemms,
+    detached_alias,
+    note_compiled_delayed_use,
+    register_plan,
+)
 from .linear_function import GemmCall, LinearGemms
 from .weights import weight_cache_for
 
 FORWARD_SLOTS = ("input", "weight", "output")  # per GEMM
 BACKWARD_SLOTS = ("grad_output", "grad_input")  # per GEMM
+
+
+# Every live module, so that the first compiled trace under a recipe can bind them all at once
+# (bind_live_modules): a module whose binding exists before its trace adds no guard of its own.
+_LIVE_MODULES: weakref.WeakSet = weakref.WeakSet()
+
+
+@torch.compiler.assume_constant_result
+def bind_live_modules(token: int) -> int:
+    """Bind every live module (off the meta device) to the recipe of `token`. Under
+    torch.compile this runs at trace time only and its result is a constant, so neither the
+    binding's Python nor any module identity enters the graph or its guards: blocks compiled
+    one by one find their bindings ready and share one graph."""
+    for module in list(_LIVE_MODULES):
+        if token not in module._bindings and module._state_device().type != "meta":
+            module.binding(token)
+    return 0
 
 
 class QuantizedModule(nn.Module):
@@ -40,6 +72,13 @@ class QuantizedModule(nn.Module):
         self.grad_input_consumer_role: QuantizerRole | None = None
         self._recipe_states: dict[Recipe, tuple[RecipeState, RecipeState]] = {}
         self._quantizers: dict[Recipe, tuple[list[Quantizer], list[Quantizer]]] = {}
+        self._delayed_handles: dict[Recipe, object] = {}  # keep autocast's registrations alive
+        # autocast.recipe_token -> GemmBinding: what a call needs, resolved once per recipe
+        self._bindings: dict[int, GemmBinding] = {}
+        # token -> (plan, state): what the compiled path reads (a tuple, so dynamo guards on
+        # its values, equal across blocks, not on an object's identity)
+        self._compiled_args: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        _LIVE_MODULES.add(self)
         # id(weight) -> its kept quantization (is_first_microbatch=True keeps, False reuses)
         self._weight_cache: dict[int, dict] = {}
 
@@ -82,11 +121,15 @@ class QuantizedModule(nn.Module):
             self.grad_input_consumer_role = grad_input
         self._recipe_states.clear()
         self._quantizers.clear()
+        self._delayed_handles.clear()
+        self._bindings.clear()
+        self._compiled_args.clear()
 
     # ---- quantizers ----
 
     def recipe_states(self, recipe: Recipe) -> tuple[RecipeState, RecipeState]:
-        """Forward and backward states for `recipe` (created once, kept across steps)."""
+        """Forward and backward states for `recipe` (created once, kept across steps; delayed
+        scaling ones are enrolled in autocast's updates, see autocast.py)."""
         if recipe not in self._recipe_states:
             device = self._state_device()
             forward_roles = self.get_quantizer_roles(True)
@@ -96,6 +139,9 @@ class QuantizedModule(nn.Module):
             backward = RecipeState.create(recipe, "backward", len(backward_roles),
                                           backward_roles, device)
             self._recipe_states[recipe] = (forward, backward)
+            if forward.tracks_amax_history or backward.tracks_amax_history:
+                self._delayed_handles[recipe] = register_delayed_states(recipe, forward,
+                                                                        backward)
         return self._recipe_states[recipe]
 
     def quantizers(self, recipe: Recipe) -> tuple[list[Quantizer], list[Quantizer]]:
@@ -105,6 +151,30 @@ class QuantizedModule(nn.Module):
             self._quantizers[recipe] = (forward.make_quantizers(), backward.make_quantizers())
         return self._quantizers[recipe]
 
+    def binding(self, token: int) -> GemmBinding:
+        """Everything a call under the recipe of `token` needs, resolved once (not per call):
+        quantizers, the compiled op's plan id and the state tensors it passes."""
+        binding = self._bindings.get(token)
+        if binding is None:
+            recipe = recipe_for_token(token)
+            forward, backward = self.recipe_states(recipe)
+            forward_quantizers, backward_quantizers = self.quantizers(recipe)
+            binding = GemmBinding(
+                forward_quantizers=forward_quantizers,
+                backward_quantizers=backward_quantizers,
+                plan=register_plan(forward, backward, forward_quantizers,
+                                   backward_quantizers),
+                state=[detached_alias(t)
+                       for t in forward.state_tensors() + backward.state_tensors()],
+                delayed_pair=self._delayed_handles.get(recipe),
+                recipe_states=(forward, backward),
+            )
+            if binding.delayed_pair is not None:
+                note_compiled_delayed_use(binding.state, binding.delayed_pair)
+            self._bindings[token] = binding
+            self._compiled_args[token] = (binding.plan, binding.state)
+        return binding
+
     def _state_device(self) -> torch.device:
         """Where recipe states (delayed-scaling scales, histories) live: with the parameters, or,
         while the first weight is being built (quantized_model_init), where it is built."""
@@ -113,29 +183,24 @@ class QuantizedModule(nn.Module):
         return getattr(self, "_device_hint", torch.device("cpu"))
 
     @contextlib.contextmanager
-    def delayed_scaling_scope(self, recipe: Recipe, will_run_backward: bool):
-        """Enrol this call's delayed-scaling states in the autocast round for the forward run
-        inside the block; yields the callback its backward must call (None when there is
-        nothing to update).
-
-        Inside minifloat.checkpoint the forward's scales are recorded; during the recompute
-        they are put back for the block and nothing is enrolled or recorded into the history.
-        """
-        forward, backward = self.recipe_states(recipe)
-        state = get_autocast_state()
-        record = state.recompute_record
-        if not forward.tracks_amax_history:
-            yield None
-        elif record is not None and record.replaying:
+    def delayed_scaling_scope(self, recipe: Recipe):
+        """Note this call's delayed-scaling states in autocast's round; inside
+        minifloat.checkpoint also record the scales the call uses, and during the recompute put
+        them back for the call, so it quantizes exactly as the original forward did (and
+        records no amax)."""
+        record = get_autocast_state().recompute_record
+        forward, _ = self.recipe_states(recipe)
+        pair = self._delayed_handles.get(recipe)
+        if pair is not None and (record is None or not record.replaying):
+            note_delayed_use(pair)
+        if record is None or not forward.tracks_amax_history:
+            yield
+        elif record.replaying:
             with record.replay(forward.delayed_states()):
-                yield None  # the recomputed graph is never run backward
-        elif state.delayed_round is None:
-            yield None
+                yield
         else:
-            if record is not None:
-                record.stash(forward.delayed_states())
-            state.delayed_round.register(forward, backward, will_run_backward)
-            yield state.delayed_round.backward_done if will_run_backward else None
+            record.stash(forward.delayed_states())
+            yield
 
     # ---- weights ----
 
@@ -184,17 +249,29 @@ class QuantizedModule(nn.Module):
 
         Outside autocast: plain F.linear per split (quantized weights dequantized).
         """
-        state = get_autocast_state()
-        if not state.enabled:
+        token = active_token()
+        if token == 0:
             pieces = torch.split(x.reshape(-1, x.shape[-1]), m_splits)
             outputs = [F.linear(piece, plain_weight(w), b)
                        for piece, w, b in zip(pieces, weights, biases, strict=True)]
             y = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
             return y.reshape(*x.shape[:-1], weights[0].shape[0])
-        recipe = state.recipe
-        forward_quantizers, backward_quantizers = self.quantizers(recipe)
         grad_enabled = torch.is_grad_enabled()
+        need_dgrad = grad_enabled and x.requires_grad
+        need_wgrad = grad_enabled and any(w.requires_grad for w in weights)
+        if torch.compiler.is_compiling():
+            if is_first_microbatch is not None:
+                raise ValueError(
+                    "is_first_microbatch keeps quantized weights between calls, which a "
+                    "compiled graph cannot; leave it None under torch.compile")
+            bind_live_modules(token)
+            plan, state = self._compiled_args[token]
+            return compiled_gemms(x, weights, biases, plan, state, gemms, m_splits,
+                                  need_dgrad=need_dgrad, need_wgrad=need_wgrad)
+        binding = self._bindings.get(token) or self.binding(token)
         per_forward, per_backward = len(FORWARD_SLOTS), len(BACKWARD_SLOTS)
+        forward_quantizers = binding.forward_quantizers
+        backward_quantizers = binding.backward_quantizers
         weight_cache, reuse_weights = weight_cache_for(self._weight_cache, is_first_microbatch)
         call = GemmCall(
             m_splits=list(m_splits),
@@ -203,12 +280,15 @@ class QuantizedModule(nn.Module):
             input_quantizers=[forward_quantizers[per_forward * g] for g in gemms],
             weight_quantizers=[forward_quantizers[per_forward * g + 1] for g in gemms],
             grad_output_quantizers=[backward_quantizers[per_backward * g] for g in gemms],
-            need_dgrad=grad_enabled and x.requires_grad,
-            need_wgrad=grad_enabled and any(w.requires_grad for w in weights),
+            need_dgrad=need_dgrad,
+            need_wgrad=need_wgrad,
         )
-        with self.delayed_scaling_scope(recipe, call.need_dgrad or call.need_wgrad) as done:
-            call.backward_done = done
-            return LinearGemms.apply(x, call, *weights, *biases)
+        if binding.delayed_pair is not None:
+            if get_autocast_state().recompute_record is not None:
+                with self.delayed_scaling_scope(recipe_for_token(token)):
+                    return LinearGemms.apply(x, call, *weights, *biases)
+            note_delayed_use(binding.delayed_pair)
+        return LinearGemms.apply(x, call, *weights, *biases)
 
 
 def plain_weight(weight: torch.Tensor) -> torch.Tensor:

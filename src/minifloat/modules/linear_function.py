@@ -16,7 +16,6 @@ decided in the module's forward from torch.is_grad_enabled(), not from ctx.needs
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +38,6 @@ class GemmCall:
     grad_output_quantizers: list[Quantizer]
     need_dgrad: bool
     need_wgrad: bool
-    backward_done: Callable[[], None] | None = None
 
 
 def quantize_for_gemms(
@@ -89,15 +87,14 @@ def dgrad_wgrad_gemms(
     dy_qs: list[QuantizedStorage | None],
     w_qs: list[QuantizedStorage | None],
     x_qs: list[QuantizedStorage | None],
-    weights: list[torch.Tensor],
-    saved: list[torch.Tensor | None],
+    weights: list[WeightInfo],
     *,
     need_dgrad: bool,
     need_wgrad: bool,
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-    """dx ([rows, K], None without dgrad) and each split's dW (weight_gradient); `saved` are the
-    tensors columnwise_copies_for_backward handed to save_for_backward, in order."""
+    """dx ([rows, K], None without dgrad) and each split's dW (weight_gradient); x_qs hold
+    their buffers again (restore_from_saved)."""
     grad_x = None
     if need_dgrad:
         in_features = weights[0].shape[-1]
@@ -111,87 +108,160 @@ def dgrad_wgrad_gemms(
         grad_x = _cat(pieces)
     grad_weights: list[torch.Tensor | None] = [None] * len(splits)
     if need_wgrad:
-        rest = saved
         for i, (x_q, dy_q, weight) in enumerate(zip(x_qs, dy_qs, weights, strict=True)):
-            if x_q is not None:
-                rest = x_q.restore_from_saved(rest)
             grad_weights[i] = weight_gradient(x_q, dy_q, weight)
     return grad_x, grad_weights
 
 
-def columnwise_copies_for_backward(
-    x_qs: list[QuantizedStorage | None], need_wgrad: bool
-) -> tuple[list[torch.Tensor | None], list[QuantizedStorage | None]]:
-    """Keep only the columnwise copy of each quantized input (wgrad reads nothing else) and hand
-    its buffers out for ctx.save_for_backward: (tensors to save, metadata-only storages; None
-    for empty splits or when no wgrad runs)."""
-    saved, kept = [], []
-    for x_q in x_qs:
-        if x_q is None or not need_wgrad:
-            kept.append(None)
-            continue
-        x_q.update_usage(rowwise=False)
-        tensors, meta = x_q.prepare_for_saving()
-        saved.extend(tensors)
-        kept.append(meta)
-    return saved, kept
+@dataclass
+class WeightInfo:
+    """What backward needs of a weight besides its quantized copy: shape, dtype and device of
+    its gradient, and the fp32 `main_grad` a distributed optimizer may have set on it."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    main_grad: torch.Tensor | None = None
+
+    @staticmethod
+    def of(weight: torch.Tensor) -> WeightInfo:
+        return WeightInfo(weight.shape, weight.dtype, weight.device,
+                          getattr(weight, "main_grad", None))
+
+
+@dataclass
+class SavedForBackward:
+    """What forward keeps for backward: the buffers (saved through save_for_backward, or
+    returned by the compiled op) and the metadata-only storages they go back into."""
+
+    tensors: list[torch.Tensor | None]
+    x_storages: list[QuantizedStorage | None]
+    w_storages: list[QuantizedStorage | None]
+    x_tensor_count: int = 0  # tensors[:x_tensor_count] are the inputs' buffers
+
+    def restore(self, tensors: list[torch.Tensor | None]
+                ) -> tuple[list[QuantizedStorage | None], list[QuantizedStorage | None]]:
+        """Fresh storages holding `tensors` (in the order of self.tensors): (x, w)."""
+        rest = list(tensors)
+        restored = []
+        for storage in self.x_storages + self.w_storages:
+            if storage is None:
+                restored.append(None)
+                continue
+            storage = storage.detach()
+            rest = storage.restore_from_saved(rest)
+            restored.append(storage)
+        count = len(self.x_storages)
+        return restored[:count], restored[count:]
+
+
+def keep_for_backward(
+    x_qs: list[QuantizedStorage | None], w_qs: list[QuantizedStorage | None], *,
+    need_dgrad: bool, need_wgrad: bool,
+) -> SavedForBackward:
+    """Keep only what the backward GEMMs read: each input's columnwise copy (wgrad) and each
+    weight's columnwise copy (dgrad), never a rowwise copy (seed 002: the weight itself is left
+    untouched; the kept object is a detached view of its buffers)."""
+    tensors: list[torch.Tensor | None] = []
+    x_kept: list[QuantizedStorage | None] = []
+    w_kept: list[QuantizedStorage | None] = []
+    for source, kept, needed in ((x_qs, x_kept, need_wgrad), (w_qs, w_kept, need_dgrad)):
+        for q in source:
+            if q is None or not needed:
+                kept.append(None)
+                continue
+            q = q.detach()
+            if q.has_rowwise() and q.has_columnwise():
+                q.update_usage(rowwise=False)
+            buffers, meta = q.prepare_for_saving()
+            tensors.extend(buffers)
+            kept.append(meta)
+        if source is x_qs:
+            x_tensor_count = len(tensors)
+    return SavedForBackward(tensors, x_kept, w_kept, x_tensor_count)
+
+
+def gemms_forward(
+    x: torch.Tensor, call: GemmCall, weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+) -> tuple[torch.Tensor, list[int], SavedForBackward]:
+    """y = cat_i(x_i W_i^T + b_i) in x's leading shape, the checked splits, and what backward
+    keeps: the forward of LinearGemms and of the compiled op alike."""
+    in_features = weights[0].shape[-1]
+    if x.shape[-1] != in_features:
+        raise ValueError(
+            f"expected inputs with last dim {in_features}, got shape {tuple(x.shape)}"
+        )
+    x2d = x.reshape(-1, in_features)
+    splits = check_splits(x2d.shape[0], call.m_splits, len(weights))
+    x_qs = quantize_for_gemms(x2d, splits, call.input_quantizers, rowwise=True,
+                              columnwise=call.need_wgrad)
+    y, w_qs = fprop_gemms(x_qs, weights, biases, call.weight_quantizers, call.weight_cache,
+                          need_dgrad=call.need_dgrad, out_dtype=x.dtype,
+                          reuse_weights=call.reuse_weights)
+    saved = keep_for_backward(x_qs, w_qs, need_dgrad=call.need_dgrad,
+                              need_wgrad=call.need_wgrad)
+    return y.reshape(*x.shape[:-1], weights[0].shape[0]), splits, saved
+
+
+def gemms_backward(
+    grad_output: torch.Tensor, call: GemmCall, splits: list[int],
+    x_qs: list[QuantizedStorage | None], w_qs: list[QuantizedStorage | None],
+    weights: list[WeightInfo], has_bias: list[bool], out_dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """(dx as [rows, K] or None, dW per split, db per split): the backward of LinearGemms and
+    of the compiled op alike."""
+    dy2d = grad_output.reshape(-1, grad_output.shape[-1])
+    dy_qs = [None] * len(splits)
+    grad_biases = [dy.sum(dim=0) if bias else None
+                   for dy, bias in zip(torch.split(dy2d, splits), has_bias, strict=True)]
+    if call.need_dgrad or call.need_wgrad:
+        dy_qs = quantize_for_gemms(dy2d, splits, call.grad_output_quantizers,
+                                   rowwise=call.need_dgrad, columnwise=call.need_wgrad)
+    grad_x, grad_weights = dgrad_wgrad_gemms(
+        splits, dy_qs, w_qs, x_qs, weights, need_dgrad=call.need_dgrad,
+        need_wgrad=call.need_wgrad, out_dtype=out_dtype)
+    return grad_x, grad_weights, grad_biases
 
 
 class LinearGemms(torch.autograd.Function):
-    """y = cat_i(x_i W_i^T + b_i); params = (W_0 .. W_{G-1}, b_0 .. b_{G-1}), biases may be None."""
+    """y = cat_i(x_i W_i^T + b_i); params = (W_0 .. W_{G-1}, b_0 .. b_{G-1}), biases may be None.
+
+    The eager path: the input copies go through ctx.save_for_backward (saved-tensor hooks such
+    as CPU offload and activation recompute see them); the weight copies stay on ctx.
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, call: GemmCall, *params):
         count = len(call.input_quantizers)
         weights, biases = params[:count], params[count:]
-        in_features = weights[0].shape[-1]
-        if x.shape[-1] != in_features:
-            raise ValueError(
-                f"expected inputs with last dim {in_features}, got shape {tuple(x.shape)}"
-            )
-        x2d = x.reshape(-1, in_features)
-        splits = check_splits(x2d.shape[0], call.m_splits, count)
-        x_qs = quantize_for_gemms(x2d, splits, call.input_quantizers, rowwise=True,
-                                  columnwise=call.need_wgrad)
-        out_dtype = x.dtype
-        y, w_qs = fprop_gemms(x_qs, weights, biases, call.weight_quantizers, call.weight_cache,
-                              need_dgrad=call.need_dgrad, out_dtype=out_dtype,
-                              reuse_weights=call.reuse_weights)
-        saved, kept = columnwise_copies_for_backward(x_qs, call.need_wgrad)
-        ctx.save_for_backward(*saved)
-        ctx.x_qs, ctx.w_qs, ctx.weights = kept, w_qs, weights
+        y, splits, saved = gemms_forward(x, call, list(weights), list(biases))
+        x_count = saved.x_tensor_count
+        ctx.save_for_backward(*saved.tensors[:x_count])
+        ctx.w_tensors = saved.tensors[x_count:]
+        ctx.saved = saved
+        ctx.weights = [WeightInfo.of(w) for w in weights]
         ctx.call, ctx.splits = call, splits
         ctx.has_bias = [bias is not None for bias in biases]
-        ctx.x_shape, ctx.out_dtype = x.shape, out_dtype
-        return y.reshape(*x.shape[:-1], weights[0].shape[0])
+        ctx.x_shape, ctx.out_dtype = x.shape, x.dtype
+        return y
 
     @staticmethod
     def backward(ctx, grad_output):
-        call, splits = ctx.call, ctx.splits
-        dy2d = grad_output.reshape(-1, grad_output.shape[-1])
-        dy_qs = [None] * len(splits)
-        grad_biases = [dy.sum(dim=0) if has_bias else None
-                       for dy, has_bias in zip(torch.split(dy2d, splits), ctx.has_bias,
-                                               strict=True)]
-        if call.need_dgrad or call.need_wgrad:
-            dy_qs = quantize_for_gemms(dy2d, splits, call.grad_output_quantizers,
-                                       rowwise=call.need_dgrad, columnwise=call.need_wgrad)
-        grad_x2d, grad_weights = dgrad_wgrad_gemms(
-            splits, dy_qs, ctx.w_qs, ctx.x_qs, ctx.weights,
-            list(ctx.saved_tensors) if call.need_wgrad else [],
-            need_dgrad=call.need_dgrad, need_wgrad=call.need_wgrad, out_dtype=ctx.out_dtype)
+        x_qs, w_qs = ctx.saved.restore(list(ctx.saved_tensors) + list(ctx.w_tensors))
+        grad_x2d, grad_weights, grad_biases = gemms_backward(
+            grad_output, ctx.call, ctx.splits, x_qs, w_qs, ctx.weights, ctx.has_bias,
+            ctx.out_dtype)
         grad_x = None if grad_x2d is None else grad_x2d.reshape(ctx.x_shape)
-        if call.backward_done is not None:
-            call.backward_done()
         return (grad_x, None, *grad_weights, *grad_biases)
 
 
 def weight_gradient(
-    x_q: QuantizedStorage | None, dy_q: QuantizedStorage | None, weight: torch.Tensor
+    x_q: QuantizedStorage | None, dy_q: QuantizedStorage | None, weight: WeightInfo
 ) -> torch.Tensor | None:
     """dW = dy^T x for one split; accumulated into weight.main_grad (fp32, set by a distributed
     optimizer) when present, then returning None so autograd leaves weight.grad alone."""
-    main_grad = getattr(weight, "main_grad", None)
+    main_grad = weight.main_grad
     if x_q is None:  # an expert that received no tokens
         return None if main_grad is not None else torch.zeros(
             weight.shape, dtype=weight.dtype, device=weight.device)

@@ -91,7 +91,6 @@ class OperationContext:
         self.prev_grad_output_quantizer: Quantizer | None = None
         self.epilogue_bias: torch.Tensor | None = None  # a following Bias, added in the GEMM
         self.bias_applied = False  # this Bias op was added by the previous GEMM op
-        self.backward_done = None  # delayed scaling: call once this op's backward ran
         # TransformerEngine's is_first_microbatch for weight quantization (modules/weights.py):
         # None quantizes afresh, True quantizes and keeps, False reuses the kept copy
         self.is_first_microbatch: bool | None = None

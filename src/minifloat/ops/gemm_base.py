@@ -25,9 +25,10 @@ import torch
 
 from ..modules.base import BACKWARD_SLOTS, FORWARD_SLOTS, QuantizedModule, plain_weight
 from ..modules.linear_function import (
-    columnwise_copies_for_backward,
+    WeightInfo,
     dgrad_wgrad_gemms,
     fprop_gemms,
+    keep_for_backward,
     quantize_for_gemms,
 )
 from ..modules.weights import weight_cache_for
@@ -137,9 +138,10 @@ class GemmOperation(QuantizedModule, FusibleOperation):
         y, w_qs = fprop_gemms(x_qs, weights, biases, ctx.weight_quantizers, weight_cache,
                               need_dgrad=ctx.need_dgrad, out_dtype=ctx.out_dtype,
                               reuse_weights=reuse)
-        saved, kept = columnwise_copies_for_backward(x_qs, ctx.need_wgrad)
-        ctx.save_for_backward(*saved)
-        ctx.x_qs, ctx.w_qs = kept, w_qs
+        saved = keep_for_backward(x_qs, w_qs, need_dgrad=ctx.need_dgrad,
+                                  need_wgrad=ctx.need_wgrad)
+        ctx.save_for_backward(*saved.tensors)
+        ctx.kept = saved
         return y
 
     # ---- backward ----
@@ -200,10 +202,8 @@ class GemmOperation(QuantizedModule, FusibleOperation):
             if ctx.need_dgrad or ctx.need_wgrad:
                 dy_qs = quantize_for_gemms(dy2d, splits, ctx.grad_output_quantizers,
                                            rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad)
+        x_qs, w_qs = ctx.kept.restore(list(ctx.saved_tensors))
         grad_x, grad_weights = dgrad_wgrad_gemms(
-            splits, dy_qs, ctx.w_qs, ctx.x_qs, ctx.weights,
-            list(ctx.saved_tensors) if ctx.need_wgrad else [],
+            splits, dy_qs, w_qs, x_qs, [WeightInfo.of(w) for w in ctx.weights],
             need_dgrad=ctx.need_dgrad, need_wgrad=ctx.need_wgrad, out_dtype=ctx.out_dtype)
-        if ctx.backward_done is not None:
-            ctx.backward_done()
         return grad_x, grad_weights, dy2d

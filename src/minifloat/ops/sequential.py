@@ -4,10 +4,10 @@ Per call the fuser
 1. plans: which gradients each op needs (from torch.is_grad_enabled() and requires_grad of the
    input and of every parameter before the op, as the unfused graph would have them), which
    Bias ops fold into the GEMM before them, and the quantizers neighbours hand along;
-2. enrols every GEMM op's delayed-scaling states in the autocast round, in op order, before any
-   op runs (an op quantizes its output with the next op's quantizer, which must already see the
-   scales of that op's call, including minifloat.checkpoint's replayed ones); each enrolled op
-   that will run backward calls its backward_done exactly once;
+2. notes every GEMM op's delayed-scaling states in the autocast round and, inside
+   minifloat.checkpoint, records (or, in the recompute, puts back) their scales in op order
+   before any op runs (an op quantizes its output with the
+   next op's quantizer, which must already see the scales of that op's call);
 3. forward: op i gets `next_input_quantizer` = op i+1's input quantizer when op i+1 is a GEMM op
    that accepts quantized inputs, and `prev_grad_output_quantizer` = op i-1's grad_output
    quantizer likewise (kept for backward); every tensor an op saves goes through this
@@ -163,9 +163,7 @@ class Sequential(nn.Module):
         with contextlib.ExitStack() as stack:
             for op, op_ctx in zip(ops, call.contexts, strict=True):
                 if isinstance(op, GemmOperation) and op_ctx.recipe is not None:
-                    will_run_backward = op_ctx.need_dgrad or op_ctx.need_wgrad
-                    op_ctx.backward_done = stack.enter_context(
-                        op.delayed_scaling_scope(op_ctx.recipe, will_run_backward))
+                    stack.enter_context(op.delayed_scaling_scope(op_ctx.recipe))
             return _OperationFuser.apply(x, call, *params)
 
     def _plan(self, x: torch.Tensor, ops: list[FusibleOperation], extra: list[dict]

@@ -1,0 +1,354 @@
+"""The GEMMs of a quantized module as two torch custom ops, for torch.compile (fullgraph).
+
+Eagerly, a module call runs the autograd function LinearGemms (linear_function.py), which holds
+quantizers and quantized storages on its ctx: plain Python objects that dynamo cannot put in a
+graph. Under torch.compile the same forward and backward (`gemms_forward` / `gemms_backward`,
+shared with LinearGemms, so both paths compute the same bytes) run inside two custom ops,
+`minifloat::gemms_forward` and `minifloat::gemms_backward`, whose arguments are tensors and plain
+constants only:
+
+- `plan`: an int standing for the module's quantizer configuration, the same for every module
+  of equal configuration (every block of a model under one recipe), so that compiling the
+  blocks one by one adds no guard that differs from block to block and nothing recompiles;
+- `state`: the tensors the quantizers read and record into (delayed scaling's scale and amax
+  history), the module's own, so each module's amaxes land in its own history;
+- shapes, splits, GEMM slots and flags as ints and bools.
+
+The Triton kernels run inside the ops and inductor schedules around them. The fake (meta)
+implementation is the op itself run on fake tensors: the quantizers then take the pure-torch
+reference path (kernels.available is False for fake tensors), which lays out the same buffers.
+
+Backward needs the metadata of the storages its saved buffers belong to (format, element dtype,
+which buffers are present). It is a pure function of the op's constant arguments, so the
+backward op recomputes it once per configuration by running the forward on fake tensors
+(`_layout`), instead of carrying Python objects across the graph. Plan ids are hashes of the
+configuration, so they mean the same in every process (compiled-graph caches on disk hold them).
+
+The state tensors are recorded into in place by both ops without being declared as mutated:
+nothing else in a graph reads them (the delayed-scaling update runs at autocast entry and exit,
+outside), and declaring them would let functionalization hand the ops copies, losing the
+amaxes recorded in backward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..autocast import note_delayed_use
+from ..kernels import is_fake
+from ..quantizers import QuantizedStorage, QuantizedTensor, Quantizer
+from ..recipe_state import RecipeState
+from .linear_function import (
+    GemmCall,
+    SavedForBackward,
+    WeightInfo,
+    gemms_backward,
+    gemms_forward,
+)
+
+FORWARD_SLOTS_PER_GEMM, BACKWARD_SLOTS_PER_GEMM = 3, 2
+
+
+@dataclass
+class GemmBinding:
+    """What a module needs to run under one recipe, resolved once per recipe (not per call)."""
+
+    forward_quantizers: list[Quantizer]
+    backward_quantizers: list[Quantizer]
+    plan: int
+    state: list[torch.Tensor]
+    delayed_pair: object  # autocast's registration of the delayed-scaling states, or None
+    recipe_states: tuple[RecipeState, RecipeState]
+
+
+@dataclass
+class _Plan:
+    """A configuration shared by modules: prototype states whose quantizers are rebuilt over
+    each call's state tensors (or built once when there are none)."""
+
+    forward: RecipeState
+    backward: RecipeState
+    forward_state_count: int
+    stateless: tuple[list[Quantizer], list[Quantizer]] | None
+
+
+_PLANS: dict[int, _Plan] = {}
+# data_ptr of a module's first state tensor -> its delayed-scaling registration (weakly): the
+# forward op notes the states it ran with in autocast's round, as the eager path does
+_DELAYED_BY_STATE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def detached_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor over the same memory with a version counter of its own. The ops record amaxes
+    in place and autocast rescales in place between forward and backward; through aliases
+    neither write bumps the version that autograd checks on what the graph saved."""
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape,
+                      tensor.stride())
+
+
+def note_compiled_delayed_use(state: list[torch.Tensor], pair: object) -> None:
+    """Let the compiled forward find the delayed-scaling registration of these state tensors."""
+    _DELAYED_BY_STATE[state[0].data_ptr()] = pair
+_LAYOUTS: dict[tuple, tuple[SavedForBackward, list[bool]]] = {}
+
+
+def _describe(value: Any, state: list[torch.Tensor]) -> Any:
+    """A process-independent description of a quantizer attribute. A tensor the recipe state
+    owns is described by its place in `state` (so modules of equal configuration match); any
+    other tensor (a custom quantizer's own) by identity, giving that module a plan of its own."""
+    if isinstance(value, torch.Tensor):
+        base = value._base if value._base is not None else value
+        for index, tensor in enumerate(state):
+            if base is tensor:
+                return ("state", index, value.storage_offset(), tuple(value.shape),
+                        str(value.dtype))
+        return ("tensor", id(value))
+    if isinstance(value, Quantizer):
+        skip = ("rowwise_usage", "columnwise_usage", "internal", "amax_reduction_group")
+        return (type(value).__qualname__,) + tuple(
+            (name, _describe(item, state)) for name, item in sorted(vars(value).items())
+            if name not in skip)
+    if isinstance(value, list | tuple):
+        return tuple(_describe(item, state) for item in value)
+    return repr(value)
+
+
+def register_plan(forward: RecipeState, backward: RecipeState,
+                  forward_quantizers: list[Quantizer], backward_quantizers: list[Quantizer]
+                  ) -> int:
+    """The plan id of a module's recipe states and the quantizers they made; equal
+    configurations share one id, in every process."""
+    state = forward.state_tensors() + backward.state_tensors()
+    signature = repr((repr(forward.recipe), _describe(forward_quantizers, state),
+                      _describe(backward_quantizers, state)))
+    plan = int.from_bytes(hashlib.sha1(signature.encode()).digest()[:7], "little")
+    if plan not in _PLANS:
+        stateless = None if state else (forward_quantizers, backward_quantizers)
+        _PLANS[plan] = _Plan(forward, backward, len(forward.state_tensors()), stateless)
+    return plan
+
+
+def _gemm_call(plan_id: int, state: list[torch.Tensor], gemms: list[int], m_splits: list[int],
+               need_dgrad: bool, need_wgrad: bool) -> GemmCall:
+    plan = _PLANS.get(plan_id)
+    if plan is None:
+        raise RuntimeError(
+            f"minifloat: unknown GEMM plan {plan_id}: a compiled graph from another process "
+            "ran before its modules were bound; run one step of the model under autocast first")
+    if plan.stateless is not None:
+        forward_quantizers, backward_quantizers = plan.stateless
+    else:
+        forward, _ = plan.forward.with_state_tensors(state[:plan.forward_state_count])
+        backward, _ = plan.backward.with_state_tensors(state[plan.forward_state_count:])
+        forward_quantizers, backward_quantizers = (forward.make_quantizers(),
+                                                   backward.make_quantizers())
+    per_forward, per_backward = FORWARD_SLOTS_PER_GEMM, BACKWARD_SLOTS_PER_GEMM
+    return GemmCall(
+        m_splits=list(m_splits),
+        weight_cache=None,
+        reuse_weights=False,
+        input_quantizers=[forward_quantizers[per_forward * g] for g in gemms],
+        weight_quantizers=[forward_quantizers[per_forward * g + 1] for g in gemms],
+        grad_output_quantizers=[backward_quantizers[per_backward * g] for g in gemms],
+        need_dgrad=need_dgrad,
+        need_wgrad=need_wgrad,
+    )
+
+
+def _with_biases(biases: list[torch.Tensor], has_bias: list[bool]) -> list[torch.Tensor | None]:
+    present = iter(biases)
+    return [next(present) if flag else None for flag in has_bias]
+
+
+def _unaliased(tensors: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Custom-op outputs may alias neither inputs nor each other: clone those that would (a
+    high-precision passthrough copy that is the input itself, say). Memory is compared by base
+    tensor, which fake tensors have too."""
+
+    def base(t: torch.Tensor) -> torch.Tensor:
+        return t._base if t._base is not None else t
+
+    seen = [base(t) for t in inputs]
+    result = []
+    for tensor in tensors:
+        if any(base(tensor) is other for other in seen):
+            tensor = tensor.clone()
+        seen.append(base(tensor))
+        result.append(tensor)
+    return result
+
+
+def _gemms_forward(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
+    has_bias: list[bool], state: list[torch.Tensor], plan: int, gemms: list[int],
+    m_splits: list[int], need_dgrad: bool, need_wgrad: bool,
+) -> list[torch.Tensor]:
+    """[y, the buffers backward keeps (present ones, in order)]."""
+    if state and not is_fake(x):
+        pair = _DELAYED_BY_STATE.get(state[0].data_ptr())
+        if pair is not None:
+            note_delayed_use(pair)
+        state = [detached_alias(t) for t in state]
+    call = _gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad)
+    y, _, saved = gemms_forward(x, call, weights, _with_biases(biases, has_bias))
+    kept = [t for t in saved.tensors if t is not None]
+    return [y] + _unaliased(kept, [x, *weights, *biases])
+
+
+_gemms_forward_op = torch.library.custom_op("minifloat::gemms_forward",
+                                             mutates_args=())(_gemms_forward)
+# the op on fake tensors is its own fake implementation (the reference path lays out the
+# same buffers as the kernels)
+_gemms_forward_op.register_fake(_gemms_forward)
+
+
+def _layout(plan: int, gemms: list[int], m_splits: list[int], x_shape: list[int],
+            weight_shapes: list[int], has_bias: list[bool], need_dgrad: bool, need_wgrad: bool,
+            dtype: torch.dtype, device: torch.device, state: list[torch.Tensor]
+            ) -> tuple[SavedForBackward, list[bool]]:
+    """The metadata of what forward kept (storages without buffers, and which buffers are
+    present): the forward run once on fake tensors of these shapes, cached."""
+    key = (plan, tuple(gemms), tuple(m_splits), tuple(x_shape), tuple(weight_shapes),
+           tuple(has_bias), need_dgrad, need_wgrad, dtype, str(device))
+    layout = _LAYOUTS.get(key)
+    if layout is not None:
+        return layout
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake_state = [mode.from_tensor(t) for t in state]
+        x = torch.empty(x_shape, dtype=dtype, device=device)
+        shapes = [weight_shapes[i:i + 2] for i in range(0, len(weight_shapes), 2)]
+        weights = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
+        biases = [torch.empty(shape[0], dtype=dtype, device=device) if flag else None
+                  for shape, flag in zip(shapes, has_bias, strict=True)]
+        call = _gemm_call(plan, fake_state, gemms, m_splits, need_dgrad, need_wgrad)
+        _, _, saved = gemms_forward(x, call, weights, biases)
+    present = [t is not None for t in saved.tensors]
+    storages = [_without_tensors(s) for s in saved.x_storages + saved.w_storages]
+    count = len(saved.x_storages)
+    layout = (SavedForBackward([], storages[:count], storages[count:]), present)
+    _LAYOUTS[key] = layout
+    return layout
+
+
+def _without_tensors(storage: QuantizedStorage | None) -> QuantizedStorage | None:
+    """A buffer-less storage whose recorded quantizers hold no tensors (no fake tensor outlives
+    _layout's fake mode)."""
+    if storage is None:
+        return None
+    storage = storage.detach()
+    for holder in [storage, *(getattr(storage, name, None)
+                              for name in ("rowwise_storage", "columnwise_storage"))]:
+        if holder is not None and holder.quantizer is not None:
+            holder.quantizer = _quantizer_without_tensors(holder.quantizer)
+    return storage
+
+
+def _quantizer_without_tensors(quantizer: Quantizer) -> Quantizer:
+    clone = quantizer.copy()
+    for name, value in vars(clone).items():
+        if isinstance(value, torch.Tensor):
+            setattr(clone, name, None)
+        elif isinstance(value, Quantizer):
+            setattr(clone, name, _quantizer_without_tensors(value))
+    return clone
+
+
+@torch.library.custom_op("minifloat::gemms_backward", mutates_args=())
+def _gemms_backward_op(
+    grad_output: torch.Tensor, saved: list[torch.Tensor], state: list[torch.Tensor], plan: int,
+    gemms: list[int], m_splits: list[int], x_shape: list[int], weight_shapes: list[int],
+    has_bias: list[bool], need_dgrad: bool, need_wgrad: bool,
+) -> list[torch.Tensor]:
+    """[dx if need_dgrad] + [dW_i if need_wgrad] + [db_i where has_bias]."""
+    layout, present = _layout(plan, gemms, m_splits, x_shape, weight_shapes, has_bias,
+                              need_dgrad, need_wgrad, grad_output.dtype, grad_output.device,
+                              state)
+    buffers = iter(saved)
+    x_qs, w_qs = layout.restore([next(buffers) if flag else None for flag in present])
+    state = [detached_alias(t) for t in state]
+    call = _gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad)
+    shapes = [torch.Size(weight_shapes[i:i + 2]) for i in range(0, len(weight_shapes), 2)]
+    weights = [WeightInfo(shape, grad_output.dtype, grad_output.device) for shape in shapes]
+    splits = list(m_splits)
+    grad_x, grad_weights, grad_biases = gemms_backward(
+        grad_output, call, splits, x_qs, w_qs, weights, has_bias, grad_output.dtype)
+    outputs = []
+    if need_dgrad:
+        outputs.append(grad_x.reshape(x_shape))
+    if need_wgrad:
+        outputs.extend(grad_weights)
+    outputs.extend(g for g in grad_biases if g is not None)
+    return _unaliased(outputs, [grad_output, *saved, *state])
+
+
+@_gemms_backward_op.register_fake
+def _gemms_backward_fake(grad_output, saved, state, plan, gemms, m_splits, x_shape,
+                         weight_shapes, has_bias, need_dgrad, need_wgrad):
+    outputs = []
+    if need_dgrad:
+        outputs.append(grad_output.new_empty(x_shape))
+    shapes = [weight_shapes[i:i + 2] for i in range(0, len(weight_shapes), 2)]
+    if need_wgrad:
+        outputs.extend(grad_output.new_empty(shape) for shape in shapes)
+    outputs.extend(grad_output.new_empty(shape[0])
+                   for shape, flag in zip(shapes, has_bias, strict=True) if flag)
+    return outputs
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weights, biases, has_bias, state, plan, gemms, m_splits, need_dgrad, need_wgrad = inputs
+    ctx.save_for_backward(*output[1:], *state)  # state: aliases, see detached_alias
+    ctx.saved_count, ctx.bias_count = len(output) - 1, len(biases)
+    ctx.constants = (plan, list(gemms), list(m_splits), list(x.shape),
+                     [d for w in weights for d in w.shape], list(has_bias), need_dgrad,
+                     need_wgrad)
+    ctx.weight_count, ctx.state_count = len(weights), len(state)
+
+
+def _backward(ctx, grads):
+    plan, gemms, m_splits, x_shape, weight_shapes, has_bias, need_dgrad, need_wgrad = (
+        ctx.constants)
+    tensors = list(ctx.saved_tensors)
+    saved, state = tensors[:ctx.saved_count], tensors[ctx.saved_count:]
+    outputs = iter(_gemms_backward_op(grads[0].contiguous(), saved, state, plan, gemms,
+                                      m_splits, x_shape, weight_shapes, has_bias, need_dgrad,
+                                      need_wgrad))
+    grad_x = next(outputs) if need_dgrad else None
+    grad_weights = ([next(outputs) for _ in range(ctx.weight_count)] if need_wgrad
+                    else [None] * ctx.weight_count)
+    grad_biases = [next(outputs) for _ in range(ctx.bias_count)]
+    return (grad_x, grad_weights, grad_biases, None, [None] * ctx.state_count, None, None,
+            None, None, None)
+
+
+_gemms_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compiled_gemms(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+    plan: int, state: list[torch.Tensor], gemms: list[int], m_splits: list[int], *,
+    need_dgrad: bool, need_wgrad: bool,
+) -> torch.Tensor:
+    """The module's GEMMs through the custom ops (the path torch.compile traces)."""
+    for weight in weights:
+        if isinstance(weight, QuantizedTensor):
+            raise NotImplementedError(
+                "quantized_model_init weights (QuantizedTensor parameters) do not run under "
+                "torch.compile yet; build the model without quantized_model_init to compile it")
+        if getattr(weight, "main_grad", None) is not None:
+            raise NotImplementedError(
+                "weight.main_grad accumulation does not run under torch.compile yet; "
+                "let autograd produce weight.grad")
+    has_bias = [b is not None for b in biases]
+    present = [b for b in biases if b is not None]
+    outputs = _gemms_forward_op(x, list(weights), present, has_bias, list(state),
+                                plan, list(gemms), [int(m) for m in m_splits],
+                                need_dgrad, need_wgrad)
+    return outputs[0]

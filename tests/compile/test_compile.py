@@ -1,0 +1,199 @@
+"""torch.compile(fullgraph=True) of minifloat modules and convert_model'd models, every recipe.
+
+The compiled path runs the module's GEMMs through the custom ops minifloat::gemms_forward /
+gemms_backward (modules/gemm_op.py); the eager path runs the autograd function LinearGemms. Both
+call the same forward and backward functions, so with the `aot_eager` backend (AOTAutograd
+tracing, no inductor code generation around the ops) outputs and gradients must be equal bit for
+bit; one inductor run checks that inductor's own code for the surrounding ops (norms,
+activations) keeps the result within a bf16-level tolerance. Every case also asserts what dynamo
+reports: no graph break, and no recompile when blocks of equal configuration are compiled one by
+one (the guard is an int standing for the recipe, never a module name or quantizer).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+
+import minifloat as mf
+
+RECIPES = {
+    "delayed": mf.DelayedScaling(amax_history_len=4),
+    "current": mf.Float8CurrentScaling(),
+    "block": mf.Float8BlockScaling(),
+    "mxfp8": mf.MXFP8BlockScaling(),
+    "nvfp4": mf.NVFP4BlockScaling(),
+    "hybrid": mf.HybridRecipe(fprop=mf.MXFP8BlockScaling(), dgrad=mf.NVFP4BlockScaling(),
+                              wgrad=mf.NVFP4BlockScaling()),
+}
+HIDDEN, FFN, ROWS = 128, 256, 128  # block FP8 needs multiples of 128
+
+
+class PlainMLP(nn.Module):
+    """What a user brings: torch.nn layers only (converted by convert_model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(HIDDEN)
+        self.fc1 = nn.Linear(HIDDEN, FFN)
+        self.fc2 = nn.Linear(FFN, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class Grouped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = mf.GroupedLinear(2, HIDDEN, HIDDEN, name="experts")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, [ROWS // 2, ROWS // 2])
+
+
+MODULES = {
+    "linear": lambda: mf.Linear(HIDDEN, FFN, name="fc"),
+    "layernorm_linear": lambda: mf.LayerNormLinear(HIDDEN, FFN, normalization="RMSNorm",
+                                                   name="qkv"),
+    "layernorm_mlp": lambda: mf.LayerNormMLP(HIDDEN, FFN, name="mlp"),
+    "grouped_linear": Grouped,
+    "convert_model": lambda: mf.convert_model(PlainMLP()),
+}
+
+
+def _build(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return MODULES[kind]()
+
+
+def _step(model: nn.Module, recipe: mf.Recipe, x: torch.Tensor, dy: torch.Tensor, seed: int):
+    """Forward under autocast and backward: (y, dx, parameter gradients)."""
+    x = x.clone().requires_grad_(True)
+    torch.manual_seed(seed)  # NVFP4 stochastic rounding draws from torch's generator
+    with mf.autocast(recipe=recipe):
+        y = model(x)
+    y.backward(dy)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return y.detach(), x.grad, grads
+
+
+def _data(seed: int) -> torch.Tensor:
+    return torch.randn(ROWS, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def _dy_like(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.randn(model(x).shape, generator=torch.Generator().manual_seed(99))
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype, what
+    bits = _BITS[a.element_size()]
+    assert torch.equal(a.contiguous().view(bits), b.contiguous().view(bits)), what
+
+
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("kind", list(MODULES))
+def test_fullgraph_no_breaks_and_bitwise_equal_to_eager(kind, recipe_name):
+    recipe = RECIPES[recipe_name]
+    eager, compiled_model = _build(kind), _build(kind)
+    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
+    x0 = _data(0)
+    dy = _dy_like(eager, x0)
+    with mf.autocast(recipe=recipe):  # on a third copy: explain runs it (delayed state)
+        explanation = torch._dynamo.explain(_build(kind))(x0.clone().requires_grad_(True))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    for step in range(2):  # delayed scaling: the second step uses updated scales
+        x = _data(step + 1)
+        want = _step(eager, recipe, x, dy, seed=step)
+        got = _step(compiled, recipe, x, dy, seed=step)
+        for label, a, b in (("y", got[0], want[0]), ("dx", got[1], want[1])):
+            _assert_bitwise(a, b, f"{kind} {recipe_name} step {step} {label}")
+        for index, (a, b) in enumerate(zip(got[2], want[2], strict=True)):
+            _assert_bitwise(a, b, f"{kind} {recipe_name} step {step} grad {index}")
+    if recipe_name == "delayed":
+        mf.update_delayed_backward_scales()
+        for mine, theirs in zip(_delayed_states(compiled_model, recipe),
+                                _delayed_states(eager, recipe), strict=True):
+            _assert_bitwise(mine.amax_history, theirs.amax_history, "amax history")
+            _assert_bitwise(mine.scale, theirs.scale, "scale")
+            assert mine.amax_history.abs().sum() > 0
+
+
+def _delayed_states(model: nn.Module, recipe: mf.Recipe):
+    for module in model.modules():
+        if isinstance(module, mf.Linear | mf.LayerNormLinear | mf.LayerNormMLP
+                      | mf.GroupedLinear):
+            yield from module.recipe_states(recipe)
+
+
+def test_blocks_compiled_one_by_one_share_one_graph():
+    """Eight Linear blocks compiled separately (as FSDP2 users compile per block): the guards
+    hold for every block, so dynamo compiles one graph and never recompiles."""
+    torch._dynamo.reset()
+    recipe = RECIPES["current"]
+    blocks = [mf.Linear(HIDDEN, HIDDEN, name=f"layers.{i}.fc") for i in range(8)]
+    compiled = [torch.compile(b, backend="aot_eager", fullgraph=True) for b in blocks]
+    torch._dynamo.utils.counters.clear()
+    x = torch.randn(ROWS, HIDDEN, requires_grad=True)
+    with mf.autocast(recipe=recipe):
+        h = x
+        for block in compiled:
+            h = block(h)
+    h.sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_recipe_change_recompiles_and_follows_the_recipe():
+    """Switching recipes is seen by the compiled module (it guards on the recipe's token)."""
+    model = _build("linear")
+    reference = _build("linear")
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = _data(3)
+    for name in ("current", "mxfp8"):
+        with mf.autocast(recipe=RECIPES[name]):
+            got = compiled(x)
+            want = reference(x)
+        assert torch.equal(got, want), name
+    assert torch.equal(compiled(x), reference(x))  # outside autocast: plain F.linear
+
+
+def test_inductor_matches_eager_within_bf16_tolerance():
+    """The default backend: inductor generates the norm and activation code around the ops."""
+    recipe = RECIPES["current"]
+    eager, model = _build("convert_model"), _build("convert_model")
+    compiled = torch.compile(model, fullgraph=True)
+    x = _data(5)
+    dy = _dy_like(eager, x)
+    want, got = _step(eager, recipe, x, dy, 0), _step(compiled, recipe, x, dy, 0)
+    for a, b in ((got[0], want[0]), (got[1], want[1]), *zip(got[2], want[2], strict=True)):
+        error = (a - b).norm() / b.norm()
+        assert error < 2e-2, float(error)
+
+
+def test_is_first_microbatch_is_refused_under_compile():
+    model = mf.Linear(HIDDEN, HIDDEN)
+    compiled = torch.compile(lambda x: model(x, is_first_microbatch=True), backend="aot_eager",
+                             fullgraph=True)
+    with mf.autocast(recipe=RECIPES["current"]), pytest.raises(Exception,
+                                                               match="is_first_microbatch"):
+        compiled(torch.randn(ROWS, HIDDEN))
+
+
+def test_autocast_inside_compiled_code_is_refused():
+    model = mf.Linear(HIDDEN, HIDDEN)
+
+    def step(x):
+        with mf.autocast(recipe=RECIPES["current"]):
+            return model(x)
+
+    with pytest.raises(Exception, match="outside the compiled"):
+        torch.compile(step, backend="aot_eager", fullgraph=True)(torch.randn(ROWS, HIDDEN))
