@@ -60,6 +60,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -341,6 +342,9 @@ def run_row(name: str, build: Callable[[], TrainStep | Callable], batches: list[
         row["skipped"] = str(skipped)
     except Exception as error:  # noqa: BLE001 - recorded in the row, the run goes on
         row["error"] = _error_text(error)
+        # the whole traceback, for whoever reads the JSON (the table shows the first line)
+        row["traceback"] = "".join(traceback.format_exception(error))[-6000:]
+        print(f"{name} failed:\n{row['traceback']}", file=sys.stderr)
         error.__traceback__ = None  # its frames hold the model: let _free release it
     step = None  # noqa: F841 - the last reference to the model and optimizer goes here
     _free(device)

@@ -162,6 +162,8 @@ def _fp32(scale: torch.Tensor) -> torch.Tensor:
     op then: host time), a view into a packed scale buffer may not be (one tiny copy)."""
     if scale.dtype != torch.float32:
         return scale.float()
+    if kernels.is_fake(scale):  # tracing (torch.compile): shapes only, no address to check
+        return scale
     return scale if scale.data_ptr() % 16 == 0 else scale.clone()
 
 

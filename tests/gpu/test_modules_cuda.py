@@ -45,6 +45,9 @@ def run_both(build, forward, inputs, recipe, steps=1):
             with mf.autocast(recipe=recipe):
                 y = forward(module, *xs)
             y.backward(torch.ones_like(y) / y.numel() ** 0.5)
+        # delayed scaling applies backward amaxes at the next autocast entry: apply them now,
+        # so the other device's first entry does not (and this module's last step counts)
+        mf.update_delayed_backward_scales()
         grads = [p.grad.float().cpu() for p in module.parameters() if p.grad is not None]
         results.append((y.detach().float().cpu(), [x.grad.float().cpu() for x in xs], grads,
                         module))

@@ -169,6 +169,10 @@ class QuantizedModule(nn.Module):
                 delayed_pair=self._delayed_handles.get(recipe),
                 recipe_states=(forward, backward),
             )
+            for tensor in binding.state:
+                # the ops record amaxes into these in place: CUDA graphs (reduce-overhead) must
+                # read and write them where they are, not through a static copy of the input
+                torch._dynamo.mark_static_address(tensor, guard=False)
             if binding.delayed_pair is not None:
                 note_compiled_delayed_use(binding.state, binding.delayed_pair)
             self._bindings[token] = binding

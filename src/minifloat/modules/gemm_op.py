@@ -198,8 +198,10 @@ def _gemms_forward(
         state = [detached_alias(t) for t in state]
     call = _gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad)
     y, _, saved = gemms_forward(x, call, weights, _with_biases(biases, has_bias))
-    kept = [t for t in saved.tensors if t is not None]
-    return [y] + _unaliased(kept, [x, *weights, *biases])
+    # contiguous: the kernels write row-major buffers where the reference path (which the fake
+    # implementation runs) may hand over a transposed view; inductor asserts the fake strides
+    kept = [t.contiguous() for t in saved.tensors if t is not None]
+    return [y.contiguous()] + _unaliased(kept, [x, *weights, *biases])
 
 
 _gemms_forward_op = torch.library.custom_op("minifloat::gemms_forward",
@@ -285,7 +287,8 @@ def _gemms_backward_op(
     if need_wgrad:
         outputs.extend(grad_weights)
     outputs.extend(g for g in grad_biases if g is not None)
-    return _unaliased(outputs, [grad_output, *saved, *state])
+    # contiguous, as the fake implementation's new_empty outputs are
+    return _unaliased([t.contiguous() for t in outputs], [grad_output, *saved, *state])
 
 
 @_gemms_backward_op.register_fake

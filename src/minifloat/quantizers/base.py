@@ -355,7 +355,10 @@ class Quantizer:
 
         def describe(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
-                return ("tensor", value.device, value.data_ptr(), value.storage_offset(),
+                # the storage object, not data_ptr(): fake tensors (torch.compile) have no
+                # address, and views or aliases of one buffer share the storage either way
+                return ("tensor", value.device, value.untyped_storage()._cdata,
+                        value.storage_offset(),
                         tuple(value.shape), value.dtype)
             if isinstance(value, Quantizer):
                 return value.format_signature()
