@@ -27,6 +27,7 @@ RECIPES = {
     "nvfp4": mf.NVFP4BlockScaling(),
     "hybrid": mf.HybridRecipe(fprop=mf.MXFP8BlockScaling(), dgrad=mf.NVFP4BlockScaling(),
                               wgrad=mf.NVFP4BlockScaling()),
+    "custom": mf.CustomRecipe(mf.factories.nvfp4_like),  # quantizers chosen by role
 }
 HIDDEN, FFN, ROWS = 128, 256, 128  # block FP8 needs multiples of 128
 

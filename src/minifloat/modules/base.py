@@ -35,7 +35,7 @@ from .gemm_op import (
     note_compiled_delayed_use,
     register_plan,
 )
-from .linear_function import GemmCall, LinearGemms
+from .linear_function import GemmCall, LinearGemms, as_output
 from .weights import weight_cache_for
 
 FORWARD_SLOTS = ("input", "weight", "output")  # per GEMM
@@ -255,11 +255,12 @@ class QuantizedModule(nn.Module):
         """
         token = active_token()
         if token == 0:
+            if len(weights) == 1:  # exactly what a plain nn.Linear runs (same cost, no view)
+                return F.linear(x, plain_weight(weights[0]), biases[0])
             pieces = torch.split(x.reshape(-1, x.shape[-1]), m_splits)
             outputs = [F.linear(piece, plain_weight(w), b)
                        for piece, w, b in zip(pieces, weights, biases, strict=True)]
-            y = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-            return y.reshape(*x.shape[:-1], weights[0].shape[0])
+            return as_output(torch.cat(outputs), (*x.shape[:-1], weights[0].shape[0]))
         grad_enabled = torch.is_grad_enabled()
         need_dgrad = grad_enabled and x.requires_grad
         need_wgrad = grad_enabled and any(w.requires_grad for w in weights)

@@ -201,7 +201,7 @@ def gemms_forward(
                           reuse_weights=call.reuse_weights)
     saved = keep_for_backward(x_qs, w_qs, need_dgrad=call.need_dgrad,
                               need_wgrad=call.need_wgrad)
-    return y.reshape(*x.shape[:-1], weights[0].shape[0]), splits, saved
+    return as_output(y, (*x.shape[:-1], weights[0].shape[0])), splits, saved
 
 
 def gemms_backward(
@@ -222,6 +222,18 @@ def gemms_backward(
         splits, dy_qs, w_qs, x_qs, weights, need_dgrad=call.need_dgrad,
         need_wgrad=call.need_wgrad, out_dtype=out_dtype)
     return grad_x, grad_weights, grad_biases
+
+
+def as_output(y: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """The contiguous GEMM result in the caller's shape, as a tensor of its own rather than a
+    view (what F.linear returns for a 3D input). Why: FSDP2 warns about, and an in-place op on
+    a module's output silently breaks, a view output (`x += layer(x)` would drop FSDP2's
+    pre-backward hook); _unsafe_view shares the memory without marking a view."""
+    if tuple(y.shape) == tuple(shape) and y._base is None:
+        return y
+    if not y.is_contiguous():
+        return y.reshape(shape).clone()
+    return torch.ops.aten._unsafe_view(y, shape)
 
 
 class LinearGemms(torch.autograd.Function):
@@ -252,7 +264,7 @@ class LinearGemms(torch.autograd.Function):
         grad_x2d, grad_weights, grad_biases = gemms_backward(
             grad_output, ctx.call, ctx.splits, x_qs, w_qs, ctx.weights, ctx.has_bias,
             ctx.out_dtype)
-        grad_x = None if grad_x2d is None else grad_x2d.reshape(ctx.x_shape)
+        grad_x = None if grad_x2d is None else as_output(grad_x2d, ctx.x_shape)
         return (grad_x, None, *grad_weights, *grad_biases)
 
 
