@@ -23,10 +23,14 @@ BLOCK = 128
 
 
 def _quantize_tiles(
-    x2d: torch.Tensor, rows: int, cols: int, power_2_scale: bool, amax_epsilon: float
+    x2d: torch.Tensor, rows: int, cols: int, power_2_scale: bool, amax_epsilon: float,
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize [M, K] with one scale per rows x cols tile -> (E4M3 data, fp32 scale_inv grid)."""
-    amax = tile_amax(x2d, rows, cols)
+    """Quantize [M, K] with one scale per rows x cols tile -> (E4M3 data, fp32 scale_inv grid).
+    `amax` (the tile grid) may be given when it was reduced across ranks that each hold part
+    of the tensor (distributed master-weight casts)."""
+    if amax is None:
+        amax = tile_amax(x2d, rows, cols)
     scale = scale_from_amax(
         amax,
         E4M3.max_value,
@@ -56,10 +60,12 @@ def quantize_block_1d_columnwise(
 
 
 def quantize_block_2d(
-    x: torch.Tensor, *, power_2_scale: bool = True, amax_epsilon: float = 0.0
+    x: torch.Tensor, *, power_2_scale: bool = True, amax_epsilon: float = 0.0,
+    tile_amaxes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """128x128 tiles -> (data [M, K], scale_inv [ceil(M/128), ceil(K/128)])."""
-    return _quantize_tiles(as_2d(x), BLOCK, BLOCK, power_2_scale, amax_epsilon)
+    """128x128 tiles -> (data [M, K], scale_inv [ceil(M/128), ceil(K/128)]). `tile_amaxes`:
+    the tiles' absolute maxima when reduced elsewhere (computed from x otherwise)."""
+    return _quantize_tiles(as_2d(x), BLOCK, BLOCK, power_2_scale, amax_epsilon, tile_amaxes)
 
 
 def transpose_block_2d(

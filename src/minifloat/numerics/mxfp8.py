@@ -48,10 +48,13 @@ def e8m0_exponent(block_amax: torch.Tensor, element_max: float = 448.0) -> torch
 
 
 def _quantize_blocks(
-    x2d: torch.Tensor, rows: int, cols: int, dtype: torch.dtype
+    x2d: torch.Tensor, rows: int, cols: int, dtype: torch.dtype,
+    block_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One E8M0 scale per rows x cols block: (data [M, K] in `dtype`, exponents uint8 grid)."""
-    exponents = e8m0_exponent(tile_amax(x2d, rows, cols), fp8_format(dtype).max_value)
+    if block_amax is None:
+        block_amax = tile_amax(x2d, rows, cols)
+    exponents = e8m0_exponent(block_amax, fp8_format(dtype).max_value)
     biased = exponents.to(torch.int32)
     # element scale 2^-(e-127) is exact from bits, even when subnormal; e = 255 gives NaN.
     encode = exp2_exact(E8M0_BIAS - torch.clamp(biased, max=254))
@@ -66,19 +69,25 @@ def quantize_mxfp8(
     rowwise: bool = True,
     columnwise: bool = False,
     dtype: torch.dtype = torch.float8_e4m3fn,
+    rowwise_amax: torch.Tensor | None = None,
+    columnwise_amax: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Quantize the requested directions from high precision in one call.
 
     Returns a dict with `rowwise_data`, `rowwise_scale` and/or `columnwise_data`,
-    `columnwise_scale`. Both M and K must be multiples of 32.
+    `columnwise_scale`. Both M and K must be multiples of 32. The block maxima ([M, K/32]
+    rowwise, [M/32, K] columnwise) may be given when reduced across ranks that each hold part
+    of x (distributed master-weight casts); they are computed from x otherwise.
     """
     x2d = as_2d(x)
     require_divisible(tuple(x2d.shape), BLOCK, "MXFP8")
     out: dict[str, torch.Tensor] = {}
     if rowwise:
-        out["rowwise_data"], out["rowwise_scale"] = _quantize_blocks(x2d, 1, BLOCK, dtype)
+        out["rowwise_data"], out["rowwise_scale"] = _quantize_blocks(
+            x2d, 1, BLOCK, dtype, rowwise_amax)
     if columnwise:
-        out["columnwise_data"], out["columnwise_scale"] = _quantize_blocks(x2d, BLOCK, 1, dtype)
+        out["columnwise_data"], out["columnwise_scale"] = _quantize_blocks(
+            x2d, BLOCK, 1, dtype, columnwise_amax)
     return out
 
 

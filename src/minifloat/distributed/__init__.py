@@ -1,0 +1,11 @@
+"""minifloat on torch.distributed: master-weight casts for ZeRO-style distributed optimizers.
+
+FSDP2 (`torch.distributed.fsdp.fully_shard`) with high-precision sharded parameters needs
+nothing from here: FSDP2 gathers the weights and minifloat quantizes after the gather
+(tests/distributed/test_fsdp2.py). Delayed scaling reduces its amaxes over
+`minifloat.autocast(amax_reduction_group=...)`.
+"""
+
+from .master_weights import post_all_gather_processing, quantize_master_weights
+
+__all__ = ["post_all_gather_processing", "quantize_master_weights"]

@@ -1,0 +1,256 @@
+"""ZeRO / distributed-optimizer master-weight casts (seed 004): each rank owns a flat element
+range of every weight's fp32 master copy and writes that range of the low-precision model
+weight; the distributed optimizer then all-gathers the bytes.
+
+The names follow the seed: `quantize_master_weights(model_weights, master_weights,
+start_offsets, group, ...)` and `post_all_gather_processing(model_weights)`.
+
+Why a partial cast gives the bytes of the full cast: every scale depends on an absolute maximum
+(of the tensor, a 128x128 tile or a 32-element block), and a maximum of maxima is the maximum.
+Each rank computes the maxima of what it holds (the elements outside its range count as zeros,
+which cannot raise an absolute maximum), one MAX all-reduce over `group` combines them for all
+weights at once, and then every rank derives the same scales and casts its own elements, which
+each depend only on their own value and their scale. NaN is carried through the all-reduce as a
+separate flag (a MAX all-reduce need not propagate NaN), so a NaN anywhere still gives the
+scales a NaN gives the full cast.
+
+Formats: per-tensor FP8 with current scaling (the scale from the reduced amax) and with delayed
+scaling (the scale of the recipe state; the reduced amax is recorded into its history slot),
+128x128 block FP8 and MXFP8 (both copies written, their layouts being [M, K] each). The columnwise
+copies of per-tensor and block FP8 are transposes of the rowwise bytes, made after the all-gather
+by `post_all_gather_processing`. NVFP4 is refused with a clear error (its nibble-exact partial
+cast is not written yet).
+
+This is the reference implementation (pure torch, any device): a block format rebuilds a zero
+weight-sized fp32 buffer per weight to find the tile maxima of its range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .. import numerics
+from ..numerics.blocks import as_2d, tile_amax
+from ..quantizers import (
+    Float8BlockStorage,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    Float8Storage,
+    MXFP8Storage,
+    QuantizedTensor,
+)
+
+_MX_BLOCK = 32
+_TILE = 128
+
+
+@dataclass
+class _Cast:
+    """One weight's share of the step: its storage, this rank's master range, and the slice of
+    the reduced amax vector that holds its maxima."""
+
+    storage: object
+    master: torch.Tensor | None
+    start: int
+    kind: str  # "current", "delayed", "block", "mxfp8"
+    offset: int = 0  # into the amax vector
+    count: int = 0
+
+
+def _check(model_weight, master, start, index) -> object:
+    if not isinstance(model_weight, QuantizedTensor):
+        raise TypeError(
+            f"model_weights[{index}] is a {type(model_weight).__name__}; quantize_master_weights "
+            "casts into QuantizedTensor weights (build the model under mf.quantized_model_init)")
+    storage = model_weight.quantized_storage
+    if master is None:
+        return storage
+    if master.dim() != 1 or not master.is_floating_point():
+        raise ValueError(
+            f"master_weights[{index}] must be a flat (1-D) floating-point shard, got shape "
+            f"{tuple(master.shape)} and dtype {master.dtype}; pass master.view(-1)")
+    numel = model_weight.numel()
+    if not 0 <= start <= start + master.numel() <= numel:
+        raise ValueError(
+            f"master_weights[{index}] covers elements [{start}, {start + master.numel()}) of a "
+            f"weight of {numel} elements; start_offsets[{index}] or the shard length is wrong")
+    return storage
+
+
+def _kind(storage) -> str:
+    if isinstance(storage, Float8Storage):
+        quantizer = storage.quantizer
+        if isinstance(quantizer, Float8Quantizer):
+            return "delayed"
+        if isinstance(quantizer, Float8CurrentScalingQuantizer):
+            return "current"
+    if isinstance(storage, Float8BlockStorage) and storage.block_scaling_dim == 2:
+        return "block"
+    if isinstance(storage, MXFP8Storage):
+        return "mxfp8"
+    raise NotImplementedError(
+        f"quantize_master_weights does not cast into {storage.format_name} weights "
+        f"({type(storage).__name__}) yet; per-tensor FP8 (current or delayed), 128x128 block FP8 "
+        "and MXFP8 are supported")
+
+
+def _scattered(cast: _Cast, shape: tuple[int, int]) -> torch.Tensor:
+    """The full weight in fp32 with this rank's range filled in and zeros elsewhere."""
+    full = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=cast.master.device)
+    full[cast.start:cast.start + cast.master.numel()] = cast.master.float()
+    return full.view(shape)
+
+
+def _partial_maxima(cast: _Cast, shape: tuple[int, int]) -> torch.Tensor:
+    """The flat vector of maxima this rank contributes for one weight (zeros if it holds none
+    of it: a zero never raises a maximum)."""
+    if cast.kind in ("current", "delayed"):
+        if cast.master is None or cast.master.numel() == 0:
+            return torch.zeros(1)
+        return numerics.compute_amax(cast.master).reshape(1).cpu()
+    full = torch.zeros(shape) if cast.master is None else _scattered(cast, shape)
+    if cast.kind == "block":
+        return tile_amax(full, _TILE, _TILE).reshape(-1).cpu()
+    return torch.cat([tile_amax(full, 1, _MX_BLOCK).reshape(-1),
+                      tile_amax(full, _MX_BLOCK, 1).reshape(-1)]).cpu()
+
+
+def _all_reduce_max(values: torch.Tensor, group) -> torch.Tensor:
+    """MAX over the group, NaN-preserving: NaN travels as a flag beside the values."""
+    if group is None:
+        return values
+    import torch.distributed as dist
+
+    nan = torch.isnan(values)
+    packed = torch.cat([torch.where(nan, torch.zeros_like(values), values), nan.float()])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    reduced, flags = packed.split(values.numel())
+    return torch.where(flags > 0, torch.full_like(reduced, float("nan")), reduced)
+
+
+def _write_range(buffer: torch.Tensor, values: torch.Tensor, start: int) -> None:
+    buffer.view(-1)[start:start + values.numel()] = values.reshape(-1).to(buffer.device)
+
+
+def _cast(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int]) -> None:
+    storage, quantizer = cast.storage, cast.storage.quantizer
+    if cast.kind in ("current", "delayed"):
+        device = storage.scale_inv.device
+        amax = maxima.reshape(()).to(device)
+        if cast.kind == "current":
+            scale = numerics.scale_from_amax(
+                amax, numerics.fp8_format(quantizer.fp8_dtype).max_value,
+                amax_epsilon=quantizer.amax_epsilon, power_2_scale=quantizer.power_2_scale)
+        else:
+            quantizer.amax.copy_(torch.maximum(quantizer.amax,
+                                               amax.reshape(quantizer.amax.shape)))
+            scale = quantizer.scale.reshape(()).to(device)
+        storage.scale_inv.copy_(torch.reciprocal(scale.float()).reshape(storage.scale_inv.shape))
+        if cast.master is not None and storage.data is not None:
+            data, _ = numerics.quantize_with_scale(cast.master.to(device), scale,
+                                                   quantizer.fp8_dtype)
+            _write_range(storage.data, data, cast.start)
+        return
+    full = _scattered(cast, shape) if cast.master is not None else torch.zeros(shape)
+    if cast.kind == "block":
+        grid = maxima.reshape(-(-shape[0] // _TILE), -(-shape[1] // _TILE))
+        data, scale_inv = numerics.quantize_block_2d(
+            full, power_2_scale=quantizer.power_2_scale, amax_epsilon=quantizer.amax_epsilon,
+            tile_amaxes=grid)
+        if storage.rowwise_data is not None:
+            storage.rowwise_scale_inv.copy_(scale_inv)
+            if cast.master is not None:
+                _write_range(storage.rowwise_data, data.view(-1)[cast.start:].narrow(
+                    0, 0, cast.master.numel()), cast.start)
+        if storage.columnwise_scale_inv is not None:
+            storage.columnwise_scale_inv.copy_(scale_inv.t())
+        return
+    rows = shape[0] * (shape[1] // _MX_BLOCK)
+    quantized = numerics.quantize_mxfp8(
+        full, rowwise=storage.rowwise_data is not None,
+        columnwise=storage.columnwise_data is not None, dtype=storage.fp8_dtype,
+        rowwise_amax=maxima[:rows].reshape(shape[0], shape[1] // _MX_BLOCK),
+        columnwise_amax=maxima[rows:].reshape(shape[0] // _MX_BLOCK, shape[1]))
+    for direction in ("rowwise", "columnwise"):
+        if f"{direction}_data" not in quantized:
+            continue
+        getattr(storage, f"{direction}_scale").copy_(quantized[f"{direction}_scale"])
+        if cast.master is not None:
+            values = quantized[f"{direction}_data"].view(-1)[cast.start:].narrow(
+                0, 0, cast.master.numel())
+            _write_range(getattr(storage, f"{direction}_data"), values, cast.start)
+
+
+def quantize_master_weights(
+    model_weights: Sequence[torch.Tensor],
+    master_weights: Sequence[torch.Tensor | None],
+    start_offsets: Sequence[int],
+    group=None,
+    fsdp_shard_model_weights: Sequence[torch.Tensor] | None = None,
+    manual_post_all_gather_processing: bool = True,
+) -> None:
+    """Cast each rank's fp32 master shards into the quantized model weights, in place.
+
+    model_weights[i]: a full-size QuantizedTensor weight (quantized_model_init). master_weights[i]:
+    this rank's flat shard of it (None when it owns none), covering elements
+    [start_offsets[i], start_offsets[i] + numel) of the flattened weight; shards need not
+    align with rows, tiles or blocks. group: the ranks that share the weights (the
+    data-parallel group); one MAX all-reduce over it per call, for all weights together.
+
+    Afterwards this rank's ranges of the rowwise bytes (and of MXFP8's columnwise bytes) and
+    every scale are those of quantizing the full master weight; all-gather the ranges, then
+    call post_all_gather_processing(model_weights) to rebuild the transposed copies (with
+    manual_post_all_gather_processing=False the stale transposed copies are dropped instead,
+    and rebuilt from the rowwise bytes when a GEMM next asks for them).
+    """
+    if fsdp_shard_model_weights is not None:
+        raise NotImplementedError(
+            "fsdp_shard_model_weights (FSDP2-sharded model weights) is not supported yet; "
+            "pass full-size model weights")
+    if not len(model_weights) == len(master_weights) == len(start_offsets):
+        raise ValueError(
+            f"model_weights, master_weights and start_offsets differ in length "
+            f"({len(model_weights)}, {len(master_weights)}, {len(start_offsets)})")
+    casts: list[_Cast] = []
+    pieces: list[torch.Tensor] = []
+    offset = 0
+    for index, (weight, master, start) in enumerate(
+            zip(model_weights, master_weights, start_offsets, strict=True)):
+        storage = _check(weight, master, int(start), index)
+        cast = _Cast(storage, None if master is None else master.detach(), int(start),
+                     _kind(storage))
+        maxima = _partial_maxima(cast, _shape(weight))
+        cast.offset, cast.count = offset, maxima.numel()
+        offset += maxima.numel()
+        casts.append(cast)
+        pieces.append(maxima)
+    if not casts:
+        return
+    reduced = _all_reduce_max(torch.cat(pieces).float(), group)
+    for cast, weight in zip(casts, model_weights, strict=True):
+        _cast(cast, reduced[cast.offset:cast.offset + cast.count], _shape(weight))
+        if not manual_post_all_gather_processing:
+            _drop_derived_copies(cast.storage)
+
+
+def _shape(weight: torch.Tensor) -> tuple[int, int]:
+    return tuple(as_2d(torch.empty(weight.shape, device="meta")).shape)
+
+
+def _drop_derived_copies(storage) -> None:
+    """Drop transposed copies that the cast left stale (rebuilt on next use)."""
+    if isinstance(storage, Float8Storage | Float8BlockStorage) and storage.has_rowwise():
+        storage.update_usage(columnwise=False)
+
+
+def post_all_gather_processing(model_weights: Sequence[torch.Tensor]) -> None:
+    """After the all-gather of the rowwise bytes: rebuild the transposed (columnwise) copies of
+    per-tensor and block FP8 weights from them. MXFP8 writes both copies in the cast itself."""
+    for weight in model_weights:
+        storage = weight.quantized_storage if isinstance(weight, QuantizedTensor) else weight
+        if isinstance(storage, Float8Storage | Float8BlockStorage) and storage.has_columnwise() \
+                and storage.has_rowwise():
+            storage._derive_columnwise()

@@ -1,0 +1,195 @@
+"""quantize_master_weights (seed 004): each rank casts its flat range of the fp32 master weights
+into the quantized model weights; after the all-gather of the bytes and
+post_all_gather_processing, every buffer equals quantizing the full master weight, bit for bit.
+
+Two levels:
+- one process, several "ranks" (up to 8) as separate copies of the model, their maxima reduced
+  by the test: random flat splits, cuts inside 128x128 tiles, 32-blocks and rows included;
+- real processes over gloo (3 ranks): the public API with its all-reduce, the bytes gathered by
+  the test, post_all_gather_processing, and delayed scaling's recorded amax.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import minifloat as mf
+from minifloat.distributed import master_weights as mw
+from minifloat.distributed import post_all_gather_processing, quantize_master_weights
+
+from .launch import run_ranks
+
+RECIPES = {
+    "current": lambda: mf.Float8CurrentScaling(),
+    "delayed": lambda: mf.DelayedScaling(),
+    "block": lambda: mf.Float8BlockScaling(),
+    "mxfp8": lambda: mf.MXFP8BlockScaling(),
+}
+SHAPES = [(256, 384), (128, 128), (96, 64)]  # block FP8 and MXFP8 need multiples of 128 / 32
+
+
+def shapes_for(name: str) -> list[tuple[int, int]]:
+    return SHAPES[:2] if name == "block" else SHAPES
+
+
+def build(name: str) -> list[mf.Linear]:
+    """Linears whose weights are QuantizedTensors (the model weights of the cast)."""
+    torch.manual_seed(0)
+    with mf.quantized_model_init(recipe=RECIPES[name]()):
+        return [mf.Linear(k, n, bias=False, name=f"fc{i}")
+                for i, (n, k) in enumerate(shapes_for(name))]
+
+
+def masters(name: str, seed: int = 5) -> list[torch.Tensor]:
+    """fp32 master weights (what the optimizer updated), wider than the first quantization."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) * 3 for shape in shapes_for(name)]
+
+
+def buffers(weight) -> dict[str, torch.Tensor]:
+    storage = weight.quantized_storage
+    return {field: getattr(storage, field).clone() for field in storage.tensor_fields()
+            if getattr(storage, field) is not None}
+
+
+def full_cast(name: str, master_list: list[torch.Tensor], amaxes: list | None = None
+              ) -> list[dict[str, torch.Tensor]]:
+    """The reference: each weight's own quantizer on the full master weight (and, into
+    `amaxes`, the amax a delayed-scaling quantizer recorded)."""
+    expected = []
+    for module, master in zip(build(name), master_list, strict=True):
+        storage = module.weight.quantized_storage
+        quantizer = storage.quantizer.copy()
+        quantizer.set_usage(rowwise=storage.has_rowwise(), columnwise=storage.has_columnwise())
+        quantizer.internal = True
+        fresh = quantizer.quantize(master)
+        expected.append({field: getattr(fresh, field) for field in fresh.tensor_fields()
+                         if getattr(fresh, field) is not None})
+        if amaxes is not None:
+            amaxes.append(recorded_amax(module.weight))
+    return expected
+
+
+def cuts(numel: int, parts: int, generator: torch.Generator) -> list[int]:
+    """parts + 1 sorted boundaries in [0, numel], repeats allowed (a rank may own nothing)."""
+    inner = torch.randint(0, numel + 1, (parts - 1,), generator=generator).sort().values
+    return [0, *inner.tolist(), numel]
+
+
+def assert_same(got: dict, want: dict, label: str) -> None:
+    assert got.keys() == want.keys(), label
+    for field, value in want.items():
+        a, b = got[field], value
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{label} {field}"
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), \
+            f"{label} {field}"
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("parts", [1, 2, 5, 8])
+def test_partial_casts_equal_the_full_cast(name, parts):
+    generator = torch.Generator().manual_seed(parts)
+    master_list = masters(name)
+    ranks = [build(name) for _ in range(parts)]
+    boundaries = [cuts(m.numel(), parts, generator) for m in master_list]
+    # each rank's maxima, reduced across ranks as the all-reduce would
+    casts, maxima = [], []
+    for rank, modules in enumerate(ranks):
+        row = []
+        for module, master, bounds in zip(modules, master_list, boundaries, strict=True):
+            start, end = bounds[rank], bounds[rank + 1]
+            shard = master.reshape(-1)[start:end] if end > start else None
+            storage = module.weight.quantized_storage
+            cast = mw._Cast(storage, shard, start, mw._kind(storage))
+            row.append(cast)
+        casts.append(row)
+        maxima.append([mw._partial_maxima(c, tuple(m.shape))
+                       for c, m in zip(row, master_list, strict=True)])
+    reduced = [torch.stack([maxima[r][i] for r in range(parts)]).amax(0)
+               for i in range(len(master_list))]
+    for row in casts:
+        for cast, master, value in zip(row, master_list, reduced, strict=True):
+            mw._cast(cast, value, tuple(master.shape))
+    # the all-gather: each rank's range of the bytes it wrote
+    expected = full_cast(name, master_list)
+    for index in range(len(master_list)):
+        gathered = buffers(ranks[0][index].weight)
+        for field in ("data", "rowwise_data", "columnwise_data"):
+            if field not in gathered or (name in ("block",) and field == "columnwise_data"):
+                continue
+            flat = gathered[field].view(-1)
+            for rank in range(parts):
+                start, end = boundaries[index][rank], boundaries[index][rank + 1]
+                source = getattr(ranks[rank][index].weight.quantized_storage, field).view(-1)
+                flat[start:end] = source[start:end]
+            getattr(ranks[0][index].weight.quantized_storage, field).copy_(gathered[field])
+        post_all_gather_processing([ranks[0][index].weight])
+        assert_same(buffers(ranks[0][index].weight), expected[index], f"{name} weight {index}")
+
+
+def test_refuses_what_it_cannot_cast():
+    with mf.quantized_model_init(recipe=mf.NVFP4BlockScaling()):
+        nvfp4 = mf.Linear(64, 64)
+    with pytest.raises(NotImplementedError, match="NVFP4"):
+        quantize_master_weights([nvfp4.weight], [torch.zeros(16)], [0])
+    plain = torch.nn.Linear(64, 64)
+    with pytest.raises(TypeError, match="quantized_model_init"):
+        quantize_master_weights([plain.weight], [torch.zeros(16)], [0])
+    (current,) = build("current")[:1]
+    with pytest.raises(ValueError, match="start_offsets"):
+        quantize_master_weights([current.weight], [torch.zeros(16)], [current.weight.numel()])
+    with pytest.raises(ValueError, match="flat"):
+        quantize_master_weights([current.weight], [torch.zeros(4, 4)], [0])
+
+
+def test_nan_in_one_shard_reaches_every_rank_scale():
+    """A MAX all-reduce need not carry NaN; the flag does (single process: the packing)."""
+    values = torch.tensor([1.0, float("nan"), 3.0])
+    assert torch.isnan(mw._all_reduce_max(values, None)[1])
+
+
+def cast_worker(rank: int, world_size: int, name: str) -> dict:
+    """Every rank: its range of each master weight -> quantize_master_weights -> all-gather of
+    the bytes (a SUM all-reduce of each rank's range, zeros elsewhere) -> post-processing."""
+    master_list = masters(name)
+    modules = build(name)
+    generator = torch.Generator().manual_seed(11)  # the same split on every rank
+    boundaries = [cuts(m.numel(), world_size, generator) for m in master_list]
+    shards = [m.reshape(-1)[b[rank]:b[rank + 1]] if b[rank + 1] > b[rank] else None
+              for m, b in zip(master_list, boundaries, strict=True)]
+    quantize_master_weights([m.weight for m in modules], shards,
+                            [b[rank] for b in boundaries], group=dist.group.WORLD)
+    for module, bounds in zip(modules, boundaries, strict=True):
+        storage = module.weight.quantized_storage
+        for field in ("data", "rowwise_data", "columnwise_data"):
+            buffer = getattr(storage, field, None)
+            if buffer is None or (name == "block" and field == "columnwise_data"):
+                continue
+            mine = torch.zeros(buffer.numel(), dtype=torch.int32)
+            start, end = bounds[rank], bounds[rank + 1]
+            mine[start:end] = buffer.view(-1)[start:end].view(torch.uint8).to(torch.int32)
+            dist.all_reduce(mine)
+            buffer.view(-1).view(torch.uint8).copy_(mine.to(torch.uint8))
+    post_all_gather_processing([m.weight for m in modules])
+    return {"buffers": [buffers(m.weight) for m in modules],
+            "amax": [recorded_amax(m.weight) for m in modules]}
+
+
+def recorded_amax(weight) -> torch.Tensor | None:
+    """Delayed scaling: the amax the cast recorded into the weight's history slot."""
+    amax = getattr(weight.quantized_storage.quantizer, "amax", None)
+    return None if amax is None else amax.clone()
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_quantize_master_weights_over_gloo_equals_full_cast(name):
+    amaxes: list = []
+    expected = full_cast(name, masters(name), amaxes)
+    for rank, result in enumerate(run_ranks(cast_worker, 3, name, timeout=120)):
+        for index, want in enumerate(expected):
+            assert_same(result["buffers"][index], want, f"{name} rank {rank} weight {index}")
+            if name == "delayed":
+                assert torch.equal(result["amax"][index], amaxes[index])
+                assert amaxes[index] > 0
