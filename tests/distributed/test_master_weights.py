@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import minifloat as mf
+from minifloat import numerics
 from minifloat.distributed import master_weights as mw
 from minifloat.distributed import post_all_gather_processing, quantize_master_weights
 
@@ -26,8 +27,14 @@ RECIPES = {
     "delayed": lambda: mf.DelayedScaling(),
     "block": lambda: mf.Float8BlockScaling(),
     "mxfp8": lambda: mf.MXFP8BlockScaling(),
+    "nvfp4": lambda: mf.NVFP4BlockScaling(),  # weights: 2D 16x16 tiles, round-to-nearest
 }
-SHAPES = [(256, 384), (128, 128), (96, 64)]  # block FP8 and MXFP8 need multiples of 128 / 32
+# fields holding elements the ranks write by range (the rest are scales, written whole, or
+# copies rebuilt by post_all_gather_processing)
+RANGE_FIELDS = {"current": ("data",), "delayed": ("data",), "block": ("rowwise_data",),
+                "mxfp8": ("rowwise_data", "columnwise_data"), "nvfp4": ("rowwise_data",)}
+SHAPES = [(256, 384), (128, 128), (96, 64)]  # block FP8 and MXFP8 need multiples of 128 / 32;
+# the random cuts fall inside rows, tiles, blocks and (NVFP4) bytes
 
 
 def shapes_for(name: str) -> list[tuple[int, int]]:
@@ -72,6 +79,17 @@ def full_cast(name: str, master_list: list[torch.Tensor], amaxes: list | None = 
     return expected
 
 
+def elements(name: str, buffer: torch.Tensor) -> torch.Tensor:
+    """One code per weight element: the bytes, or NVFP4's unpacked nibbles."""
+    flat = buffer.reshape(-1).view(torch.uint8)
+    return numerics.unpack_nibbles(flat) if name == "nvfp4" else flat
+
+
+def store_elements(name: str, buffer: torch.Tensor, codes: torch.Tensor) -> None:
+    packed = numerics.pack_nibbles(codes) if name == "nvfp4" else codes
+    buffer.reshape(-1).view(torch.uint8).copy_(packed.to(torch.uint8))
+
+
 def cuts(numel: int, parts: int, generator: torch.Generator) -> list[int]:
     """parts + 1 sorted boundaries in [0, numel], repeats allowed (a rank may own nothing)."""
     inner = torch.randint(0, numel + 1, (parts - 1,), generator=generator).sort().values
@@ -88,12 +106,16 @@ def assert_same(got: dict, want: dict, label: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
-@pytest.mark.parametrize("parts", [1, 2, 5, 8])
+@pytest.mark.parametrize("parts", [1, 2, 5, 8, "single elements"])
 def test_partial_casts_equal_the_full_cast(name, parts):
-    generator = torch.Generator().manual_seed(parts)
     master_list = masters(name)
+    if parts == "single elements":  # one-element ranges at odd and even starts, an empty one
+        boundaries = [[0, 1, 2, 3, 3, 6, m.numel() - 1, m.numel()] for m in master_list]
+        parts = 7
+    else:
+        generator = torch.Generator().manual_seed(parts)
+        boundaries = [cuts(m.numel(), parts, generator) for m in master_list]
     ranks = [build(name) for _ in range(parts)]
-    boundaries = [cuts(m.numel(), parts, generator) for m in master_list]
     # each rank's maxima, reduced across ranks as the all-reduce would
     casts, maxima = [], []
     for rank, modules in enumerate(ranks):
@@ -109,31 +131,42 @@ def test_partial_casts_equal_the_full_cast(name, parts):
                        for c, m in zip(row, master_list, strict=True)])
     reduced = [torch.stack([maxima[r][i] for r in range(parts)]).amax(0)
                for i in range(len(master_list))]
+    before = [[{field: elements(name, getattr(m.weight.quantized_storage, field)).clone()
+                for field in RANGE_FIELDS[name]} for m in modules] for modules in ranks]
     for row in casts:
         for cast, master, value in zip(row, master_list, reduced, strict=True):
             mw._cast(cast, value, tuple(master.shape))
+    # a rank writes its own range and nothing else (NVFP4: not the other nibble of a byte)
+    for rank, modules in enumerate(ranks):
+        for index, module in enumerate(modules):
+            start, end = boundaries[index][rank], boundaries[index][rank + 1]
+            for field, old in before[rank][index].items():
+                new = elements(name, getattr(module.weight.quantized_storage, field))
+                outside = torch.ones(new.numel(), dtype=torch.bool)
+                outside[start:end] = False
+                assert torch.equal(new[outside], old[outside]), f"{name} rank {rank} {field}"
     # the all-gather: each rank's range of the bytes it wrote
     expected = full_cast(name, master_list)
     for index in range(len(master_list)):
-        gathered = buffers(ranks[0][index].weight)
-        for field in ("data", "rowwise_data", "columnwise_data"):
-            if field not in gathered or (name in ("block",) and field == "columnwise_data"):
-                continue
-            flat = gathered[field].view(-1)
+        for field in RANGE_FIELDS[name]:
+            target = getattr(ranks[0][index].weight.quantized_storage, field)
+            codes = elements(name, target).clone()
             for rank in range(parts):
                 start, end = boundaries[index][rank], boundaries[index][rank + 1]
-                source = getattr(ranks[rank][index].weight.quantized_storage, field).view(-1)
-                flat[start:end] = source[start:end]
-            getattr(ranks[0][index].weight.quantized_storage, field).copy_(gathered[field])
+                source = getattr(ranks[rank][index].weight.quantized_storage, field)
+                codes[start:end] = elements(name, source)[start:end]
+            store_elements(name, target, codes)
         post_all_gather_processing([ranks[0][index].weight])
         assert_same(buffers(ranks[0][index].weight), expected[index], f"{name} weight {index}")
 
 
 def test_refuses_what_it_cannot_cast():
-    with mf.quantized_model_init(recipe=mf.NVFP4BlockScaling()):
-        nvfp4 = mf.Linear(64, 64)
+    one_dimensional = mf.NVFP4Quantizer()(torch.randn(64, 64))  # 1x16 blocks: not a weight
     with pytest.raises(NotImplementedError, match="NVFP4"):
-        quantize_master_weights([nvfp4.weight], [torch.zeros(16)], [0])
+        quantize_master_weights([one_dimensional], [torch.zeros(16)], [0])
+    stochastic = mf.NVFP4Quantizer(with_2d_quantization=True, stochastic_rounding=True)
+    with pytest.raises(ValueError, match="stochastic"):
+        quantize_master_weights([stochastic(torch.randn(64, 64))], [torch.zeros(16)], [0])
     plain = torch.nn.Linear(64, 64)
     with pytest.raises(TypeError, match="quantized_model_init"):
         quantize_master_weights([plain.weight], [torch.zeros(16)], [0])
@@ -163,15 +196,14 @@ def cast_worker(rank: int, world_size: int, name: str) -> dict:
                             [b[rank] for b in boundaries], group=dist.group.WORLD)
     for module, bounds in zip(modules, boundaries, strict=True):
         storage = module.weight.quantized_storage
-        for field in ("data", "rowwise_data", "columnwise_data"):
-            buffer = getattr(storage, field, None)
-            if buffer is None or (name == "block" and field == "columnwise_data"):
-                continue
-            mine = torch.zeros(buffer.numel(), dtype=torch.int32)
+        for field in RANGE_FIELDS[name]:
+            buffer = getattr(storage, field)
+            codes = elements(name, buffer)
+            mine = torch.zeros(codes.numel(), dtype=torch.int32)
             start, end = bounds[rank], bounds[rank + 1]
-            mine[start:end] = buffer.view(-1)[start:end].view(torch.uint8).to(torch.int32)
-            dist.all_reduce(mine)
-            buffer.view(-1).view(torch.uint8).copy_(mine.to(torch.uint8))
+            mine[start:end] = codes[start:end].to(torch.int32)
+            dist.all_reduce(mine)  # ranges are disjoint: the sum is the gather
+            store_elements(name, buffer, mine)
     post_all_gather_processing([m.weight for m in modules])
     return {"buffers": [buffers(m.weight) for m in modules],
             "amax": [recorded_amax(m.weight) for m in modules]}

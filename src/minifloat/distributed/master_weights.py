@@ -18,8 +18,11 @@ Formats: per-tensor FP8 with current scaling (the scale from the reduced amax) a
 scaling (the scale of the recipe state; the reduced amax is recorded into its history slot),
 128x128 block FP8 and MXFP8 (both copies written, their layouts being [M, K] each). The columnwise
 copies of per-tensor and block FP8 are transposes of the rowwise bytes, made after the all-gather
-by `post_all_gather_processing`. NVFP4 is refused with a clear error (its nibble-exact partial
-cast is not written yet).
+by `post_all_gather_processing`. 2D NVFP4 (weights): the global amax and the 16x16 tile maxima
+are reduced, the rank writes its elements nibble by nibble (a range may start or end inside a
+byte), and the columnwise copy is the nibble transpose of the gathered bytes. A byte shared by
+two ranks holds each rank's nibble only on that rank: gather such bytes by OR-ing the ranks'
+nibbles (each rank's other nibble is left as it was).
 
 This is the reference implementation (pure torch, any device): a block format rebuilds a zero
 weight-sized fp32 buffer per weight to find the tile maxima of its range.
@@ -40,11 +43,13 @@ from ..quantizers import (
     Float8Quantizer,
     Float8Storage,
     MXFP8Storage,
+    NVFP4Storage,
     QuantizedTensor,
 )
 
 _MX_BLOCK = 32
 _TILE = 128
+_FP4_TILE = 16
 
 
 @dataclass
@@ -55,7 +60,7 @@ class _Cast:
     storage: object
     master: torch.Tensor | None
     start: int
-    kind: str  # "current", "delayed", "block", "mxfp8"
+    kind: str  # "current", "delayed", "block", "mxfp8", "nvfp4"
     offset: int = 0  # into the amax vector
     count: int = 0
 
@@ -91,10 +96,19 @@ def _kind(storage) -> str:
         return "block"
     if isinstance(storage, MXFP8Storage):
         return "mxfp8"
+    if isinstance(storage, NVFP4Storage) and storage.two_dimensional:
+        quantizer = storage.quantizer
+        if getattr(quantizer, "stochastic_rounding", False):
+            raise ValueError(
+                "quantize_master_weights: the NVFP4 weight quantizer uses stochastic rounding, so "
+                "no partial cast can equal the full one; weights take round-to-nearest "
+                "(NVFP4BlockScaling applies stochastic rounding to gradients only)")
+        return "nvfp4"
     raise NotImplementedError(
         f"quantize_master_weights does not cast into {storage.format_name} weights "
-        f"({type(storage).__name__}) yet; per-tensor FP8 (current or delayed), 128x128 block FP8 "
-        "and MXFP8 are supported")
+        f"({type(storage).__name__}{'' if storage.format_name != 'NVFP4' else ', 1D'}); "
+        "per-tensor FP8 (current or delayed), 128x128 block FP8, MXFP8 and 2D (16x16) NVFP4 "
+        "are supported")
 
 
 def _scattered(cast: _Cast, shape: tuple[int, int]) -> torch.Tensor:
@@ -114,6 +128,9 @@ def _partial_maxima(cast: _Cast, shape: tuple[int, int]) -> torch.Tensor:
     full = torch.zeros(shape) if cast.master is None else _scattered(cast, shape)
     if cast.kind == "block":
         return tile_amax(full, _TILE, _TILE).reshape(-1).cpu()
+    if cast.kind == "nvfp4":  # the global amax, then the 16x16 tile maxima
+        return torch.cat([numerics.compute_amax(full).reshape(1),
+                          tile_amax(full, _FP4_TILE, _FP4_TILE).reshape(-1)]).cpu()
     return torch.cat([tile_amax(full, 1, _MX_BLOCK).reshape(-1),
                       tile_amax(full, _MX_BLOCK, 1).reshape(-1)]).cpu()
 
@@ -168,6 +185,9 @@ def _cast(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int]) -> None:
         if storage.columnwise_scale_inv is not None:
             storage.columnwise_scale_inv.copy_(scale_inv.t())
         return
+    if cast.kind == "nvfp4":
+        _cast_nvfp4(cast, maxima, shape, full)
+        return
     rows = shape[0] * (shape[1] // _MX_BLOCK)
     quantized = numerics.quantize_mxfp8(
         full, rowwise=storage.rowwise_data is not None,
@@ -182,6 +202,42 @@ def _cast(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int]) -> None:
             values = quantized[f"{direction}_data"].view(-1)[cast.start:].narrow(
                 0, 0, cast.master.numel())
             _write_range(getattr(storage, f"{direction}_data"), values, cast.start)
+
+
+def _cast_nvfp4(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int],
+                full: torch.Tensor) -> None:
+    """2D NVFP4: global amax and 16x16 tile maxima reduced; the rank's elements are written
+    nibble by nibble (element 2j is the low nibble of byte j, 2j+1 the high one), so a range
+    that starts or ends inside a byte leaves the byte's other nibble as it was."""
+    storage = cast.storage
+    amax = maxima[:1].reshape(())
+    grid = maxima[1:].reshape(shape[0] // _FP4_TILE, shape[1] // _FP4_TILE)
+    quantized = numerics.quantize_nvfp4(full, rowwise=True, two_dimensional=True,
+                                        reduce_amax=lambda _: amax, tile_amaxes=grid)
+    target = storage.rowwise_data
+    if target is None:
+        raise ValueError("quantize_master_weights: this NVFP4 weight keeps no rowwise copy to "
+                         "cast into; keep the rowwise usage of weights")
+    storage.rowwise_scale.copy_(quantized["rowwise_scale"])
+    storage.amax_rowwise.copy_(amax.reshape(storage.amax_rowwise.shape))
+    if storage.columnwise_scale is not None:  # the scales are final now; the data after gather
+        _, scale_t = numerics.transpose_nvfp4_2d(quantized["rowwise_data"],
+                                                 quantized["rowwise_scale"])
+        storage.columnwise_scale.copy_(scale_t)
+        storage.amax_columnwise.copy_(amax.reshape(storage.amax_columnwise.shape))
+    if cast.master is None or cast.master.numel() == 0:
+        return
+    start, end = cast.start, cast.start + cast.master.numel()
+    source, destination = quantized["rowwise_data"].view(-1), target.view(-1)
+    first_full, last_full = (start + 1) // 2, end // 2  # bytes wholly inside [start, end)
+    if last_full > first_full:
+        destination[first_full:last_full] = source[first_full:last_full].to(destination.device)
+    if start % 2:  # the range starts at a high nibble
+        byte = start // 2
+        destination[byte] = (destination[byte] & 0x0F) | (source[byte] & 0xF0)
+    if end % 2:  # the range ends at a low nibble (never the byte of an odd start)
+        byte = end // 2
+        destination[byte] = (destination[byte] & 0xF0) | (source[byte] & 0x0F)
 
 
 def quantize_master_weights(
@@ -242,15 +298,20 @@ def _shape(weight: torch.Tensor) -> tuple[int, int]:
 
 def _drop_derived_copies(storage) -> None:
     """Drop transposed copies that the cast left stale (rebuilt on next use)."""
-    if isinstance(storage, Float8Storage | Float8BlockStorage) and storage.has_rowwise():
+    if _derives_columnwise(storage) and storage.has_rowwise():
         storage.update_usage(columnwise=False)
 
 
 def post_all_gather_processing(model_weights: Sequence[torch.Tensor]) -> None:
     """After the all-gather of the rowwise bytes: rebuild the transposed (columnwise) copies of
-    per-tensor and block FP8 weights from them. MXFP8 writes both copies in the cast itself."""
+    per-tensor FP8, block FP8 and 2D NVFP4 weights from them (NVFP4 with its nibbles
+    repacked). MXFP8 writes both copies in the cast itself."""
     for weight in model_weights:
         storage = weight.quantized_storage if isinstance(weight, QuantizedTensor) else weight
-        if isinstance(storage, Float8Storage | Float8BlockStorage) and storage.has_columnwise() \
-                and storage.has_rowwise():
+        if _derives_columnwise(storage) and storage.has_columnwise() and storage.has_rowwise():
             storage._derive_columnwise()
+
+
+def _derives_columnwise(storage) -> bool:
+    return isinstance(storage, Float8Storage | Float8BlockStorage) or (
+        isinstance(storage, NVFP4Storage) and storage.two_dimensional)

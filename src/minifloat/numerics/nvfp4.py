@@ -55,11 +55,13 @@ def _quantize_direction(
     tile_rows: int,
     stochastic: bool,
     generator: torch.Generator | None,
+    block_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize [R, C] along C in 1x16 blocks (tile_rows=1) or 16x16 tiles (tile_rows=16)."""
     s_enc = global_encode_scale(amax)
     s_dec = torch.reciprocal(s_enc)
-    block_amax = tile_amax(x2d, tile_rows, BLOCK)
+    if block_amax is None:
+        block_amax = tile_amax(x2d, tile_rows, BLOCK)
     # s_b = ue4m3(min(block_amax * (S_enc * fp32(1/6)), FLT_MAX)), the product S_enc/6 first.
     scale_factor = s_enc * ONE_SIXTH_FP32  # fp32 * an fp32-exact Python scalar: fp32 product
     block_scale = cast_to_fp8(
@@ -84,6 +86,7 @@ def quantize_nvfp4(
     stochastic_rounding: bool = False,
     reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None,
     generator: torch.Generator | None = None,
+    tile_amaxes: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Quantize the requested directions of x ([..., K] viewed as [M, K]; M, K multiples of 16).
 
@@ -92,7 +95,12 @@ def quantize_nvfp4(
     RHT both directions share one amax. The RHT applies to the columnwise copy of 1D quantization
     only (2D with RHT is an error). Returns a dict with `rowwise_data`, `rowwise_scale`,
     `amax_rowwise` and/or `columnwise_data`, `columnwise_scale`, `amax_columnwise`.
+    `tile_amaxes` ([M/16, K/16], 2D only): the 16x16 tiles' maxima when reduced across ranks
+    that each hold part of x (distributed master-weight casts; `reduce_amax` then gives the
+    reduced global amax).
     """
+    if tile_amaxes is not None and not two_dimensional:
+        raise ValueError("tile_amaxes are the 16x16 tiles of 2D quantization; set two_dimensional")
     if two_dimensional and with_rht:
         raise ValueError("NVFP4 2D (weight) quantization takes no RHT: disable one of them")
     x2d = as_2d(x)
@@ -107,7 +115,7 @@ def quantize_nvfp4(
     if rowwise or two_dimensional or not with_rht:
         plain_amax = reduce_amax(compute_amax(x2d)).reshape(())
     if rowwise or (columnwise and two_dimensional):
-        data, scale = quantize(x2d, plain_amax, tile_rows=tile_rows)
+        data, scale = quantize(x2d, plain_amax, tile_rows=tile_rows, block_amax=tile_amaxes)
         if rowwise:
             out["rowwise_data"], out["rowwise_scale"] = data, scale
             out["amax_rowwise"] = plain_amax.reshape(1)
