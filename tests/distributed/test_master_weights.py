@@ -225,3 +225,21 @@ def test_quantize_master_weights_over_gloo_equals_full_cast(name):
             if name == "delayed":
                 assert torch.equal(result["amax"][index], amaxes[index])
                 assert amaxes[index] > 0
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_without_manual_post_processing_the_copy_is_rebuilt_on_use(name):
+    """manual_post_all_gather_processing=False drops the stale transposed copy; a training
+    step rebuilds it from the rowwise bytes, equal to what post_all_gather_processing makes."""
+    master_list = masters(name)
+    manual, lazy = build(name)[0], build(name)[0]
+    quantize_master_weights([manual.weight], [master_list[0].reshape(-1)], [0])
+    post_all_gather_processing([manual.weight])
+    quantize_master_weights([lazy.weight], [master_list[0].reshape(-1)], [0],
+                            manual_post_all_gather_processing=False)
+    storage = lazy.weight.quantized_storage
+    assert storage.has_columnwise() == (name == "mxfp8")  # MXFP8 writes both copies
+    x = torch.randn(64, lazy.in_features, requires_grad=True)
+    with mf.autocast(recipe=RECIPES[name]()):
+        lazy(x).sum().backward()
+    assert_same(buffers(lazy.weight), buffers(manual.weight), name)
