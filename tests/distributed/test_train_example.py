@@ -1,0 +1,42 @@
+"""The README's distributed example runs as a user runs it: torchrun, 2 processes, gloo."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from minifloat.lab import train
+
+
+def _losses(output: str) -> list[float]:
+    return [float(value) for value in re.findall(r"^step +\d+ +loss ([0-9.]+)$", output,
+                                                 flags=re.MULTILINE)]
+
+
+def _run(*args: str) -> str:
+    command = [sys.executable, "-m", "torch.distributed.run", *args, "-m",
+               "minifloat.lab.train", "--preset", "tiny", "--recipe", "fp8-delayed",
+               "--steps", "3"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                          env=environment)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_torchrun_two_processes_train_like_one():
+    two = _losses(_run("--standalone", "--nproc-per-node", "2"))
+    one = _losses(_run("--standalone", "--nproc-per-node", "1"))
+    assert len(two) == len(one) == 3
+    # step 0 is the same model on the same global batch: the ranks' mean of their halves'
+    # losses equals the whole batch's loss up to summation order (activations are quantized
+    # per rank, so not bit for bit)
+    assert abs(two[0] - one[0]) < 1e-3 * one[0]
+    assert two[-1] < two[0]
+
+
+def test_low_precision_mode_says_it_is_not_available(capsys):
+    assert train.main(["--mode", "lp"]) == 2
+    assert "not available yet" in capsys.readouterr().err
