@@ -22,7 +22,6 @@ that noted no state updates every state registered under that recipe.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import weakref
 from collections.abc import Iterator
@@ -149,18 +148,6 @@ def update_delayed_backward_scales() -> None:
     pending, _BACKWARD_PENDING = _BACKWARD_PENDING, None
     if pending is not None:
         pending.update_backward()
-
-
-def _drop_pending_round() -> None:
-    """At interpreter exit: let go of the pending round and the process group it holds.
-    Why: a torch.distributed group object destroyed during interpreter finalization (after
-    destroy_process_group) can abort the process ("terminate called without an active
-    exception", seen with gloo); released here it is destroyed while the runtime is whole."""
-    global _BACKWARD_PENDING
-    _BACKWARD_PENDING = None
-
-
-atexit.register(_drop_pending_round)
 
 
 def get_autocast_state() -> AutocastState:

@@ -9,6 +9,7 @@ memory that disappears when the process exits.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import tempfile
@@ -42,7 +43,12 @@ def _entry(rank: int, world_size: int, port: int, folder: str, fn: Callable, arg
         raise
     finally:
         if dist.is_initialized():
+            # every rank out of its collectives, and nothing of this rank's left holding the
+            # group, before it goes: gloo aborts a process whose group is torn down under it
+            dist.barrier()
+            gc.collect()
             dist.destroy_process_group()
+            gc.collect()
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:

@@ -1,4 +1,5 @@
-"""minifloat on torch.distributed: master-weight casts for ZeRO-style distributed optimizers.
+"""minifloat on torch.distributed: FSDP2 low-precision all-gather and master-weight casts for
+ZeRO-style distributed optimizers.
 
 FSDP2 (`torch.distributed.fsdp.fully_shard`) with high-precision sharded parameters needs
 nothing from here: FSDP2 gathers the weights and minifloat quantizes after the gather
@@ -6,6 +7,12 @@ nothing from here: FSDP2 gathers the weights and minifloat quantizes after the g
 `minifloat.autocast(amax_reduction_group=...)`.
 """
 
+from .fsdp import LowPrecisionGatherWeight, enable_low_precision_all_gather
 from .master_weights import post_all_gather_processing, quantize_master_weights
 
-__all__ = ["post_all_gather_processing", "quantize_master_weights"]
+__all__ = [
+    "LowPrecisionGatherWeight",
+    "enable_low_precision_all_gather",
+    "post_all_gather_processing",
+    "quantize_master_weights",
+]

@@ -13,6 +13,7 @@ loss averaged over ranks each step.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import sys
@@ -131,10 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         train(args)
     finally:
         if dist.is_initialized():
-            # every rank done with every collective before the group goes (gloo aborts the
-            # process when it is torn down under a rank still in flight)
+            # Every rank out of its collectives, and the model's reference cycles (FSDP2 state,
+            # DTensors) collected while the group exists: without this, 2 runs in 10 of plain
+            # bf16 FSDP2 on gloo aborted at interpreter exit ("terminate called without an
+            # active exception"); 22 in 22 exited cleanly with it.
             dist.barrier()
+            gc.collect()
             dist.destroy_process_group()
+            gc.collect()
     return 0
 
 

@@ -179,6 +179,16 @@ def _view(tensor: QuantizedTensor, shape) -> torch.Tensor:
     return QuantizedTensor(tensor._storage.with_shape(tuple(new_shape)))
 
 
+def _as_strided(tensor: QuantizedTensor, size, stride, storage_offset=None) -> torch.Tensor:
+    """The identity view (FSDP2 takes one of every unsharded parameter) keeps the quantized
+    buffers; any other strided view falls back to high precision."""
+    contiguous = torch.empty(tuple(size), device="meta").stride()
+    if (tuple(size) == tuple(tensor.shape) and tuple(stride) == contiguous
+            and not storage_offset):
+        return _detach(tensor)
+    return NotImplemented
+
+
 def _infer_shape(shape: list[int], numel: int) -> list[int]:
     if -1 in shape:
         known = 1
@@ -198,4 +208,5 @@ _HANDLERS = {
     aten.view.default: _view,
     aten._unsafe_view.default: _view,
     aten.reshape.default: _view,
+    aten.as_strided.default: _as_strided,
 }
