@@ -27,7 +27,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from ..quantizers import Float8CurrentScalingQuantizer, Float8Storage, QuantizedTensor, Quantizer
+from ..quantizers import (
+    Float8BlockQuantizer,
+    Float8BlockStorage,
+    Float8CurrentScalingQuantizer,
+    Float8Storage,
+    NVFP4Quantizer,
+    NVFP4Storage,
+    QuantizedTensor,
+    Quantizer,
+)
 
 # ops whose result is the same weight shard (or a piece of it) and so keeps the wrapper: what
 # FSDP2 applies to a parameter when sharding, padding and copying it
@@ -89,30 +98,86 @@ class LowPrecisionGatherWeight(torch.Tensor):
         return tree_map_only(torch.Tensor, lambda t: LowPrecisionGatherWeight(t, quantizer), out)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """Quantize this rank's rows with the amax reduced over the shard group."""
+        """Quantize this rank's rows (rowwise copy only); the all-gather inputs are the bytes
+        and, for block formats, the rows of the scale grid."""
         quantizer = self._quantizer.copy()  # throwaway: the group lives for this call only
         quantizer.amax_reduction_group = mesh.get_group()
         quantizer.set_usage(rowwise=True, columnwise=False)
         quantizer.internal = True
+        rows = self._inner.shape[0]
+        tile = _TILE_ROWS.get(type(quantizer))
+        if tile and rows % tile:
+            raise ValueError(
+                f"low-precision all-gather of {type(quantizer).__name__} weights needs every "
+                f"FSDP2 shard to hold a multiple of {tile} rows (the scale tiles), got {rows}; "
+                "use fewer ranks, pad the weight's rows, or gather high-precision weights")
         storage = quantizer.quantize(self._inner)
-        return (storage.data.view(torch.uint8),), (storage.scale_inv, storage.quantizer,
-                                                   storage.fp8_dtype)
+        return _gather_inputs(storage)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        """The gathered bytes as a QuantizedTensor weight (FSDP2 frees `data` after use)."""
-        (data,) = all_gather_outputs
-        scale_inv, quantizer, fp8_dtype = metadata
-        shape = (data.numel() // self._inner.shape[1], self._inner.shape[1])
-        fp8 = data.view(fp8_dtype).view(shape)
+        """The gathered rows as a QuantizedTensor weight (FSDP2 frees the outputs after use)."""
+        storage = _gathered_storage(all_gather_outputs, metadata, self._inner.shape[1],
+                                    param_dtype)
         if out is not None:  # the same unsharded weight object, refilled in place (not
             # through .data: that is a detached alias with a storage object of its own)
-            storage = out.quantized_storage
-            storage.data, storage.data_transpose, storage.scale_inv = fp8, None, scale_inv
+            target = out.quantized_storage
+            for name in (*target.tensor_fields(), "quantizer"):
+                setattr(target, name, getattr(storage, name))
             return None
-        storage = Float8Storage(shape=torch.Size(shape), dtype=param_dtype, quantizer=quantizer,
-                                data=fp8, data_transpose=None, scale_inv=scale_inv,
-                                fp8_dtype=fp8_dtype)
-        return QuantizedTensor(storage), (data,)
+        return QuantizedTensor(storage), tuple(all_gather_outputs)
+
+
+# rows of one scale tile, where a shard boundary must not cut it
+_TILE_ROWS = {Float8BlockQuantizer: 128, NVFP4Quantizer: 16}
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
+
+
+def _gather_inputs(storage) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """(all-gather inputs, metadata) of a rank's rowwise storage: per-row tensors are gathered,
+    what every rank holds alike (per-tensor scales and amaxes) travels as metadata."""
+    if isinstance(storage, Float8Storage):
+        return (_bytes(storage.data),), ("fp8", storage.quantizer, storage.fp8_dtype,
+                                         storage.scale_inv)
+    if isinstance(storage, Float8BlockStorage):
+        return ((_bytes(storage.rowwise_data), storage.rowwise_scale_inv),
+                ("block", storage.quantizer, storage.rowwise_data.dtype, None))
+    return ((storage.rowwise_data, _bytes(storage.rowwise_scale)),
+            ("nvfp4", storage.quantizer, storage.rowwise_scale.dtype, storage.amax_rowwise))
+
+
+def _gathered_storage(outputs, metadata, columns: int, param_dtype: torch.dtype):
+    kind, quantizer, dtype, shared = metadata
+    if kind == "fp8":
+        (data,) = outputs
+        data = data.view(dtype).view(-1, columns)
+        return Float8Storage(shape=data.shape, dtype=param_dtype, quantizer=quantizer,
+                             data=data, data_transpose=None, scale_inv=shared, fp8_dtype=dtype)
+    if kind == "block":
+        data, scale_inv = outputs
+        data = data.view(dtype).view(-1, columns)
+        return Float8BlockStorage(shape=data.shape, dtype=param_dtype, quantizer=quantizer,
+                                  rowwise_data=data, rowwise_scale_inv=scale_inv,
+                                  columnwise_data=None, columnwise_scale_inv=None,
+                                  block_scaling_dim=2)
+    data, scale = outputs
+    data = data.view(-1, columns // 2)
+    return NVFP4Storage(shape=torch.Size((data.shape[0], columns)), dtype=param_dtype,
+                        quantizer=quantizer, rowwise_data=data,
+                        rowwise_scale=scale.view(dtype).view(data.shape[0], -1),
+                        amax_rowwise=shared, columnwise_data=None, columnwise_scale=None,
+                        amax_columnwise=None, two_dimensional=True, with_rht=False)
+
+
+def _supported(quantizer: Quantizer) -> bool:
+    if isinstance(quantizer, Float8CurrentScalingQuantizer):
+        return True
+    if isinstance(quantizer, Float8BlockQuantizer):
+        return quantizer.block_scaling_dim == 2
+    return (isinstance(quantizer, NVFP4Quantizer) and quantizer.with_2d_quantization
+            and not quantizer.stochastic_rounding)
 
 
 def _flatten(args, kwargs) -> list:
@@ -135,11 +200,11 @@ def enable_low_precision_all_gather(model: nn.Module, recipe) -> nn.Module:
                             f"{type(weight).__name__}; wrap high-precision weights only")
         forward_quantizers, _ = module.quantizers(recipe)
         quantizer = forward_quantizers[1]  # GEMM 0's weight slot
-        if not isinstance(quantizer, Float8CurrentScalingQuantizer):
+        if not _supported(quantizer):
             raise NotImplementedError(
                 f"low-precision all-gather of {type(quantizer).__name__} weights is not "
-                "written yet; FP8 current scaling is supported (gather high-precision weights "
-                "otherwise: FSDP2 without this call)")
+                "written yet; FP8 current scaling, 128x128 block FP8 and 2D NVFP4 are supported "
+                "(gather high-precision weights otherwise: FSDP2 without this call)")
         wrapped = LowPrecisionGatherWeight(weight.detach(), quantizer.copy())
         module.weight = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
     return model
