@@ -37,7 +37,9 @@ def build(dtype: torch.dtype = torch.float32) -> nn.Module:
     return nn.Sequential(
         mf.LayerNormLinear(HIDDEN, HIDDEN, normalization="RMSNorm", name="qkv",
                            params_dtype=dtype),
-        mf.Linear(HIDDEN, HIDDEN, name="proj", params_dtype=dtype))
+        mf.Linear(HIDDEN, HIDDEN, name="proj", params_dtype=dtype),
+        mf.LayerNormMLP(HIDDEN, HIDDEN, normalization="RMSNorm", name="mlp",
+                        params_dtype=dtype))
 
 
 def shard(model: nn.Module, world_size: int) -> None:
@@ -71,8 +73,8 @@ def train_worker(rank: int, world_size: int, name: str, low_precision: bool) -> 
     for key, value in model.state_dict().items():
         full = value.full_tensor()
         params[key] = getattr(full, "_inner", full).clone()
-    kept = [module.weight.to_local()._quantizer for module in model
-            if low_precision]
+    kept = [parameter.to_local()._quantizer for parameter in model.parameters()
+            if low_precision and parameter.dim() == 2]
     return {"losses": losses, "params": params,
             "groups": [q.amax_reduction_group for q in kept],
             "pickled": pickle.dumps(kept)}
@@ -88,8 +90,8 @@ def test_low_precision_gather_trains_like_high_precision_bitwise(name):
             assert torch.equal(a, b), f"rank {rank} step {step}"
         for key, value in high[rank]["params"].items():
             assert torch.equal(low[rank]["params"][key], value), f"rank {rank} {key}"
-        assert low[rank]["groups"] == [None, None]  # seed 003: no group kept
-        assert len(pickle.loads(low[rank]["pickled"])) == 2
+        assert low[rank]["groups"] == [None] * 4  # seed 003: no group kept
+        assert len(pickle.loads(low[rank]["pickled"])) == 4
 
 
 def bytes_worker(rank: int, world_size: int, name: str, low_precision: bool) -> int:

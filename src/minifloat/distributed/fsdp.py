@@ -186,25 +186,37 @@ def _flatten(args, kwargs) -> list:
     return tree_leaves((args, kwargs))
 
 
+def _gemm_weights(module: nn.Module) -> list[tuple[str, int]]:
+    """(parameter name, GEMM index) of each weight of a minifloat module."""
+    from ..modules import LayerNormLinear, LayerNormMLP, Linear
+
+    if isinstance(module, Linear | LayerNormLinear):
+        return [("weight", 0)]
+    if isinstance(module, LayerNormMLP):
+        return [("fc1_weight", 0), ("fc2_weight", 1)]
+    return []
+
+
 def enable_low_precision_all_gather(model: nn.Module, recipe) -> nn.Module:
-    """Wrap the weights of model's minifloat modules so that FSDP2 gathers them quantized with
-    `recipe`'s weight quantizer. Call it before fully_shard; the model trains as before."""
-    from ..modules import LayerNormLinear, Linear
+    """Wrap the weights of model's minifloat modules (Linear, LayerNormLinear, LayerNormMLP) so
+    that FSDP2 gathers them quantized with `recipe`'s weight quantizers. Call it before
+    fully_shard; the model trains as before."""
+    from ..modules.base import FORWARD_SLOTS
 
     for module in model.modules():
-        if not isinstance(module, Linear | LayerNormLinear):
-            continue
-        weight = module.weight
-        if isinstance(weight, QuantizedTensor | LowPrecisionGatherWeight):
-            raise TypeError(f"{module.name or type(module).__name__}: the weight is already a "
-                            f"{type(weight).__name__}; wrap high-precision weights only")
-        forward_quantizers, _ = module.quantizers(recipe)
-        quantizer = forward_quantizers[1]  # GEMM 0's weight slot
-        if not _supported(quantizer):
-            raise NotImplementedError(
-                f"low-precision all-gather of {type(quantizer).__name__} weights is not "
-                "written yet; FP8 current scaling, 128x128 block FP8 and 2D NVFP4 are supported "
-                "(gather high-precision weights otherwise: FSDP2 without this call)")
-        wrapped = LowPrecisionGatherWeight(weight.detach(), quantizer.copy())
-        module.weight = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
+        for name, gemm in _gemm_weights(module):
+            weight = getattr(module, name)
+            if isinstance(weight, QuantizedTensor | LowPrecisionGatherWeight):
+                raise TypeError(f"{module.name or type(module).__name__}.{name} is already a "
+                                f"{type(weight).__name__}; wrap high-precision weights only")
+            forward_quantizers, _ = module.quantizers(recipe)
+            quantizer = forward_quantizers[len(FORWARD_SLOTS) * gemm + 1]  # the weight slot
+            if not _supported(quantizer):
+                raise NotImplementedError(
+                    f"low-precision all-gather of {type(quantizer).__name__} weights is not "
+                    "written yet; FP8 current scaling, 128x128 block FP8 and 2D NVFP4 are "
+                    "supported (gather high-precision weights otherwise: FSDP2 without this "
+                    "call)")
+            wrapped = LowPrecisionGatherWeight(weight.detach(), quantizer.copy())
+            setattr(module, name, nn.Parameter(wrapped, requires_grad=weight.requires_grad))
     return model
