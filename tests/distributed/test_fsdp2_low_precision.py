@@ -146,3 +146,47 @@ def test_other_weight_formats_are_refused_clearly():
     enable_low_precision_all_gather(model, mf.Float8CurrentScaling())
     with pytest.raises(TypeError, match="already"):
         enable_low_precision_all_gather(model, mf.Float8CurrentScaling())
+
+
+def two_groups_worker(rank: int, world_size: int) -> list[bool]:
+    """Two modules sharded over two different groups of a 2x2 mesh (as two TP groups would be):
+    each one's gathered weight must be its full weight's quantization, with its own amax."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    torch.manual_seed(0)
+    first, second = mf.Linear(HIDDEN, HIDDEN, name="a"), mf.Linear(HIDDEN, HIDDEN, name="b")
+    with torch.no_grad():  # the amax sits in the second shard's rows, 3x apart between them
+        first.weight[HIDDEN // 2:] *= 10
+        second.weight[HIDDEN // 2:] *= 30
+    model = nn.Sequential(first, second)
+    recipe = mf.Float8CurrentScaling()
+    enable_low_precision_all_gather(model, recipe)
+    fully_shard(first, mesh=mesh["a"])
+    fully_shard(second, mesh=mesh["b"])
+    gathered = {}
+
+    def keep(module, args):
+        storage = module.weight.quantized_storage
+        gathered[module.name] = (storage.data.clone(), storage.scale_inv.clone())
+
+    for module in model:
+        module.register_forward_pre_hook(keep)
+    with mf.autocast(recipe=recipe):
+        model(torch.randn(64, HIDDEN))
+    same = []
+    for module in model:
+        module.reshard()  # a root keeps its gathered weight after forward
+        full = module.weight.full_tensor()
+        reference = mf.Float8CurrentScalingQuantizer(torch.float8_e4m3fn, internal=True)(
+            getattr(full, "_inner", full))
+        data, scale_inv = gathered[module.name]
+        same.append(torch.equal(data.view(torch.uint8), reference.data.view(torch.uint8))
+                    and torch.equal(scale_inv, reference.scale_inv))
+    return same
+
+
+def test_two_modules_on_two_groups_never_override_each_other():
+    for rank, same in enumerate(run_ranks(two_groups_worker, 4, timeout=180)):
+        assert same == [True, True], f"rank {rank}"
