@@ -9,7 +9,6 @@ memory that disappears when the process exits.
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
 import tempfile
@@ -22,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from minifloat.distributed import destroy_process_group
 
 
 def free_port() -> int:
@@ -42,13 +43,7 @@ def _entry(rank: int, world_size: int, port: int, folder: str, fn: Callable, arg
         (Path(folder) / f"rank{rank}.err").write_text(traceback.format_exc())
         raise
     finally:
-        if dist.is_initialized():
-            # every rank out of its collectives, and nothing of this rank's left holding the
-            # group, before it goes: gloo aborts a process whose group is torn down under it
-            dist.barrier()
-            gc.collect()
-            dist.destroy_process_group()
-            gc.collect()
+        destroy_process_group()
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:

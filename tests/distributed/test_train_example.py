@@ -15,9 +15,9 @@ def _losses(output: str) -> list[float]:
                                                  flags=re.MULTILINE)]
 
 
-def _run(*args: str) -> str:
+def _run(*args: str, recipe: str = "fp8-delayed", mode: str = "hp") -> str:
     command = [sys.executable, "-m", "torch.distributed.run", *args, "-m",
-               "minifloat.lab.train", "--preset", "tiny", "--recipe", "fp8-delayed",
+               "minifloat.lab.train", "--preset", "tiny", "--recipe", recipe, "--mode", mode,
                "--steps", "3"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=120,
@@ -37,6 +37,14 @@ def test_torchrun_two_processes_train_like_one():
     assert two[-1] < two[0]
 
 
-def test_low_precision_mode_says_it_is_not_available(capsys):
-    assert train.main(["--mode", "lp"]) == 2
-    assert "not available yet" in capsys.readouterr().err
+def test_low_precision_all_gather_trains_exactly_like_high_precision():
+    """--mode lp gathers NVFP4 bytes (the lab GPT's shards hold whole 16x16 tiles) and must
+    train exactly as --mode hp, which gathers the weights and quantizes them after."""
+    high = _losses(_run("--standalone", "--nproc-per-node", "2", recipe="nvfp4"))
+    low = _losses(_run("--standalone", "--nproc-per-node", "2", recipe="nvfp4", mode="lp"))
+    assert len(low) == 3 and low == high
+
+
+def test_low_precision_mode_needs_a_recipe(capsys):
+    assert train.main(["--mode", "lp", "--recipe", "bf16"]) == 2
+    assert "needs a recipe" in capsys.readouterr().err

@@ -9,9 +9,11 @@ nothing from here: FSDP2 gathers the weights and minifloat quantizes after the g
 
 from .fsdp import LowPrecisionGatherWeight, enable_low_precision_all_gather
 from .master_weights import post_all_gather_processing, quantize_master_weights
+from .process_group import destroy_process_group
 
 __all__ = [
     "LowPrecisionGatherWeight",
+    "destroy_process_group",
     "enable_low_precision_all_gather",
     "post_all_gather_processing",
     "quantize_master_weights",

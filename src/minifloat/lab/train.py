@@ -5,15 +5,15 @@
 gloo on a CPU machine, NCCL on GPUs (one per process, LOCAL_RANK). Run without torchrun it
 trains on one process. Every rank draws the same global batch from the same seed and trains
 on its share of the rows; FSDP2 (`fully_shard` per block, then the root) shards the parameters,
-gathers them in high precision, and minifloat quantizes after the gather (`--mode hp`, the only
-mode so far). Delayed scaling reduces its amaxes over the data-parallel group. Rank 0 prints the
-loss averaged over ranks each step.
+gathers them in high precision and minifloat quantizes after the gather (`--mode hp`), or
+gathers them quantized (`--mode lp`: FP8 current, block FP8 and NVFP4 weights). Delayed
+scaling reduces its amaxes over the data-parallel group. Rank 0 prints the loss averaged over
+ranks each step.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import socket
 import sys
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..autocast import autocast, update_delayed_backward_scales
+from ..distributed import destroy_process_group, enable_low_precision_all_gather
 from ..models.gpt import GPT, PRESETS
 from .data import load_corpus, sample_batch
 from .recipe_specs import parse_recipe, recipes_help
@@ -36,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--recipe", default="fp8-current", help=recipes_help())
     parser.add_argument("--mode", default="hp", choices=("hp", "lp"),
                         help="hp: FSDP2 gathers high-precision weights (minifloat quantizes after "
-                             "the gather); lp: low-precision all-gather (not available yet)")
+                             "the gather); lp: FSDP2 gathers them quantized (fp8-current, "
+                             "fp8-block, nvfp4)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -90,6 +92,8 @@ def train(args: argparse.Namespace) -> list[float]:
     recipe = parse_recipe(args.recipe, config.n_layers)
     torch.manual_seed(args.seed)
     model = GPT(config, device=device)
+    if args.mode == "lp":
+        enable_low_precision_all_gather(model, recipe)
     _shard(model, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     corpus = load_corpus(args.data)
@@ -109,7 +113,7 @@ def train(args: argparse.Namespace) -> list[float]:
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
         if rank == 0:
-            print(f"step {step:4d}  loss {losses[-1]:.4f}", flush=True)
+            print(f"step {step:4d}  loss {losses[-1]:.6f}", flush=True)
     # the last step's backward amaxes (delayed scaling) are reduced at the next autocast entry;
     # there is none, so reduce them now, while the process group exists
     update_delayed_backward_scales()
@@ -124,22 +128,14 @@ def train(args: argparse.Namespace) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.mode == "lp":
-        print("minifloat.lab.train: --mode lp (low-precision all-gather) is not available yet; "
-              "use --mode hp", file=sys.stderr)
+    if args.mode == "lp" and args.recipe == "bf16":
+        print("minifloat.lab.train: --mode lp gathers quantized weights and needs a recipe; "
+              "bf16 has none (use --mode hp)", file=sys.stderr)
         return 2
     try:
         train(args)
     finally:
-        if dist.is_initialized():
-            # Every rank out of its collectives, and the model's reference cycles (FSDP2 state,
-            # DTensors) collected while the group exists: without this, 2 runs in 10 of plain
-            # bf16 FSDP2 on gloo aborted at interpreter exit ("terminate called without an
-            # active exception"); 22 in 22 exited cleanly with it.
-            dist.barrier()
-            gc.collect()
-            dist.destroy_process_group()
-            gc.collect()
+        destroy_process_group()
     return 0
 
 

@@ -115,7 +115,31 @@ class Block(nn.Module):
         return x + self.mlp(x)
 
 
-class GPT(nn.Module):
+class CausalLM(nn.Module):
+    """forward and loss of a decoder over token ids, shared by the lab GPT and the plain-PyTorch
+    GPT (models.torch_gpt) so that both compute the same thing the same way. A subclass sets
+    config (seq_len), token_embedding, position_embedding, blocks, final_norm and head."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        if seq > self.config.seq_len:
+            raise ValueError(f"sequence length {seq} exceeds the model's seq_len "
+                             f"{self.config.seq_len}")
+        positions = torch.arange(seq, device=tokens.device)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.final_norm(x))
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token cross entropy over tokens [B, T+1] (inputs [:, :-1], targets [:, 1:]);
+        the logits go to fp32 first."""
+        logits = self.forward(tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                               tokens[:, 1:].reshape(-1))
+
+
+class GPT(CausalLM):
     """Byte-level decoder: tokens [B, T] (uint8 values as int64) -> logits [B, T, 256]."""
 
     def __init__(self, config: GPTConfig, dtype: torch.dtype | None = None,
@@ -137,19 +161,3 @@ class GPT(nn.Module):
         for embedding in (self.token_embedding, self.position_embedding):
             nn.init.normal_(embedding.weight, std=0.02)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seq = tokens.shape[1]
-        if seq > self.config.seq_len:
-            raise ValueError(f"sequence length {seq} exceeds the model's seq_len "
-                             f"{self.config.seq_len}")
-        positions = torch.arange(seq, device=tokens.device)
-        x = self.token_embedding(tokens) + self.position_embedding(positions)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.final_norm(x))
-
-    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Next-byte cross entropy over tokens [B, T+1] (inputs [:, :-1], targets [:, 1:])."""
-        logits = self.forward(tokens[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, VOCAB_SIZE).float(),
-                               tokens[:, 1:].reshape(-1))

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .gpt import CausalLM  # forward and loss only: the layers here are torch.nn's
+
 VOCAB_SIZE = 256  # bytes, as in minifloat.models.gpt
 NORM_EPS = 1e-5  # minifloat's LayerNormLinear/LayerNormMLP default, and Llama's
 
@@ -168,7 +170,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class TorchGPT(nn.Module):
+class TorchGPT(CausalLM):
     """Byte-level decoder from torch.nn alone: tokens [B, T] -> logits [B, T, vocab_size]."""
 
     def __init__(self, config: TorchGPTConfig, dtype: torch.dtype | None = None,
@@ -194,26 +196,6 @@ class TorchGPT(nn.Module):
         if name not in PRESETS:
             raise KeyError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
         return cls(PRESETS[name], dtype=dtype, device=device)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seq = tokens.shape[1]
-        if seq > self.config.seq_len:
-            raise ValueError(f"sequence length {seq} exceeds the model's seq_len "
-                             f"{self.config.seq_len}")
-        positions = torch.arange(seq, device=tokens.device)
-        x = self.token_embedding(tokens) + self.position_embedding(positions)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.final_norm(x))
-
-    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Next-token cross entropy over tokens [B, T+1] (inputs [:, :-1], targets [:, 1:]).
-
-        The logits go to fp32 before the loss, as in minifloat.models.gpt, so both models
-        compute the same loss the same way."""
-        logits = self.forward(tokens[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                               tokens[:, 1:].reshape(-1))
 
 
 def not_head(name: str, module: nn.Module) -> bool:

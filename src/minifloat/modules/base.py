@@ -35,12 +35,14 @@ from .gemm_op import (
     note_compiled_delayed_use,
     register_plan,
 )
-from .linear_function import GemmCall, LinearGemms, as_output
+from .linear_function import (  # noqa: F401 - the slot names are part of base's API
+    BACKWARD_SLOTS,
+    FORWARD_SLOTS,
+    GemmCall,
+    LinearGemms,
+    as_output,
+)
 from .weights import weight_cache_for
-
-FORWARD_SLOTS = ("input", "weight", "output")  # per GEMM
-BACKWARD_SLOTS = ("grad_output", "grad_input")  # per GEMM
-
 
 # Every live module, so that the first compiled trace under a recipe can bind them all at once
 # (bind_live_modules): a module whose binding exists before its trace adds no guard of its own.
@@ -274,20 +276,11 @@ class QuantizedModule(nn.Module):
             return compiled_gemms(x, weights, biases, plan, state, gemms, m_splits,
                                   need_dgrad=need_dgrad, need_wgrad=need_wgrad)
         binding = self._bindings.get(token) or self.binding(token)
-        per_forward, per_backward = len(FORWARD_SLOTS), len(BACKWARD_SLOTS)
-        forward_quantizers = binding.forward_quantizers
-        backward_quantizers = binding.backward_quantizers
         weight_cache, reuse_weights = weight_cache_for(self._weight_cache, is_first_microbatch)
-        call = GemmCall(
-            m_splits=list(m_splits),
-            weight_cache=weight_cache,
-            reuse_weights=reuse_weights,
-            input_quantizers=[forward_quantizers[per_forward * g] for g in gemms],
-            weight_quantizers=[forward_quantizers[per_forward * g + 1] for g in gemms],
-            grad_output_quantizers=[backward_quantizers[per_backward * g] for g in gemms],
-            need_dgrad=need_dgrad,
-            need_wgrad=need_wgrad,
-        )
+        call = GemmCall.from_slots(
+            binding.forward_quantizers, binding.backward_quantizers, gemms, m_splits,
+            need_dgrad=need_dgrad, need_wgrad=need_wgrad, weight_cache=weight_cache,
+            reuse_weights=reuse_weights)
         if binding.delayed_pair is not None:
             if get_autocast_state().recompute_record is not None:
                 with self.delayed_scaling_scope(recipe_for_token(token)):

@@ -52,8 +52,6 @@ from .linear_function import (
     gemms_forward,
 )
 
-FORWARD_SLOTS_PER_GEMM, BACKWARD_SLOTS_PER_GEMM = 3, 2
-
 
 @dataclass
 class GemmBinding:
@@ -149,17 +147,8 @@ def _gemm_call(plan_id: int, state: list[torch.Tensor], gemms: list[int], m_spli
         backward, _ = plan.backward.with_state_tensors(state[plan.forward_state_count:])
         forward_quantizers, backward_quantizers = (forward.make_quantizers(),
                                                    backward.make_quantizers())
-    per_forward, per_backward = FORWARD_SLOTS_PER_GEMM, BACKWARD_SLOTS_PER_GEMM
-    return GemmCall(
-        m_splits=list(m_splits),
-        weight_cache=None,
-        reuse_weights=False,
-        input_quantizers=[forward_quantizers[per_forward * g] for g in gemms],
-        weight_quantizers=[forward_quantizers[per_forward * g + 1] for g in gemms],
-        grad_output_quantizers=[backward_quantizers[per_backward * g] for g in gemms],
-        need_dgrad=need_dgrad,
-        need_wgrad=need_wgrad,
-    )
+    return GemmCall.from_slots(forward_quantizers, backward_quantizers, gemms, m_splits,
+                               need_dgrad=need_dgrad, need_wgrad=need_wgrad)
 
 
 def _with_biases(biases: list[torch.Tensor], has_bias: list[bool]) -> list[torch.Tensor | None]:

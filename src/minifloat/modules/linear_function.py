@@ -25,6 +25,9 @@ from ..quantizers import QuantizedStorage, Quantizer
 from ..quantizers.split import check_splits, split_quantize
 from .weights import quantized_weight
 
+FORWARD_SLOTS = ("input", "weight", "output")  # quantizer slots per GEMM
+BACKWARD_SLOTS = ("grad_output", "grad_input")
+
 
 @dataclass
 class GemmCall:
@@ -38,6 +41,26 @@ class GemmCall:
     grad_output_quantizers: list[Quantizer]
     need_dgrad: bool
     need_wgrad: bool
+
+    @classmethod
+    def from_slots(
+        cls, forward_quantizers: list[Quantizer], backward_quantizers: list[Quantizer],
+        gemms: list[int], m_splits: list[int], *, need_dgrad: bool, need_wgrad: bool,
+        weight_cache: dict | None = None, reuse_weights: bool = False,
+    ) -> GemmCall:
+        """The call of GEMMs `gemms`, picking each one's quantizers from a module's slot lists
+        (forward: input, weight, output per GEMM; backward: grad_output, grad_input)."""
+        per_forward, per_backward = len(FORWARD_SLOTS), len(BACKWARD_SLOTS)
+        return cls(
+            m_splits=list(m_splits),
+            weight_cache=weight_cache,
+            reuse_weights=reuse_weights,
+            input_quantizers=[forward_quantizers[per_forward * g] for g in gemms],
+            weight_quantizers=[forward_quantizers[per_forward * g + 1] for g in gemms],
+            grad_output_quantizers=[backward_quantizers[per_backward * g] for g in gemms],
+            need_dgrad=need_dgrad,
+            need_wgrad=need_wgrad,
+        )
 
 
 def quantize_for_gemms(
