@@ -26,10 +26,11 @@ WORLD = 2
 HIDDEN = 256
 RECIPES = {
     "current": lambda: mf.Float8CurrentScaling(),
+    "delayed": lambda: mf.DelayedScaling(amax_history_len=1),  # the scale follows each step
     "block": lambda: mf.Float8BlockScaling(),
     "nvfp4": lambda: mf.NVFP4BlockScaling(disable_stochastic_rounding=True),
 }
-BYTE_BOUND = {"current": 0.55, "block": 0.55, "nvfp4": 0.3}
+BYTE_BOUND = {"current": 0.55, "delayed": 0.55, "block": 0.55, "nvfp4": 0.3}
 
 
 def build(dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -63,19 +64,25 @@ def train_worker(rank: int, world_size: int, name: str, low_precision: bool) -> 
     losses = []
     for _ in range(3):
         x = torch.randn(world_size * 64, HIDDEN, generator=generator).chunk(world_size)[rank]
-        with mf.autocast(recipe=recipe):
+        # delayed scaling: both modes reduce their amax histories over the ranks, so the
+        # gathered weight's scale comes from the whole weight's amax, as it does in mode a
+        with mf.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
             loss = model(x).float().pow(2).mean()
         loss.backward()
+        # what forward slots hold between steps: a backward re-gather must not record there
+        pending = [state.amax_history[0].clone() for module in model
+                   for state in module.recipe_states(recipe)[:1] if name == "delayed"]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach().clone())
+    mf.update_delayed_backward_scales()
     params = {}
     for key, value in model.state_dict().items():
         full = value.full_tensor()
         params[key] = getattr(full, "_inner", full).clone()
     kept = [parameter.to_local()._quantizer for parameter in model.parameters()
             if low_precision and parameter.dim() == 2]
-    return {"losses": losses, "params": params,
+    return {"losses": losses, "params": params, "pending": pending,
             "groups": [q.amax_reduction_group for q in kept],
             "pickled": pickle.dumps(kept)}
 
@@ -90,6 +97,8 @@ def test_low_precision_gather_trains_like_high_precision_bitwise(name):
             assert torch.equal(a, b), f"rank {rank} step {step}"
         for key, value in high[rank]["params"].items():
             assert torch.equal(low[rank]["params"][key], value), f"rank {rank} {key}"
+        for a, b in zip(low[rank]["pending"], high[rank]["pending"], strict=True):
+            assert torch.equal(a, b), f"rank {rank}: amaxes recorded between steps"
         assert low[rank]["groups"] == [None] * 4  # seed 003: no group kept
         assert len(pickle.loads(low[rank]["pickled"])) == 4
 

@@ -14,9 +14,12 @@
   the data gradient is made from the gathered bytes).
 
 Because the amax is the maximum over every shard, the gathered bytes are those of quantizing the
-full weight on one rank, bit for bit. Supported: per-tensor FP8 with current scaling. Other
-weight formats raise a clear error (not written yet). The optimizer updates the high-precision
-shards; the next forward quantizes them again.
+full weight on one rank, bit for bit. Supported weight formats: per-tensor FP8 with current
+scaling, with delayed scaling (the recipe state's scale; each rank records its shard's amax and
+`autocast(amax_reduction_group=...)` reduces the history, as for activations; a re-gather for
+backward records nothing, backward reads the copies forward kept), 128x128 block FP8 and 2D
+NVFP4 (shards must hold whole scale tiles). MXFP8 raises a clear error (not written yet). The
+optimizer updates the high-precision shards; the next forward quantizes them again.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from ..quantizers import (
     Float8BlockQuantizer,
     Float8BlockStorage,
     Float8CurrentScalingQuantizer,
+    Float8Quantizer,
     Float8Storage,
     NVFP4Quantizer,
     NVFP4Storage,
@@ -111,6 +115,10 @@ class LowPrecisionGatherWeight(torch.Tensor):
                 f"low-precision all-gather of {type(quantizer).__name__} weights needs every "
                 f"FSDP2 shard to hold a multiple of {tile} rows (the scale tiles), got {rows}; "
                 "use fewer ranks, pad the weight's rows, or gather high-precision weights")
+        if isinstance(quantizer, Float8Quantizer) and torch._C._current_graph_task_id() != -1:
+            # delayed scaling, re-gathered for backward: backward reads the copies forward kept,
+            # so this gather must not record the weight's amax into the next round's slot
+            quantizer.amax = torch.zeros_like(quantizer.amax)
         storage = quantizer.quantize(self._inner)
         return _gather_inputs(storage)
 
@@ -172,7 +180,7 @@ def _gathered_storage(outputs, metadata, columns: int, param_dtype: torch.dtype)
 
 
 def _supported(quantizer: Quantizer) -> bool:
-    if isinstance(quantizer, Float8CurrentScalingQuantizer):
+    if isinstance(quantizer, Float8CurrentScalingQuantizer | Float8Quantizer):
         return True
     if isinstance(quantizer, Float8BlockQuantizer):
         return quantizer.block_scaling_dim == 2

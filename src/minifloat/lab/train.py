@@ -6,7 +6,7 @@ gloo on a CPU machine, NCCL on GPUs (one per process, LOCAL_RANK). Run without t
 trains on one process. Every rank draws the same global batch from the same seed and trains
 on its share of the rows; FSDP2 (`fully_shard` per block, then the root) shards the parameters,
 gathers them in high precision and minifloat quantizes after the gather (`--mode hp`), or
-gathers them quantized (`--mode lp`: FP8 current, block FP8 and NVFP4 weights). Delayed
+gathers them quantized (`--mode lp`: FP8 current or delayed, block FP8, NVFP4). Delayed
 scaling reduces its amaxes over the data-parallel group. Rank 0 prints the loss averaged over
 ranks each step.
 """
@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--mode", default="hp", choices=("hp", "lp"),
                         help="hp: FSDP2 gathers high-precision weights (minifloat quantizes after "
                              "the gather); lp: FSDP2 gathers them quantized (fp8-current, "
-                             "fp8-block, nvfp4)")
+                             "fp8-delayed, fp8-block, nvfp4)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
