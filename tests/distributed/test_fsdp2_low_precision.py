@@ -33,14 +33,27 @@ RECIPES = {
 BYTE_BOUND = {"current": 0.55, "delayed": 0.55, "block": 0.55, "nvfp4": 0.3}
 
 
+class Stack(nn.Sequential):
+    """Every module kind whose weights can be gathered quantized; the experts take halves."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for child in self:
+            if isinstance(child, mf.GroupedLinear):
+                x = child(x, [x.shape[0] // 2, x.shape[0] - x.shape[0] // 2])
+            else:
+                x = child(x)
+        return x
+
+
 def build(dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(
+    return Stack(
         mf.LayerNormLinear(HIDDEN, HIDDEN, normalization="RMSNorm", name="qkv",
                            params_dtype=dtype),
         mf.Linear(HIDDEN, HIDDEN, name="proj", params_dtype=dtype),
         mf.LayerNormMLP(HIDDEN, HIDDEN, normalization="RMSNorm", name="mlp",
-                        params_dtype=dtype))
+                        params_dtype=dtype),
+        mf.GroupedLinear(2, HIDDEN, HIDDEN, name="experts", params_dtype=dtype))
 
 
 def shard(model: nn.Module, world_size: int) -> None:
@@ -99,8 +112,8 @@ def test_low_precision_gather_trains_like_high_precision_bitwise(name):
             assert torch.equal(low[rank]["params"][key], value), f"rank {rank} {key}"
         for a, b in zip(low[rank]["pending"], high[rank]["pending"], strict=True):
             assert torch.equal(a, b), f"rank {rank}: amaxes recorded between steps"
-        assert low[rank]["groups"] == [None] * 4  # seed 003: no group kept
-        assert len(pickle.loads(low[rank]["pickled"])) == 4
+        assert low[rank]["groups"] == [None] * 6  # seed 003: no group kept
+        assert len(pickle.loads(low[rank]["pickled"])) == 6
 
 
 def bytes_worker(rank: int, world_size: int, name: str, low_precision: bool) -> int:

@@ -196,17 +196,20 @@ def _flatten(args, kwargs) -> list:
 
 def _gemm_weights(module: nn.Module) -> list[tuple[str, int]]:
     """(parameter name, GEMM index) of each weight of a minifloat module."""
-    from ..modules import LayerNormLinear, LayerNormMLP, Linear
+    from ..modules import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
 
     if isinstance(module, Linear | LayerNormLinear):
         return [("weight", 0)]
     if isinstance(module, LayerNormMLP):
         return [("fc1_weight", 0), ("fc2_weight", 1)]
+    if isinstance(module, GroupedLinear):
+        return [(f"weight{gemm}", gemm) for gemm in range(module.num_gemms)]
     return []
 
 
 def enable_low_precision_all_gather(model: nn.Module, recipe) -> nn.Module:
-    """Wrap the weights of model's minifloat modules (Linear, LayerNormLinear, LayerNormMLP) so
+    """Wrap the weights of model's minifloat modules (Linear, LayerNormLinear, LayerNormMLP,
+    GroupedLinear) so
     that FSDP2 gathers them quantized with `recipe`'s weight quantizers. Call it before
     fully_shard; the model trains as before."""
     from ..modules.base import FORWARD_SLOTS
