@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .gpt import PRESETS as LAB_PRESETS
 from .gpt import CausalLM  # forward and loss only: the layers here are torch.nn's
 
 VOCAB_SIZE = 256  # bytes, as in minifloat.models.gpt
@@ -79,16 +80,17 @@ class TorchGPTConfig:
                 + self.vocab_size * self.d_model)
 
 
+def _like_lab(name: str) -> TorchGPTConfig:
+    """The lab GPT's preset of that name (same shapes, so the two models compare directly)."""
+    lab = LAB_PRESETS[name]
+    return TorchGPTConfig(n_layers=lab.n_layers, d_model=lab.d_model, n_heads=lab.n_heads,
+                          ffn_hidden=lab.ffn_hidden, seq_len=lab.seq_len,
+                          batch_size=lab.batch_size)
+
+
 PRESETS: dict[str, TorchGPTConfig] = {
-    # CPU tests: ~0.5M parameters, 1024 tokens a step (the lab GPT's tiny)
-    "tiny": TorchGPTConfig(n_layers=2, d_model=128, n_heads=4, ffn_hidden=512, seq_len=128,
-                           batch_size=8),
-    # ~25M parameters, 8192 tokens a step (the lab GPT's small): launch-bound on a GPU
-    "small": TorchGPTConfig(n_layers=8, d_model=512, n_heads=8, ffn_hidden=2048, seq_len=512,
-                            batch_size=16),
-    # ~1.0e9 parameters, 8192 tokens a step (the lab GPT's 1b)
-    "1b": TorchGPTConfig(n_layers=20, d_model=2048, n_heads=16, ffn_hidden=8192, seq_len=2048,
-                         batch_size=4),
+    # tiny: CPU tests, ~0.5M parameters; small: ~25M, launch-bound on a GPU; 1b: ~1.0e9
+    **{name: _like_lab(name) for name in ("tiny", "small", "1b")},
     # Two blocks at Llama-3-8B width (d 4096, SwiGLU 14336, 32 heads of 128; full multi-head
     # attention and learned positions, no GQA/RoPE, which change no GEMM the recipes touch much).
     # Batch 8 x 2048 = 16384 tokens, so the block GEMMs are linear_step.py's 16384-row shapes.
