@@ -78,6 +78,17 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
+def causal_attention(qkv: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Causal multi-head SDPA over a fused q|k|v projection [B, T, 3d] -> [B, T, d] (shared by
+    the lab GPT and the plain-PyTorch GPT)."""
+    batch, seq, width = qkv.shape
+    d_model = width // 3
+    heads = [t.reshape(batch, seq, n_heads, d_model // n_heads).transpose(1, 2)
+             for t in qkv.split(d_model, dim=-1)]
+    attended = F.scaled_dot_product_attention(*heads, is_causal=True)
+    return attended.transpose(1, 2).reshape(batch, seq, d_model)
+
+
 class Attention(nn.Module):
     """Pre-norm causal self-attention: RMSNorm + QKV in one LayerNormLinear, SDPA, projection."""
 
@@ -92,12 +103,7 @@ class Attention(nn.Module):
                            device=device, name=f"{name}.proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, d_model = x.shape
-        q, k, v = self.qkv(x).split(d_model, dim=-1)
-        heads = [t.reshape(batch, seq, self.n_heads, d_model // self.n_heads).transpose(1, 2)
-                 for t in (q, k, v)]
-        attended = F.scaled_dot_product_attention(*heads, is_causal=True)
-        return self.proj(attended.transpose(1, 2).reshape(batch, seq, d_model))
+        return self.proj(causal_attention(self.qkv(x), self.n_heads))
 
 
 class Block(nn.Module):

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gpt import PRESETS as LAB_PRESETS
-from .gpt import CausalLM  # forward and loss only: the layers here are torch.nn's
+from .gpt import CausalLM, causal_attention  # code only: the layers here are torch.nn's
 
 VOCAB_SIZE = 256  # bytes, as in minifloat.models.gpt
 NORM_EPS = 1e-5  # minifloat's LayerNormLinear/LayerNormMLP default, and Llama's
@@ -115,12 +115,7 @@ class Attention(nn.Module):
                               device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, d_model = x.shape
-        q, k, v = self.qkv(x).split(d_model, dim=-1)
-        heads = [t.reshape(batch, seq, self.n_heads, d_model // self.n_heads).transpose(1, 2)
-                 for t in (q, k, v)]
-        attended = F.scaled_dot_product_attention(*heads, is_causal=True)
-        return self.proj(attended.transpose(1, 2).reshape(batch, seq, d_model))
+        return self.proj(causal_attention(self.qkv(x), self.n_heads))
 
 
 class GeluMLP(nn.Module):
