@@ -177,10 +177,17 @@ def test_refuses_what_it_cannot_cast():
         quantize_master_weights([current.weight], [torch.zeros(4, 4)], [0])
 
 
-def test_nan_in_one_shard_reaches_every_rank_scale():
-    """A MAX all-reduce need not carry NaN; the flag does (single process: the packing)."""
-    values = torch.tensor([1.0, float("nan"), 3.0])
-    assert torch.isnan(mw._all_reduce_max(values, None)[1])
+def nan_worker(rank: int, world_size: int) -> torch.Tensor:
+    """Rank 1 holds a NaN where rank 0 holds a number, and a smaller value where rank 0 does."""
+    values = torch.tensor([1.0, 2.0, 5.0]) if rank == 0 else torch.tensor([float("nan"), 3.0,
+                                                                           4.0])
+    return mw._all_reduce_max(values, dist.group.WORLD)
+
+
+def test_nan_in_one_rank_reaches_every_rank():
+    """A MAX all-reduce need not carry NaN; the flag beside the values does."""
+    for result in run_ranks(nan_worker, 2, timeout=60):
+        assert torch.isnan(result[0]) and result[1:].tolist() == [3.0, 5.0]
 
 
 def cast_worker(rank: int, world_size: int, name: str) -> dict:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ..quantizers import (
     Float8BlockQuantizer,
@@ -93,7 +93,7 @@ class LowPrecisionGatherWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        quantizer = next(a._quantizer for a in _flatten(args, kwargs)
+        quantizer = next(a._quantizer for a in tree_leaves((args, kwargs))
                          if isinstance(a, LowPrecisionGatherWeight))
         unwrap = tree_map_only(LowPrecisionGatherWeight, lambda t: t._inner, (args, kwargs))
         out = func(*unwrap[0], **unwrap[1])
@@ -186,12 +186,6 @@ def _supported(quantizer: Quantizer) -> bool:
         return quantizer.block_scaling_dim == 2
     return (isinstance(quantizer, NVFP4Quantizer) and quantizer.with_2d_quantization
             and not quantizer.stochastic_rounding)
-
-
-def _flatten(args, kwargs) -> list:
-    from torch.utils._pytree import tree_leaves
-
-    return tree_leaves((args, kwargs))
 
 
 def _gemm_weights(module: nn.Module) -> list[tuple[str, int]]:

@@ -63,6 +63,16 @@ class _Cast:
     kind: str  # "current", "delayed", "block", "mxfp8", "nvfp4"
     offset: int = 0  # into the amax vector
     count: int = 0
+    full: torch.Tensor | None = None  # block formats: the scattered weight, built once
+
+
+def _device(cast: _Cast) -> torch.device:
+    """Where this weight lives (its maxima go there: the all-reduce runs on that device)."""
+    if cast.master is not None:
+        return cast.master.device
+    storage = cast.storage
+    return next(getattr(storage, name) for name in storage.tensor_fields()
+                if getattr(storage, name) is not None).device
 
 
 def _check(model_weight, master, start, index) -> object:
@@ -112,10 +122,14 @@ def _kind(storage) -> str:
 
 
 def _scattered(cast: _Cast, shape: tuple[int, int]) -> torch.Tensor:
-    """The full weight in fp32 with this rank's range filled in and zeros elsewhere."""
-    full = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=cast.master.device)
-    full[cast.start:cast.start + cast.master.numel()] = cast.master.float()
-    return full.view(shape)
+    """The full weight in fp32 with this rank's range filled in and zeros elsewhere (built once
+    per weight and call: the maxima and the cast both read it)."""
+    if cast.full is None:
+        full = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=_device(cast))
+        if cast.master is not None:
+            full[cast.start:cast.start + cast.master.numel()] = cast.master.float()
+        cast.full = full.view(shape)
+    return cast.full
 
 
 def _partial_maxima(cast: _Cast, shape: tuple[int, int]) -> torch.Tensor:
@@ -123,16 +137,16 @@ def _partial_maxima(cast: _Cast, shape: tuple[int, int]) -> torch.Tensor:
     of it: a zero never raises a maximum)."""
     if cast.kind in ("current", "delayed"):
         if cast.master is None or cast.master.numel() == 0:
-            return torch.zeros(1)
-        return numerics.compute_amax(cast.master).reshape(1).cpu()
-    full = torch.zeros(shape) if cast.master is None else _scattered(cast, shape)
+            return torch.zeros(1, device=_device(cast))
+        return numerics.compute_amax(cast.master).reshape(1)
+    full = _scattered(cast, shape)
     if cast.kind == "block":
-        return tile_amax(full, _TILE, _TILE).reshape(-1).cpu()
+        return tile_amax(full, _TILE, _TILE).reshape(-1)
     if cast.kind == "nvfp4":  # the global amax, then the 16x16 tile maxima
         return torch.cat([numerics.compute_amax(full).reshape(1),
-                          tile_amax(full, _FP4_TILE, _FP4_TILE).reshape(-1)]).cpu()
+                          tile_amax(full, _FP4_TILE, _FP4_TILE).reshape(-1)])
     return torch.cat([tile_amax(full, 1, _MX_BLOCK).reshape(-1),
-                      tile_amax(full, _MX_BLOCK, 1).reshape(-1)]).cpu()
+                      tile_amax(full, _MX_BLOCK, 1).reshape(-1)])
 
 
 def _all_reduce_max(values: torch.Tensor, group) -> torch.Tensor:
@@ -171,7 +185,7 @@ def _cast(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int]) -> None:
                                                    quantizer.fp8_dtype)
             _write_range(storage.data, data, cast.start)
         return
-    full = _scattered(cast, shape) if cast.master is not None else torch.zeros(shape)
+    full = _scattered(cast, shape)
     if cast.kind == "block":
         grid = maxima.reshape(-(-shape[0] // _TILE), -(-shape[1] // _TILE))
         data, scale_inv = numerics.quantize_block_2d(
