@@ -15,6 +15,10 @@ in one process, from the same seed (equal initial weights) on the same random to
                                          nvfp4
   <any>-compiled-reduce-overhead         the same with torch.compile(mode="reduce-overhead")
                                          (--compile-mode reduce-overhead|both adds them)
+  <kind>-graphed                         eager, forward+loss+backward captured as CUDA graphs
+                                         (bf16: torch.cuda.make_graphed_callables; a recipe:
+                                         minifloat.make_graphed_callables); the optimizer runs
+                                         eagerly; capture happens before the row's first step
 
 One step = forward and cross-entropy loss (under torch.compile when compiled: the model's loss
 method is compiled, loss included), backward, fused AdamW step, zero_grad(set_to_none=True). A
@@ -35,8 +39,8 @@ first_step_s):
   before the row's model is built (so the first steps, compile and all, are included).
 - host16_ms (eager rows only): host time, measured as host_ms is, of forward+loss+backward on
   16 tokens (batch 1 x 16), the shape where host cost dominates; host16_cost_vs_bf16 is it over
-  bf16-eager's (the issue's target: FP8 at 1b at most 1.3x). Compiled rows skip it: a new shape
-  would recompile.
+  bf16-eager's (the issue's target: FP8 at 1b at most 1.3x). Compiled and graphed rows skip
+  it: a new shape would recompile (or need a new capture).
 
 Usage:
   python benchmarks/model_step.py --preset 1b [--rows bf16-eager,fp8-current-eager,...]
@@ -78,6 +82,7 @@ KINDS = ("bf16", "torchao-tensorwise", *RECIPE_NAMES)
 DEFAULT_ROWS = ["bf16-eager", "bf16-compiled", "torchao-tensorwise-compiled"] + [
     f"{name}-{mode}" for name in RECIPE_NAMES for mode in ("eager", "compiled")]
 REDUCE_OVERHEAD = "-reduce-overhead"
+GRAPHED = "-graphed"
 HOST16_TOKENS = 16
 HOST16_REPEATS = 10
 SEED = 0
@@ -101,10 +106,17 @@ class RowSpec:
     kind: str
     compiled: bool
     compile_mode: str | None = None  # "default" or "reduce-overhead" when compiled
+    graphed: bool = False  # eager, captured as CUDA graphs
 
     @classmethod
     def parse(cls, name: str) -> RowSpec:
         rest, mode = name, None
+        if rest.endswith(GRAPHED):
+            kind = rest.removesuffix(GRAPHED)
+            if kind not in KINDS:
+                raise ValueError(f"row {name!r}: unknown kind {kind!r}; kinds: "
+                                 f"{', '.join(KINDS)}")
+            return cls(name, kind, compiled=False, graphed=True)
         if rest.endswith(REDUCE_OVERHEAD):
             rest, mode = rest.removesuffix(REDUCE_OVERHEAD), "reduce-overhead"
         if rest.endswith("-compiled"):
@@ -112,8 +124,8 @@ class RowSpec:
         elif rest.endswith("-eager") and mode is None:
             kind, compiled = rest.removesuffix("-eager"), False
         else:
-            raise ValueError(f"row {name!r} must end in -eager, -compiled or "
-                             f"-compiled{REDUCE_OVERHEAD}")
+            raise ValueError(f"row {name!r} must end in -eager, -compiled, "
+                             f"-compiled{REDUCE_OVERHEAD} or {GRAPHED}")
         if kind not in KINDS:
             raise ValueError(f"row {name!r}: unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
         return cls(name, kind, compiled, mode)
@@ -171,8 +183,34 @@ def make_optimizer(model: torch.nn.Module, capturable: bool = False) -> torch.op
     return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=capturable)
 
 
-def prepare_row(spec: RowSpec, model: torch.nn.Module, device: str) -> TrainStep:
-    """Convert (torchao or minifloat, LM head left in bf16) and compile `model` for the row."""
+class LossOf(torch.nn.Module):
+    """model.loss as a module's forward: what CUDA-graph capture takes (the parameters become
+    the graph's inputs)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(tokens)
+
+
+def graphed_loss(model: torch.nn.Module, recipe, sample_tokens: torch.Tensor
+                 ) -> torch.nn.Module:
+    """model.loss captured as CUDA graphs, forward and backward (under `recipe` if any)."""
+    if not sample_tokens.is_cuda:
+        raise RowSkipped("graphed rows capture CUDA graphs and need a CUDA device")
+    if recipe is None:
+        return torch.cuda.make_graphed_callables(LossOf(model), (sample_tokens,))
+    import minifloat as mf
+
+    return mf.make_graphed_callables(LossOf(model), (sample_tokens,), recipe=recipe)
+
+
+def prepare_row(spec: RowSpec, model: torch.nn.Module, device: str,
+                sample_tokens: torch.Tensor | None = None) -> TrainStep:
+    """Convert (torchao or minifloat, LM head left in bf16) and compile or graph `model` for
+    the row (sample_tokens: a batch of the step's shape, for graph capture)."""
     recipe = None
     if spec.kind == "torchao-tensorwise":
         try:
@@ -188,11 +226,14 @@ def prepare_row(spec: RowSpec, model: torch.nn.Module, device: str) -> TrainStep
         recipe = minifloat_recipe(spec.kind)
         mf.convert_model(model, recipe=recipe, filter_fn=not_head)
     loss_fn = model.loss
-    if spec.compiled:
+    if spec.graphed:
+        loss_fn = graphed_loss(model, recipe, sample_tokens)
+    elif spec.compiled:
         loss_fn = torch.compile(model.loss, mode=None if spec.compile_mode == "default"
                                 else spec.compile_mode)
     return TrainStep(model, loss_fn, make_optimizer(model), recipe=recipe,
-                     mark_step=spec.compile_mode == "reduce-overhead", host16=not spec.compiled)
+                     mark_step=spec.compile_mode == "reduce-overhead",
+                     host16=not (spec.compiled or spec.graphed))
 
 
 class RowSkipped(Exception):
@@ -420,7 +461,7 @@ def run_preset(preset: str, specs: list[RowSpec], steps: int, warmup: int, devic
     rows = []
     for spec in specs:
         def build(spec: RowSpec = spec) -> TrainStep:
-            return prepare_row(spec, build_model(config, device, dtype), device)
+            return prepare_row(spec, build_model(config, device, dtype), device, batches[0])
 
         row = {"preset": preset, **run_row(spec.name, build, batches, warmup, steps, device,
                                            host16_tokens)}

@@ -8,6 +8,7 @@ from .autocast import autocast, quantized_model_init, update_delayed_backward_sc
 from .checkpoint import checkpoint
 from .convert import convert_model
 from .gemm import general_gemm
+from .graphs import make_graphed_callables
 from .modules import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
 from .quantizers import (
     Float8BlockQuantizer,
@@ -68,6 +69,7 @@ __all__ = [
     "convert_model",
     "factories",
     "general_gemm",
+    "make_graphed_callables",
     "quantized_model_init",
     "Float8BlockQuantizer",
     "Float8BlockStorage",

@@ -125,7 +125,7 @@ def test_model_step_cpu_smoke(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(ROOT / "benchmarks" / "model_step.py"), "--device", "cpu",
                "--preset", "tiny", "--steps", "2", "--warmup", "1",
-               "--rows", "bf16-eager,fp8-current-eager", "--out", str(out)]
+               "--rows", "bf16-eager,fp8-current-eager,fp8-current-graphed", "--out", str(out)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=45, env=env,
                               cwd=ROOT)
@@ -134,7 +134,8 @@ def test_model_step_cpu_smoke(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(out.read_text())
     rows = {row["row"]: row for row in data["rows"]}
-    assert set(rows) == {"bf16-eager", "fp8-current-eager"}
+    assert set(rows) == {"bf16-eager", "fp8-current-eager", "fp8-current-graphed"}
+    assert "need a CUDA device" in rows.pop("fp8-current-graphed")["skipped"]
     for row in rows.values():
         assert "error" not in row, row
         assert row["ms_per_step"] > 0 and row["host_ms"] > 0 and row["host16_ms"] > 0
