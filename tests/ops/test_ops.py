@@ -473,3 +473,29 @@ def test_sequential_rejects_repeated_and_foreign_ops():
         ops.Sequential(nn.GELU())
     inner = ops.Sequential(ops.GELU(), ops.ReLU())
     assert len(ops.Sequential(inner, ops.Bias(4))) == 3
+
+
+@pytest.mark.parametrize("kind", ["current", "mxfp8"])
+def test_backward_frees_the_saved_copies_while_the_graph_lives(kind):
+    """As for the modules: the graph object outlives backward in a training loop (the last loss
+    is kept), so the quantized copies the ops saved must go when backward is done."""
+    import gc
+    import weakref
+
+    seq, _, pairs = build_pair()
+    x, dy = data(3)
+    x.requires_grad_(True)
+    params = {id(p) for p, _ in pairs}
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t,
+                                                  lambda t: t), \
+            mf.autocast(recipe=RECIPES[kind]):
+        y = seq(x)
+    copies = [weakref.ref(t) for t in packed
+              if t is not x and id(t) not in params and t.element_size() == 1]
+    packed.clear()
+    assert copies
+    y.backward(dy)
+    gc.collect()
+    assert y.grad_fn is not None
+    assert all(ref() is None for ref in copies)

@@ -141,6 +141,7 @@ class GemmOperation(QuantizedModule, FusibleOperation):
         saved = keep_for_backward(x_qs, w_qs, need_dgrad=ctx.need_dgrad,
                                   need_wgrad=ctx.need_wgrad)
         ctx.save_for_backward(*saved.tensors)
+        saved.tensors = []  # held by the saved tensors alone (see LinearGemms.forward)
         ctx.kept = saved
         return y
 

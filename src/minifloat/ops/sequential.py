@@ -34,6 +34,7 @@ from torch import nn
 from ..autocast import get_autocast_state
 from .base import FusibleOperation, OperationContext, QuantizedActivation
 from .bias import Bias
+from ..modules.linear_function import graph_kept
 from .gemm_base import GemmOperation
 
 
@@ -94,6 +95,11 @@ class _OperationFuser(torch.autograd.Function):
                 raise RuntimeError(f"{type(op).__name__}.fuser_backward returned "
                                    f"{len(grads[i])} gradients for {call.param_counts[i]} "
                                    "parameters")
+        if not graph_kept():
+            # the op contexts live as long as the graph object (often into the next step):
+            # drop their views of the saved tensors, as autograd drops its own
+            for op_ctx in call.contexts:
+                op_ctx.saved_tensors = ()
         if isinstance(dy, QuantizedActivation):
             raise RuntimeError("the first op of a Sequential returned a quantized grad_input")
         return (dy, None, *[g for op_grads in grads for g in op_grads])
