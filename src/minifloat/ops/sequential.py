@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from ..autocast import get_autocast_state
+from ..modules.linear_function import graph_kept
 from .base import FusibleOperation, OperationContext, QuantizedActivation
 from .bias import Bias
-from ..modules.linear_function import graph_kept
 from .gemm_base import GemmOperation
 
 
