@@ -178,13 +178,30 @@ def scaled_mm_gemm(
     fast_accumulation: bool,
 ) -> torch.Tensor:
     """A @ B^T on the FP8 bytes through torch._scaled_mm (TN: A row-major, B^T column-major)."""
-    mat_a = a.data_transpose if a_columnwise else a.data
-    mat_b = b.data_transpose if b_columnwise else b.data
+    return scaled_mm_bytes(a.data_transpose if a_columnwise else a.data,
+                           b.data_transpose if b_columnwise else b.data, a.scale_inv,
+                           b.scale_inv, out_dtype=out_dtype, bias=bias,
+                           fast_accumulation=fast_accumulation)
+
+
+def scaled_mm_bytes(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    scale_inv_a: torch.Tensor,
+    scale_inv_b: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    fast_accumulation: bool,
+) -> torch.Tensor:
+    """mat_a @ mat_b^T for FP8 bytes [M, K] and [N, K] with their per-tensor scale_inv: the one
+    torch._scaled_mm call of scaled_mm_gemm, also made by the lean FP8 path (modules/lean_fp8.py)
+    so that both give the same bytes."""
     scaled_mm_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float16,
                                                  torch.float32) else torch.float32
     use_bias = bias is not None and bias.dtype == scaled_mm_dtype == torch.bfloat16
     out = torch._scaled_mm(
-        mat_a, mat_b.t(), scale_a=_fp32(a.scale_inv), scale_b=_fp32(b.scale_inv),
+        mat_a, mat_b.t(), scale_a=_fp32(scale_inv_a), scale_b=_fp32(scale_inv_b),
         bias=bias if use_bias else None,
         out_dtype=torch.float32 if (bias is not None and not use_bias) else scaled_mm_dtype,
         use_fast_accum=fast_accumulation,

@@ -108,3 +108,51 @@ def test_delayed_scaling_state_is_bit_exact_across_devices_over_steps():
             a = getattr(state_cpu, name).view(torch.int32)
             b = getattr(state_gpu, name).cpu().view(torch.int32)
             assert torch.equal(a, b), f"{name} differs between devices"
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("module_kind", ["linear", "layernorm_linear", "layernorm_mlp"])
+def test_lean_fp8_path_equals_general_path_bitwise(module_kind, bias, monkeypatch):
+    """modules/lean_fp8.py makes the kernel and scaled_mm calls of the general path (LinearGemms)
+    with the same arguments: outputs, gradients and updated weights equal bit for bit, over
+    three SGD steps (the weights change, so each forward quantizes new ones)."""
+    import copy
+
+    from minifloat.modules import lean_fp8
+
+    builders = {
+        "linear": lambda: mf.Linear(256, 384, bias=bias, params_dtype=torch.bfloat16,
+                                    device="cuda"),
+        "layernorm_linear": lambda: mf.LayerNormLinear(256, 384, bias=bias,
+                                                       normalization="RMSNorm",
+                                                       params_dtype=torch.bfloat16,
+                                                       device="cuda"),
+        "layernorm_mlp": lambda: mf.LayerNormMLP(256, 512, bias=bias, params_dtype=torch.bfloat16,
+                                                 device="cuda"),
+    }
+    torch.manual_seed(0)
+    lean = builders[module_kind]()
+    general = copy.deepcopy(lean)
+    calls = []
+    original = lean_fp8.LeanFP8Gemm.forward
+    monkeypatch.setattr(lean_fp8.LeanFP8Gemm, "forward",
+                        staticmethod(lambda ctx, *a: calls.append(1) or original(ctx, *a)))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (lean, general)]
+    for step in range(3):
+        x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(2, 128, 384 if module_kind != "layernorm_mlp" else 256,
+                         device="cuda", dtype=torch.bfloat16)
+        results = []
+        for module, optimizer, enabled in ((lean, optimizers[0], True),
+                                           (general, optimizers[1], False)):
+            monkeypatch.setattr(lean_fp8, "ENABLED", enabled)
+            xi = x.clone().requires_grad_(True)
+            with mf.autocast(recipe=RECIPES["current"]):
+                y = module(xi)
+            y.backward(dy)
+            results.append([y.detach(), xi.grad] + [p.grad.clone() for p in module.parameters()])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b), f"step {step}"
+    assert len(calls) == 3 * (2 if module_kind == "layernorm_mlp" else 1)

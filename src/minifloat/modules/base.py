@@ -35,6 +35,8 @@ from .gemm_op import (
     note_compiled_delayed_use,
     register_plan,
 )
+from .lean_fp8 import LeanFP8Gemm, LeanPlan
+from .lean_fp8 import applies as lean_applies
 from .linear_function import (  # noqa: F401 - the slot names are part of base's API
     BACKWARD_SLOTS,
     FORWARD_SLOTS,
@@ -170,6 +172,10 @@ class QuantizedModule(nn.Module):
                        for t in forward.state_tensors() + backward.state_tensors()],
                 delayed_pair=self._delayed_handles.get(recipe),
                 recipe_states=(forward, backward),
+                lean_plans=[LeanPlan.for_quantizers(
+                    forward_quantizers[len(FORWARD_SLOTS) * g],
+                    forward_quantizers[len(FORWARD_SLOTS) * g + 1],
+                    backward_quantizers[len(BACKWARD_SLOTS) * g]) for g in range(self.num_gemms)],
             )
             for tensor in binding.state:
                 # the ops record amaxes into these in place: CUDA graphs (reduce-overhead) must
@@ -276,6 +282,10 @@ class QuantizedModule(nn.Module):
             return compiled_gemms(x, weights, biases, plan, state, gemms, m_splits,
                                   need_dgrad=need_dgrad, need_wgrad=need_wgrad)
         binding = self._bindings.get(token) or self.binding(token)
+        if is_first_microbatch is None and len(weights) == 1 and binding.delayed_pair is None:
+            lean = binding.lean_plans[gemms[0]]
+            if lean is not None and lean_applies(x, weights[0]):
+                return LeanFP8Gemm.apply(x, weights[0], biases[0], lean, need_dgrad, need_wgrad)
         weight_cache, reuse_weights = weight_cache_for(self._weight_cache, is_first_microbatch)
         call = GemmCall.from_slots(
             binding.forward_quantizers, binding.backward_quantizers, gemms, m_splits,

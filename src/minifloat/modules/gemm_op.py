@@ -63,6 +63,7 @@ class GemmBinding:
     state: list[torch.Tensor]
     delayed_pair: object  # autocast's registration of the delayed-scaling states, or None
     recipe_states: tuple[RecipeState, RecipeState]
+    lean_plans: list  # per GEMM: lean_fp8.LeanPlan, or None (the general path)
 
 
 @dataclass

@@ -1,0 +1,164 @@
+"""The lean eager path of one per-tensor FP8 current-scaling GEMM: LinearGemms' bytes, with
+nothing but kernel calls on the hot path.
+
+Why: an eager FP8 step is host-bound. At the 1b preset on an H100 the general path
+(LinearGemms: GemmCall, split_quantize, quantizer objects, storages, general_gemm's dispatch,
+keep_for_backward) spent about 660 us of host time on a Linear forward and 840 us on its
+backward, against 34 us and 114 us for nn.Linear, so the step took 1.5x its GPU time. This path
+serves the most common case, per-tensor current scaling of one GEMM (Linear, LayerNormLinear,
+each GEMM of LayerNormMLP), with the same kernels called with the same arguments as the
+quantizers call them, and the same torch._scaled_mm call as gemm_paths.scaled_mm_gemm
+(gemm_paths.scaled_mm_bytes): the bytes of every output and gradient are the general path's
+(the GPU tests compare both bit for bit).
+
+Eligibility is decided once per module, recipe and GEMM (LeanPlan.for_quantizers, kept in the
+module's binding): the input, weight and grad_output quantizers are exactly
+Float8CurrentScalingQuantizer (no subclass), with no amax reduction group (a TP layer's reduced
+amax takes the general path), and not E5M2 on both sides of a GEMM (cuBLAS has no such FP8
+GEMM). Per call (`applies`): a CUDA input, contiguous, of a kernel dtype, with whole 16-element
+multiples on M, K and N (scaled_mm's rule); a plain weight (not a QuantizedTensor, DTensor or
+other subclass) without a `main_grad`; one split; is_first_microbatch None. Anything else takes
+LinearGemms, which handles every case; MINIFLOAT_LEAN_PATH=0 sends everything there.
+
+What is kept for backward is what LinearGemms keeps: the input's columnwise copy through
+save_for_backward (offload and recompute hooks see it), the weight's columnwise copy on ctx,
+dropped once backward has read it unless the graph is retained.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .. import kernels
+from ..gemm_paths import scaled_mm_bytes
+from ..quantizers import Float8CurrentScalingQuantizer, Quantizer
+from ..quantizers.base import kernel_module
+from .linear_function import as_output, graph_kept
+
+ENABLED = os.environ.get("MINIFLOAT_LEAN_PATH", "1") != "0"
+# where the lean path runs; tests widen it to the CPU (torch._scaled_mm exists there too) to
+# check its bookkeeping without a GPU
+DEVICES = ("cuda",)
+
+
+@dataclass(frozen=True)
+class Cast:
+    """One operand's current-scaling settings (what its quantizer would pass to the kernel)."""
+
+    fp8_dtype: torch.dtype
+    amax_epsilon: float
+    power_2_scale: bool
+
+    @staticmethod
+    def of(quantizer: Quantizer) -> Cast | None:
+        if type(quantizer) is not Float8CurrentScalingQuantizer:
+            return None
+        if quantizer.amax_reduction_group is not None:
+            return None
+        return Cast(quantizer.fp8_dtype, quantizer.amax_epsilon, quantizer.power_2_scale)
+
+    def __call__(self, x2d: torch.Tensor, *, rowwise: bool, columnwise: bool
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """(data [M, K] or None, data_t [K, M] or None, scale_inv): the quantizer's bytes."""
+        if kernels.available(x2d):
+            return kernel_module("per_tensor_fp8").quantize_current_scaling(
+                x2d, self.fp8_dtype, amax_epsilon=self.amax_epsilon,
+                power_2_scale=self.power_2_scale, rowwise=rowwise, columnwise=columnwise)
+        # no kernels (the CPU tests): the quantizer's reference path gives the same bytes
+        quantizer = Float8CurrentScalingQuantizer(self.fp8_dtype, rowwise=rowwise,
+                                                  columnwise=columnwise,
+                                                  amax_epsilon=self.amax_epsilon,
+                                                  power_2_scale=self.power_2_scale)
+        quantizer.internal = True
+        storage = quantizer(x2d)
+        return storage.data, storage.data_transpose, storage.scale_inv
+
+
+@dataclass(frozen=True)
+class LeanPlan:
+    """The casts of one GEMM's input, weight and grad_output."""
+
+    input: Cast
+    weight: Cast
+    grad_output: Cast
+
+    @staticmethod
+    def for_quantizers(input_quantizer: Quantizer, weight_quantizer: Quantizer,
+                       grad_output_quantizer: Quantizer) -> LeanPlan | None:
+        """The plan, or None when these quantizers need the general path."""
+        casts = [Cast.of(q) for q in (input_quantizer, weight_quantizer, grad_output_quantizer)]
+        if any(cast is None for cast in casts):
+            return None
+        plan = LeanPlan(*casts)
+        e5m2 = torch.float8_e5m2
+        # fprop x.W, dgrad dy.W, wgrad dy.x: none may pair two E5M2 operands
+        if plan.weight.fp8_dtype == e5m2 and e5m2 in (plan.input.fp8_dtype,
+                                                      plan.grad_output.fp8_dtype):
+            return None
+        if plan.input.fp8_dtype == plan.grad_output.fp8_dtype == e5m2:
+            return None
+        return plan
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The per-call conditions (module docstring): cheap attribute tests only."""
+    if not ENABLED or x.device.type not in DEVICES or not x.is_contiguous():
+        return False
+    if type(weight) not in (torch.nn.Parameter, torch.Tensor) or hasattr(weight, "main_grad"):
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.dim() == 0:
+        return False
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        return False  # the general path raises the error that names the shapes
+    m = x.numel() // k if k else 0
+    return m > 0 and m % 16 == 0 and k % 16 == 0 and n % 16 == 0
+
+
+class LeanFP8Gemm(torch.autograd.Function):
+    """y = x W^T + b with per-tensor current scaling (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                plan: LeanPlan, need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
+        n, k = weight.shape
+        x2d = x.reshape(-1, k)
+        x_data, x_t, x_scale_inv = plan.input(x2d, rowwise=True, columnwise=need_wgrad)
+        w_data, w_t, w_scale_inv = plan.weight(weight.detach(), rowwise=True,
+                                               columnwise=need_dgrad)
+        y = scaled_mm_bytes(x_data, w_data, x_scale_inv, w_scale_inv, out_dtype=x.dtype,
+                            bias=bias, fast_accumulation=True)
+        if need_wgrad:
+            ctx.save_for_backward(x_t, x_scale_inv)
+        ctx.weight_copy = (w_t, w_scale_inv) if need_dgrad else None
+        ctx.plan, ctx.need_dgrad, ctx.need_wgrad = plan, need_dgrad, need_wgrad
+        ctx.x_shape, ctx.out_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        return as_output(y, (*x.shape[:-1], n))
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        dy2d = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_bias = dy2d.sum(dim=0) if ctx.has_bias else None  # as LinearGemms sums it
+        if not dy2d.is_contiguous():
+            dy2d = dy2d.contiguous()  # the kernels read it as is; the bytes do not change
+        dy_data, dy_t, dy_scale_inv = ctx.plan.grad_output(
+            dy2d, rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad)
+        grad_x = grad_weight = None
+        if ctx.need_dgrad:
+            w_t, w_scale_inv = ctx.weight_copy
+            grad_x2d = scaled_mm_bytes(dy_data, w_t, dy_scale_inv, w_scale_inv,
+                                       out_dtype=ctx.out_dtype, bias=None,
+                                       fast_accumulation=False)
+            grad_x = as_output(grad_x2d, ctx.x_shape)
+            if not graph_kept():
+                ctx.weight_copy = None  # as LinearGemms: freed once read
+        if ctx.need_wgrad:
+            x_t, x_scale_inv = ctx.saved_tensors
+            grad_weight = scaled_mm_bytes(dy_t, x_t, dy_scale_inv, x_scale_inv,
+                                          out_dtype=ctx.weight_dtype, bias=None,
+                                          fast_accumulation=False)
+        return grad_x, grad_weight, grad_bias, None, None, None

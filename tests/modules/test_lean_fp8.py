@@ -1,0 +1,150 @@
+"""The lean FP8 current-scaling path (modules/lean_fp8.py) against the general path.
+
+On the GPU both paths make the same kernel and torch._scaled_mm calls, so outputs and
+gradients are equal bit for bit (tests/gpu/test_modules_cuda.py). Here, without a GPU, the lean
+path is widened to the CPU (lean_fp8.DEVICES; torch._scaled_mm runs there too) to check what it
+decides and keeps: the quantized copies it saves for backward equal the general path's byte for
+byte, its results equal the independent reference (training/_reference.py) within the summation
+order of a different GEMM, and every case it must not serve goes to the general path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minifloat as mf
+from minifloat.modules import lean_fp8
+from minifloat.modules.lean_fp8 import LeanFP8Gemm, LeanPlan
+from training._reference import linear_reference, rel_err
+
+CURRENT = mf.Float8CurrentScaling()
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """Let the lean path serve CPU tensors, and count the calls it serves."""
+    monkeypatch.setattr(lean_fp8, "DEVICES", ("cuda", "cpu"))
+    calls = []
+    original = LeanFP8Gemm.forward
+
+    def counting(ctx, *args):
+        calls.append(args[0].shape)
+        return original(ctx, *args)
+
+    monkeypatch.setattr(LeanFP8Gemm, "forward", staticmethod(counting))
+    return calls
+
+
+def run(module, x, dy, recipe=CURRENT, **kwargs):
+    x = x.clone().requires_grad_(True)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t,
+                                                  lambda t: t), mf.autocast(recipe=recipe):
+        y = module(x, **kwargs)
+    y.backward(dy)
+    fp8 = [t for t in packed if t.element_size() == 1]
+    grads = [None if p.grad is None else p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    return y.detach(), x.grad, grads, fp8
+
+
+def data(m=64, k=96, n=48, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_lean_linear_saves_the_general_bytes_and_matches_the_reference(on_cpu, monkeypatch, bias):
+    torch.manual_seed(0)
+    lin = mf.Linear(96, 48, bias=bias)
+    x, dy = data()
+    y, dx, grads, saved = run(lin, x, dy)
+    assert on_cpu == [x.shape], "the lean path did not serve the call"
+    monkeypatch.setattr(lean_fp8, "ENABLED", False)
+    y_g, dx_g, grads_g, saved_g = run(lin, x, dy)
+    assert len(on_cpu) == 1
+    assert len(saved) == len(saved_g) == 1  # the input's columnwise copy only
+    assert torch.equal(saved[0].view(torch.uint8), saved_g[0].view(torch.uint8))
+    ref_y, ref_dx, ref_dw, ref_db = linear_reference(
+        "current", x, lin.weight.detach(), lin.bias.detach() if bias else None, dy)
+    for got, general, ref in ((y, y_g, ref_y), (dx, dx_g, ref_dx), (grads[0], grads_g[0], ref_dw)):
+        assert rel_err(got, ref) < 1e-5 and rel_err(general, ref) < 1e-5
+    if bias:
+        assert torch.equal(grads[1], grads_g[1])
+
+
+def test_layernorm_mlp_gemms_both_take_the_lean_path(on_cpu, monkeypatch):
+    torch.manual_seed(0)
+    mlp = mf.LayerNormMLP(64, 128, normalization="RMSNorm")
+    x, dy = data(32, 64, 64)
+    y, dx, grads, _ = run(mlp, x, dy)
+    assert len(on_cpu) == 2
+    monkeypatch.setattr(lean_fp8, "ENABLED", False)
+    y_g, dx_g, grads_g, _ = run(mlp, x, dy)
+    assert rel_err(y, y_g) < 1e-5 and rel_err(dx, dx_g) < 1e-5
+    for a, b in zip(grads, grads_g, strict=True):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_no_grad_and_frozen_weight(on_cpu):
+    torch.manual_seed(0)
+    lin = mf.Linear(96, 48)
+    x, dy = data()
+    with torch.no_grad(), mf.autocast(recipe=CURRENT):
+        y = lin(x)
+    lin.weight.requires_grad_(False)
+    lin.bias.requires_grad_(False)
+    xg = x.clone().requires_grad_(True)
+    with mf.autocast(recipe=CURRENT):
+        out = lin(xg)
+    out.backward(dy)
+    assert len(on_cpu) == 2 and y.shape == (64, 48) and xg.grad is not None
+    assert lin.weight.grad is None
+
+
+def test_cases_the_lean_path_leaves_to_the_general_path(on_cpu):
+    torch.manual_seed(0)
+    x, dy = data()
+    lin = mf.Linear(96, 48)
+    run(lin, x[:40], dy[:40])  # M = 40: not a multiple of 16
+    run(lin, x, dy, is_first_microbatch=True)  # keeps weight copies: the general path's job
+    run(lin, x, dy, recipe=mf.DelayedScaling())
+    run(lin, x, dy, recipe=mf.Float8BlockScaling())
+    lin.weight.main_grad = torch.zeros(48, 96)
+    run(lin, x, dy)
+    del lin.weight.main_grad
+    run(lin, x.t().contiguous().t(), dy)  # a non-contiguous input
+    with mf.quantized_model_init(recipe=CURRENT):
+        quantized = mf.Linear(96, 48)
+    run(quantized, x, dy)
+    assert on_cpu == []
+
+
+def test_plan_refuses_what_the_kernel_call_cannot_express():
+    from minifloat.quantizers import Float8CurrentScalingQuantizer, Float8Quantizer
+
+    e4m3 = Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+    e5m2 = Float8CurrentScalingQuantizer(torch.float8_e5m2)
+    assert LeanPlan.for_quantizers(e4m3, e4m3, e5m2) is not None  # HYBRID
+    assert LeanPlan.for_quantizers(e5m2, e4m3, e5m2) is None  # wgrad would be E5M2 x E5M2
+    assert LeanPlan.for_quantizers(e4m3, e5m2, e5m2) is None  # dgrad would be E5M2 x E5M2
+    grouped = e4m3.copy()
+    grouped.amax_reduction_group = object()  # a TP layer's reduction: the general path's job
+    assert LeanPlan.for_quantizers(grouped, e4m3, e5m2) is None
+
+    class Custom(Float8CurrentScalingQuantizer):
+        pass
+
+    assert LeanPlan.for_quantizers(Custom(torch.float8_e4m3fn), e4m3, e5m2) is None
+    delayed = Float8Quantizer(torch.ones(1), torch.zeros(1), torch.float8_e4m3fn)
+    assert LeanPlan.for_quantizers(delayed, e4m3, e5m2) is None
+
+
+def test_lean_path_is_cuda_only_by_default():
+    assert lean_fp8.DEVICES == ("cuda",)
+    lin = mf.Linear(96, 48)
+    x, dy = data()
+    with mf.autocast(recipe=CURRENT):
+        y = lin(x.requires_grad_(True))
+    assert "LeanFP8Gemm" not in type(y.grad_fn).__name__
