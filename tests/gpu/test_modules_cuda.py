@@ -110,9 +110,10 @@ def test_delayed_scaling_state_is_bit_exact_across_devices_over_steps():
             assert torch.equal(a, b), f"{name} differs between devices"
 
 
+@pytest.mark.parametrize("recipe_kind", ["current", "delayed"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("module_kind", ["linear", "layernorm_linear", "layernorm_mlp"])
-def test_lean_fp8_path_equals_general_path_bitwise(module_kind, bias, monkeypatch):
+def test_lean_fp8_path_equals_general_path_bitwise(module_kind, bias, recipe_kind, monkeypatch):
     """modules/lean_fp8.py makes the kernel and scaled_mm calls of the general path (LinearGemms)
     with the same arguments: outputs, gradients and updated weights equal bit for bit, over
     three SGD steps (the weights change, so each forward quantizes new ones)."""
@@ -147,12 +148,18 @@ def test_lean_fp8_path_equals_general_path_bitwise(module_kind, bias, monkeypatc
                                            (general, optimizers[1], False)):
             monkeypatch.setattr(lean_fp8, "ENABLED", enabled)
             xi = x.clone().requires_grad_(True)
-            with mf.autocast(recipe=RECIPES["current"]):
+            with mf.autocast(recipe=RECIPES[recipe_kind]):
                 y = module(xi)
             y.backward(dy)
+            mf.update_delayed_backward_scales()
             results.append([y.detach(), xi.grad] + [p.grad.clone() for p in module.parameters()])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         for a, b in zip(*results, strict=True):
             assert torch.equal(a, b), f"step {step}"
     assert len(calls) == 3 * (2 if module_kind == "layernorm_mlp" else 1)
+    recipe = RECIPES[recipe_kind]
+    for mine, theirs in zip(lean.recipe_states(recipe), general.recipe_states(recipe),
+                            strict=True):  # delayed scaling: scales and amax histories
+        for a, b in zip(mine.state_tensors(), theirs.state_tensors(), strict=True):
+            assert torch.equal(a, b)

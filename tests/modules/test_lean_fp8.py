@@ -109,8 +109,12 @@ def test_cases_the_lean_path_leaves_to_the_general_path(on_cpu):
     lin = mf.Linear(96, 48)
     run(lin, x[:40], dy[:40])  # M = 40: not a multiple of 16
     run(lin, x, dy, is_first_microbatch=True)  # keeps weight copies: the general path's job
-    run(lin, x, dy, recipe=mf.DelayedScaling())
     run(lin, x, dy, recipe=mf.Float8BlockScaling())
+    run(mf.Linear(96, 64), x, torch.randn(64, 64),
+        recipe=mf.HybridRecipe(fprop=CURRENT, dgrad=mf.MXFP8BlockScaling(),
+                               wgrad=mf.MXFP8BlockScaling()))
+    with mf.autocast(recipe=mf.DelayedScaling()):  # recompute replays the scales: general path
+        mf.checkpoint(lin, x.clone().requires_grad_(True)).backward(dy)
     lin.weight.main_grad = torch.zeros(48, 96)
     run(lin, x, dy)
     del lin.weight.main_grad
@@ -138,7 +142,9 @@ def test_plan_refuses_what_the_kernel_call_cannot_express():
 
     assert LeanPlan.for_quantizers(Custom(torch.float8_e4m3fn), e4m3, e5m2) is None
     delayed = Float8Quantizer(torch.ones(1), torch.zeros(1), torch.float8_e4m3fn)
-    assert LeanPlan.for_quantizers(delayed, e4m3, e5m2) is None
+    assert LeanPlan.for_quantizers(delayed, e4m3, e5m2) is not None  # delayed scaling too
+    delayed_e5m2 = Float8Quantizer(torch.ones(1), torch.zeros(1), torch.float8_e5m2)
+    assert LeanPlan.for_quantizers(delayed_e5m2, e4m3, e5m2) is None
 
 
 def test_lean_path_is_cuda_only_by_default():
@@ -148,3 +154,34 @@ def test_lean_path_is_cuda_only_by_default():
     with mf.autocast(recipe=CURRENT):
         y = lin(x.requires_grad_(True))
     assert "LeanFP8Gemm" not in type(y.grad_fn).__name__
+
+
+def test_delayed_scaling_lean_path_records_the_general_amaxes(on_cpu, monkeypatch):
+    """Three steps under delayed scaling, lean and general on equal copies: each step's saved
+    bytes are equal, and so are the amax histories and scales the steps leave behind (the
+    lean path records into the slots the quantizers record into). One GEMM: on the CPU the two
+    paths' GEMMs round differently, so a second GEMM's input (and amax) would differ."""
+    import copy
+
+    recipe = mf.DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    lean = mf.Linear(96, 48)
+    general = copy.deepcopy(lean)
+    for step in range(3):
+        x, dy = data(seed=step)
+        x = x * (1 + step)
+        monkeypatch.setattr(lean_fp8, "ENABLED", True)
+        y, _, _, saved = run(lean, x, dy, recipe)
+        monkeypatch.setattr(lean_fp8, "ENABLED", False)
+        y_g, _, _, saved_g = run(general, x, dy, recipe)
+        mf.update_delayed_backward_scales()
+        assert len(saved) == len(saved_g) == 1
+        for a, b in zip(saved, saved_g, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"step {step}"
+        assert rel_err(y, y_g) < 1e-5
+    assert len(on_cpu) == 3
+    for mine, theirs in zip(lean.recipe_states(recipe), general.recipe_states(recipe),
+                            strict=True):
+        for a, b in zip(mine.state_tensors(), theirs.state_tensors(), strict=True):
+            assert torch.equal(a, b)
+    assert lean.recipe_states(recipe)[0].amax_history.abs().sum() > 0

@@ -282,10 +282,16 @@ class QuantizedModule(nn.Module):
             return compiled_gemms(x, weights, biases, plan, state, gemms, m_splits,
                                   need_dgrad=need_dgrad, need_wgrad=need_wgrad)
         binding = self._bindings.get(token) or self.binding(token)
-        if is_first_microbatch is None and len(weights) == 1 and binding.delayed_pair is None:
+        if is_first_microbatch is None and len(weights) == 1:
             lean = binding.lean_plans[gemms[0]]
             if lean is not None and lean_applies(x, weights[0]):
-                return LeanFP8Gemm.apply(x, weights[0], biases[0], lean, need_dgrad, need_wgrad)
+                if binding.delayed_pair is None:
+                    return LeanFP8Gemm.apply(x, weights[0], biases[0], lean, need_dgrad,
+                                             need_wgrad)
+                if get_autocast_state().recompute_record is None:
+                    note_delayed_use(binding.delayed_pair)
+                    return LeanFP8Gemm.apply(x, weights[0], biases[0], lean, need_dgrad,
+                                             need_wgrad)
         weight_cache, reuse_weights = weight_cache_for(self._weight_cache, is_first_microbatch)
         call = GemmCall.from_slots(
             binding.forward_quantizers, binding.backward_quantizers, gemms, m_splits,

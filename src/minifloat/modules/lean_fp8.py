@@ -1,5 +1,5 @@
-"""The lean eager path of one per-tensor FP8 current-scaling GEMM: LinearGemms' bytes, with
-nothing but kernel calls on the hot path.
+"""The lean eager path of one per-tensor FP8 GEMM (current or delayed scaling): LinearGemms'
+bytes, with nothing but kernel calls on the hot path.
 
 Why: an eager FP8 step is host-bound. At the 1b preset on an H100 the general path
 (LinearGemms: GemmCall, split_quantize, quantizer objects, storages, general_gemm's dispatch,
@@ -13,8 +13,10 @@ quantizers call them, and the same torch._scaled_mm call as gemm_paths.scaled_mm
 
 Eligibility is decided once per module, recipe and GEMM (LeanPlan.for_quantizers, kept in the
 module's binding): the input, weight and grad_output quantizers are exactly
-Float8CurrentScalingQuantizer (no subclass), with no amax reduction group (a TP layer's reduced
-amax takes the general path), and not E5M2 on both sides of a GEMM (cuBLAS has no such FP8
+Float8CurrentScalingQuantizer with no amax reduction group (a TP layer's reduced amax takes the
+general path) or Float8Quantizer (delayed scaling: the slot's scale and amax, recorded into as
+the quantizer records; not inside activation recompute, whose replay of the scales is the
+general path's), no subclass, and not E5M2 on both sides of a GEMM (cuBLAS has no such FP8
 GEMM). Per call (`applies`): a CUDA input, contiguous, of a kernel dtype, with whole 16-element
 multiples on M, K and N (scaled_mm's rule); a plain weight (not a QuantizedTensor, DTensor or
 other subclass) without a `main_grad`; one split; is_first_microbatch None. Anything else takes
@@ -34,7 +36,7 @@ import torch
 
 from .. import kernels
 from ..gemm_paths import scaled_mm_bytes
-from ..quantizers import Float8CurrentScalingQuantizer, Quantizer
+from ..quantizers import Float8CurrentScalingQuantizer, Float8Quantizer, Quantizer
 from ..quantizers.base import kernel_module
 from .linear_function import as_output, graph_kept
 
@@ -44,40 +46,54 @@ ENABLED = os.environ.get("MINIFLOAT_LEAN_PATH", "1") != "0"
 DEVICES = ("cuda",)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Cast:
-    """One operand's current-scaling settings (what its quantizer would pass to the kernel)."""
+    """One operand's per-tensor FP8 cast, as its quantizer would make it: current scaling
+    (scale None: the amax of the tensor itself) or delayed scaling (the recipe state's slot:
+    `scale` read, `amax` recorded into, both 1-element views owned by the state)."""
 
     fp8_dtype: torch.dtype
-    amax_epsilon: float
-    power_2_scale: bool
+    amax_epsilon: float = 0.0
+    power_2_scale: bool = False
+    scale: torch.Tensor | None = None
+    amax: torch.Tensor | None = None
 
     @staticmethod
     def of(quantizer: Quantizer) -> Cast | None:
-        if type(quantizer) is not Float8CurrentScalingQuantizer:
-            return None
-        if quantizer.amax_reduction_group is not None:
-            return None
-        return Cast(quantizer.fp8_dtype, quantizer.amax_epsilon, quantizer.power_2_scale)
+        kind = type(quantizer)
+        if kind is Float8CurrentScalingQuantizer and quantizer.amax_reduction_group is None:
+            return Cast(quantizer.fp8_dtype, quantizer.amax_epsilon, quantizer.power_2_scale)
+        if kind is Float8Quantizer:
+            return Cast(quantizer.fp8_dtype, scale=quantizer.scale, amax=quantizer.amax)
+        return None
 
     def __call__(self, x2d: torch.Tensor, *, rowwise: bool, columnwise: bool
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """(data [M, K] or None, data_t [K, M] or None, scale_inv): the quantizer's bytes."""
         if kernels.available(x2d):
-            return kernel_module("per_tensor_fp8").quantize_current_scaling(
-                x2d, self.fp8_dtype, amax_epsilon=self.amax_epsilon,
-                power_2_scale=self.power_2_scale, rowwise=rowwise, columnwise=columnwise)
-        # no kernels (the CPU tests): the quantizer's reference path gives the same bytes
-        quantizer = Float8CurrentScalingQuantizer(self.fp8_dtype, rowwise=rowwise,
-                                                  columnwise=columnwise,
-                                                  amax_epsilon=self.amax_epsilon,
-                                                  power_2_scale=self.power_2_scale)
+            per_tensor_fp8 = kernel_module("per_tensor_fp8")
+            if self.scale is None:
+                return per_tensor_fp8.quantize_current_scaling(
+                    x2d, self.fp8_dtype, amax_epsilon=self.amax_epsilon,
+                    power_2_scale=self.power_2_scale, rowwise=rowwise, columnwise=columnwise)
+            if per_tensor_fp8.kernel_input(x2d, self.scale, self.amax):
+                return per_tensor_fp8.quantize_delayed_scaling(
+                    x2d, self.scale, self.amax, self.fp8_dtype, rowwise=rowwise,
+                    columnwise=columnwise)
+        # no kernels (the CPU tests), or state elsewhere: the quantizer's own path, same bytes
+        if self.scale is None:
+            quantizer = Float8CurrentScalingQuantizer(
+                self.fp8_dtype, rowwise=rowwise, columnwise=columnwise,
+                amax_epsilon=self.amax_epsilon, power_2_scale=self.power_2_scale)
+        else:
+            quantizer = Float8Quantizer(self.scale, self.amax, self.fp8_dtype, rowwise=rowwise,
+                                        columnwise=columnwise)
         quantizer.internal = True
         storage = quantizer(x2d)
         return storage.data, storage.data_transpose, storage.scale_inv
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LeanPlan:
     """The casts of one GEMM's input, weight and grad_output."""
 
