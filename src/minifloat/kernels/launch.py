@@ -24,6 +24,9 @@ from typing import Any
 import torch
 
 _DIRECT = os.environ.get("MINIFLOAT_TRITON_LAUNCH", "0") != "1"
+# Triton picks the interpreter when a kernel is defined (at import), so reading the variable
+# once is what Triton itself honours; an environment read per launch cost host time
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # key -> (compiled kernel, its trailing constexpr values in signature order)
 _COMPILED: dict[tuple, tuple[Any, tuple]] = {}
 _INT32 = range(-(2**31), 2**31)
@@ -59,7 +62,7 @@ def _launch_hooks() -> tuple[Any, Any]:
 
 
 def _direct_allowed(kernel: Any, args: tuple) -> bool:
-    if not _DIRECT or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if not _DIRECT or _INTERPRET:
         return False
     for a in args:
         if isinstance(a, torch.Tensor) and a.is_cuda:
