@@ -148,17 +148,77 @@ def test_low_precision_gather_moves_fewer_bytes_than_bf16(name):
     assert low <= BYTE_BOUND[name] * high, (low, high)
 
 
-def cut_tile_worker(rank: int, world_size: int) -> None:
-    model = nn.Sequential(mf.Linear(128, 128, name="small"))  # 64 rows a rank: half a tile
-    enable_low_precision_all_gather(model, mf.Float8BlockScaling())
+CUT_TILE_CASES = {  # out_features over 2 ranks: each shard ends inside a scale tile
+    "block": (mf.Float8BlockScaling, 128, 192),  # 96 rows a rank, 128-row tiles
+    "nvfp4": (lambda: mf.NVFP4BlockScaling(disable_stochastic_rounding=True), 64, 48),  # 24 / 16
+}
+
+
+def cut_tile_worker(rank: int, world_size: int, name: str) -> list[bool]:
+    """Shards that cut scale tiles: the gathered weight (bytes and scales) must equal the full
+    weight's quantization on one rank, over two training steps. The largest values sit in the
+    cut tile's rows that the second rank holds, so a tile maximum taken without the reduction
+    would give the first rank another scale."""
+    recipe_factory, in_features, out_features = CUT_TILE_CASES[name]
+    recipe = recipe_factory()
+    torch.manual_seed(0)
+    layer = mf.Linear(in_features, out_features, name="cut")
+    rows = out_features // world_size
+    with torch.no_grad():
+        layer.weight[rows:rows + 8] *= 50
+    model = nn.Sequential(layer)
+    enable_low_precision_all_gather(model, recipe)
     shard(model, world_size)
-    with mf.autocast(recipe=mf.Float8BlockScaling()):
-        model(torch.randn(32, 128))
+    gathered = []
+
+    def keep(module, args):  # clone now: FSDP2 frees the gathered buffers after use
+        storage = module.weight.quantized_storage
+        gathered.append({name: getattr(storage, name).clone() for name in storage.tensor_fields()
+                         if getattr(storage, name) is not None})
+
+    layer.register_forward_pre_hook(keep)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    same = []
+    for step in range(2):
+        with mf.autocast(recipe=recipe):
+            model(torch.randn(32, in_features, generator=torch.Generator().manual_seed(step))
+                  ).float().pow(2).mean().backward()
+        fields = gathered[-1]
+        optimizer.zero_grad(set_to_none=True)
+        layer.reshard()
+        full = layer.weight.full_tensor()
+        quantizer = layer.quantizers(recipe)[0][1].copy()
+        quantizer.set_usage(rowwise=True, columnwise=False)
+        quantizer.internal = True
+        reference = quantizer(getattr(full, "_inner", full).detach())
+        for field, value in fields.items():
+            if field.startswith("rowwise") or field.startswith("amax_rowwise"):
+                expected = getattr(reference, field)
+                same.append(torch.equal(value.view(torch.uint8) if value.element_size() == 1
+                                        else value,
+                                        expected.view(torch.uint8) if expected.element_size() == 1
+                                        else expected))
+        optimizer.step()
+    return same
 
 
-def test_a_shard_that_cuts_a_scale_tile_is_refused():
-    with pytest.raises(RuntimeError, match="multiple of 128 rows"):
-        run_ranks(cut_tile_worker, WORLD, timeout=120)
+@pytest.mark.parametrize("name", list(CUT_TILE_CASES))
+def test_shards_that_cut_scale_tiles_gather_the_full_quantization(name):
+    for rank, same in enumerate(run_ranks(cut_tile_worker, WORLD, name, timeout=120)):
+        assert same and all(same), f"rank {rank}: {same}"
+
+
+def uneven_worker(rank: int, world_size: int) -> None:
+    model = nn.Sequential(mf.Linear(64, 33, name="uneven"))  # 33 rows over 2 ranks
+    enable_low_precision_all_gather(model, mf.Float8CurrentScaling())
+    shard(model, world_size)
+    with mf.autocast(recipe=mf.Float8CurrentScaling()):
+        model(torch.randn(16, 64))
+
+
+def test_uneven_shards_are_refused_clearly():
+    with pytest.raises(RuntimeError, match="shard a weight evenly"):
+        run_ranks(uneven_worker, WORLD, timeout=120)
 
 
 def test_other_weight_formats_are_refused_clearly():

@@ -181,7 +181,7 @@ def nan_worker(rank: int, world_size: int) -> torch.Tensor:
     """Rank 1 holds a NaN where rank 0 holds a number, and a smaller value where rank 0 does."""
     values = torch.tensor([1.0, 2.0, 5.0]) if rank == 0 else torch.tensor([float("nan"), 3.0,
                                                                            4.0])
-    return mw._all_reduce_max(values, dist.group.WORLD)
+    return mw.all_reduce_max_keep_nan(values, dist.group.WORLD)
 
 
 def test_nan_in_one_rank_reaches_every_rank():

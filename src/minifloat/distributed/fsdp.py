@@ -18,8 +18,10 @@ full weight on one rank, bit for bit. Supported weight formats: per-tensor FP8 w
 scaling, with delayed scaling (the recipe state's scale; each rank records its shard's amax and
 `autocast(amax_reduction_group=...)` reduces the history, as for activations; a re-gather for
 backward records nothing, backward reads the copies forward kept), 128x128 block FP8 and 2D
-NVFP4 (shards must hold whole scale tiles). MXFP8 raises a clear error (not written yet). The
-optimizer updates the high-precision shards; the next forward quantizes them again.
+NVFP4. Where shard boundaries cut scale tiles, the tiles' maxima are reduced across the ranks
+that hold them (cut_tiles.py). FSDP2 must shard evenly (padding would be gathered as data).
+MXFP8 raises a clear error (not written yet). The optimizer updates the high-precision shards;
+the next forward quantizes them again.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from ..quantizers import (
     QuantizedTensor,
     Quantizer,
 )
+from .cut_tiles import cut_tile_gather_inputs, tile_rows_of
 
 # ops whose result is the same weight shard (or a piece of it) and so keeps the wrapper: what
 # FSDP2 applies to a parameter when sharding, padding and copying it
@@ -108,13 +111,17 @@ class LowPrecisionGatherWeight(torch.Tensor):
         quantizer.amax_reduction_group = mesh.get_group()
         quantizer.set_usage(rowwise=True, columnwise=False)
         quantizer.internal = True
-        rows = self._inner.shape[0]
-        tile = _TILE_ROWS.get(type(quantizer))
-        if tile and rows % tile:
+        rows, shards = self._inner.shape[0], mesh.size()
+        if outer_size[0] % shards:
             raise ValueError(
-                f"low-precision all-gather of {type(quantizer).__name__} weights needs every "
-                f"FSDP2 shard to hold a multiple of {tile} rows (the scale tiles), got {rows}; "
-                "use fewer ranks, pad the weight's rows, or gather high-precision weights")
+                f"low-precision all-gather needs FSDP2 to shard a weight evenly: "
+                f"{outer_size[0]} rows over {shards} ranks leaves padding, which FSDP2 would "
+                "gather as data; use a row count divisible by the shard count, or gather "
+                "high-precision weights (FSDP2 without enable_low_precision_all_gather)")
+        tile = tile_rows_of(quantizer)
+        if tile and rows % tile:  # scale tiles cut by shard boundaries: reduce their maxima
+            return cut_tile_gather_inputs(self._inner, quantizer, mesh.get_local_rank() * rows,
+                                          outer_size[0], mesh.get_group())
         if isinstance(quantizer, Float8Quantizer) and torch._C._current_graph_task_id() != -1:
             # delayed scaling, re-gathered for backward: backward reads the copies forward kept,
             # so this gather must not record the weight's amax into the next round's slot
@@ -133,10 +140,6 @@ class LowPrecisionGatherWeight(torch.Tensor):
                 setattr(target, name, getattr(storage, name))
             return None
         return QuantizedTensor(storage), tuple(all_gather_outputs)
-
-
-# rows of one scale tile, where a shard boundary must not cut it
-_TILE_ROWS = {Float8BlockQuantizer: 128, NVFP4Quantizer: 16}
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -163,6 +166,13 @@ def _gathered_storage(outputs, metadata, columns: int, param_dtype: torch.dtype)
         data = data.view(dtype).view(-1, columns)
         return Float8Storage(shape=data.shape, dtype=param_dtype, quantizer=quantizer,
                              data=data, data_transpose=None, scale_inv=shared, fp8_dtype=dtype)
+    if kind == "block_grid":  # cut tiles: the full scale grid came as metadata
+        (data,) = outputs
+        data = data.view(dtype).view(-1, columns)
+        return Float8BlockStorage(shape=data.shape, dtype=param_dtype, quantizer=quantizer,
+                                  rowwise_data=data, rowwise_scale_inv=shared,
+                                  columnwise_data=None, columnwise_scale_inv=None,
+                                  block_scaling_dim=2)
     if kind == "block":
         data, scale_inv = outputs
         data = data.view(dtype).view(-1, columns)

@@ -149,7 +149,7 @@ def _partial_maxima(cast: _Cast, shape: tuple[int, int]) -> torch.Tensor:
                       tile_amax(full, _MX_BLOCK, 1).reshape(-1)])
 
 
-def _all_reduce_max(values: torch.Tensor, group) -> torch.Tensor:
+def all_reduce_max_keep_nan(values: torch.Tensor, group) -> torch.Tensor:
     """MAX over the group, NaN-preserving: NaN travels as a flag beside the values."""
     if group is None:
         return values
@@ -299,7 +299,7 @@ def quantize_master_weights(
         pieces.append(maxima)
     if not casts:
         return
-    reduced = _all_reduce_max(torch.cat(pieces).float(), group)
+    reduced = all_reduce_max_keep_nan(torch.cat(pieces).float(), group)
     for cast, weight in zip(casts, model_weights, strict=True):
         _cast(cast, reduced[cast.offset:cast.offset + cast.count], _shape(weight))
         if not manual_post_all_gather_processing:

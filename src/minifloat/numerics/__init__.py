@@ -5,6 +5,7 @@ it wherever no kernel applies (CPU tensors, or formats without a fast path).
 """
 
 from .block_fp8 import (
+    block_scale_inv,
     dequantize_block_1d,
     dequantize_block_2d,
     quantize_block_1d,
@@ -60,7 +61,8 @@ from .per_tensor import (
 __all__ = [
     "E2M1", "E4M3", "E5M2", "FLT_MAX", "RHT_SIGNS", "UE4M3", "ElementFormat",
     "cast_to_e2m1", "cast_to_fp8", "clear_mantissa", "compute_amax", "decode_e2m1",
-    "delayed_scaling_update", "dequantize_block_1d", "dequantize_block_2d", "dequantize_mxfp8",
+    "block_scale_inv", "delayed_scaling_update", "dequantize_block_1d", "dequantize_block_2d",
+    "dequantize_mxfp8",
     "dequantize_nvfp4", "dequantize_nvfp4_blocks", "dequantize_per_tensor", "e2m1_to_float",
     "e8m0_exponent", "e8m0_to_float", "emulated_gemm_tn", "encode_e2m1", "exp2_exact",
     "fp8_format", "global_decode_scale", "global_encode_scale",

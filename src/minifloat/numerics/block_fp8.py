@@ -31,15 +31,26 @@ def _quantize_tiles(
     of the tensor (distributed master-weight casts)."""
     if amax is None:
         amax = tile_amax(x2d, rows, cols)
-    scale = scale_from_amax(
-        amax,
-        E4M3.max_value,
-        amax_epsilon=amax_epsilon,
-        power_2_scale=power_2_scale,
-        overflow_value=float(torch.finfo(x2d.dtype).max),
-    )
+    scale = _tile_scale(amax, power_2_scale, amax_epsilon, x2d.dtype)
     data = cast_to_fp8(x2d.float() * expand_tiles(scale, rows, cols, x2d.shape), E4M3.torch_dtype)
     return data, torch.reciprocal(scale)
+
+
+def _tile_scale(amax: torch.Tensor, power_2_scale: bool, amax_epsilon: float,
+                input_dtype: torch.dtype) -> torch.Tensor:
+    """Each tile's scale from its absolute maximum (overflowing to the input dtype's max)."""
+    return scale_from_amax(amax, E4M3.max_value, amax_epsilon=amax_epsilon,
+                           power_2_scale=power_2_scale,
+                           overflow_value=float(torch.finfo(input_dtype).max))
+
+
+def block_scale_inv(tile_amaxes: torch.Tensor, *, power_2_scale: bool = True,
+                    amax_epsilon: float = 0.0, input_dtype: torch.dtype = torch.float32
+                    ) -> torch.Tensor:
+    """The scale_inv grid quantize_block_1d/2d derive from these tile maxima (for an input of
+    `input_dtype`): the scales of a tensor whose tiles were reduced across ranks, computed
+    without the tensor (a sharded weight's gathered scale grid)."""
+    return torch.reciprocal(_tile_scale(tile_amaxes, power_2_scale, amax_epsilon, input_dtype))
 
 
 def quantize_block_1d(
