@@ -1,5 +1,6 @@
-"""FSDP2 low-precision all-gather (enable_low_precision_all_gather): FP8 current scaling,
-128x128 block FP8 and 2D NVFP4 weights.
+"""FSDP2 low-precision all-gather (enable_low_precision_all_gather): FP8 current and delayed
+scaling, 128x128 block FP8, MXFP8 (rowwise copy gathered for forward, columnwise for backward)
+and 2D NVFP4 weights.
 
 Each rank quantizes its rows of a weight (per-tensor and NVFP4 global amaxes all-reduced over
 the shard group; shards hold whole scale tiles) and FSDP2 gathers the low-precision bytes. The
@@ -28,9 +29,10 @@ RECIPES = {
     "current": lambda: mf.Float8CurrentScaling(),
     "delayed": lambda: mf.DelayedScaling(amax_history_len=1),  # the scale follows each step
     "block": lambda: mf.Float8BlockScaling(),
+    "mxfp8": lambda: mf.MXFP8BlockScaling(),
     "nvfp4": lambda: mf.NVFP4BlockScaling(disable_stochastic_rounding=True),
 }
-BYTE_BOUND = {"current": 0.55, "delayed": 0.55, "block": 0.55, "nvfp4": 0.3}
+BYTE_BOUND = {"current": 0.55, "delayed": 0.55, "block": 0.55, "mxfp8": 0.55, "nvfp4": 0.3}
 
 
 class Stack(nn.Sequential):
@@ -221,9 +223,13 @@ def test_uneven_shards_are_refused_clearly():
         run_ranks(uneven_worker, WORLD, timeout=120)
 
 
+def nvfp4_1d(role):
+    return mf.NVFP4Quantizer(with_2d_quantization=False)
+
+
 def test_other_weight_formats_are_refused_clearly():
-    with pytest.raises(NotImplementedError, match="MXFP8Quantizer"):
-        enable_low_precision_all_gather(build(), mf.MXFP8BlockScaling())
+    with pytest.raises(NotImplementedError, match="NVFP4Quantizer"):  # 1D (activation) NVFP4
+        enable_low_precision_all_gather(build(), mf.CustomRecipe(nvfp4_1d))
     model = build()
     enable_low_precision_all_gather(model, mf.Float8CurrentScaling())
     with pytest.raises(TypeError, match="already"):

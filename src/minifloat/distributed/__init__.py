@@ -3,11 +3,16 @@ ZeRO-style distributed optimizers.
 
 FSDP2 (`torch.distributed.fsdp.fully_shard`) with high-precision sharded parameters needs
 nothing from here: FSDP2 gathers the weights and minifloat quantizes after the gather
-(tests/distributed/test_fsdp2.py). Delayed scaling reduces its amaxes over
-`minifloat.autocast(amax_reduction_group=...)`.
+(tests/distributed/test_fsdp2.py); `rebuild_weight_copies_in_backward(model)` keeps the
+weights sharded between forward and backward (no full-size weight copy kept for dgrad).
+Delayed scaling reduces its amaxes over `minifloat.autocast(amax_reduction_group=...)`.
 """
 
-from .fsdp import LowPrecisionGatherWeight, enable_low_precision_all_gather
+from .fsdp import (
+    LowPrecisionGatherWeight,
+    enable_low_precision_all_gather,
+    rebuild_weight_copies_in_backward,
+)
 from .master_weights import post_all_gather_processing, quantize_master_weights
 from .process_group import destroy_process_group
 
@@ -17,4 +22,5 @@ __all__ = [
     "enable_low_precision_all_gather",
     "post_all_gather_processing",
     "quantize_master_weights",
+    "rebuild_weight_copies_in_backward",
 ]

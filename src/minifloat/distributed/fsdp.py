@@ -19,9 +19,11 @@ scaling, with delayed scaling (the recipe state's scale; each rank records its s
 `autocast(amax_reduction_group=...)` reduces the history, as for activations; a re-gather for
 backward records nothing, backward reads the copies forward kept), 128x128 block FP8 and 2D
 NVFP4. Where shard boundaries cut scale tiles, the tiles' maxima are reduced across the ranks
-that hold them (cut_tiles.py). FSDP2 must shard evenly (padding would be gathered as data).
-MXFP8 raises a clear error (not written yet). The optimizer updates the high-precision shards;
-the next forward quantizes them again.
+that hold them (cut_tiles.py). MXFP8 gathers its rowwise copy for forward and its columnwise
+copy for backward (neither derives the other). FSDP2 must shard evenly (padding would be
+gathered as data). Wrapped modules keep no weight copy from forward to backward (except under
+delayed scaling): backward reads the re-gathered weight, so the weights stay sharded between the
+two. The optimizer updates the high-precision shards; the next forward quantizes them again.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from ..quantizers import (
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
     Float8Storage,
+    MXFP8Quantizer,
+    MXFP8Storage,
     NVFP4Quantizer,
     NVFP4Storage,
     QuantizedTensor,
@@ -122,6 +126,8 @@ class LowPrecisionGatherWeight(torch.Tensor):
         if tile and rows % tile:  # scale tiles cut by shard boundaries: reduce their maxima
             return cut_tile_gather_inputs(self._inner, quantizer, mesh.get_local_rank() * rows,
                                           outer_size[0], mesh.get_group())
+        if isinstance(quantizer, MXFP8Quantizer):
+            return _mxfp8_gather_inputs(self._inner, quantizer, rows)
         if isinstance(quantizer, Float8Quantizer) and torch._C._current_graph_task_id() != -1:
             # delayed scaling, re-gathered for backward: backward reads the copies forward kept,
             # so this gather must not record the weight's amax into the next round's slot
@@ -140,6 +146,32 @@ class LowPrecisionGatherWeight(torch.Tensor):
                 setattr(target, name, getattr(storage, name))
             return None
         return QuantizedTensor(storage), tuple(all_gather_outputs)
+
+
+def _in_backward() -> bool:
+    """Whether this gather runs inside backward (FSDP2's re-gather before a module's backward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _mxfp8_gather_inputs(shard: torch.Tensor, quantizer: MXFP8Quantizer, rows: int
+                         ) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """MXFP8 keeps two copies with scales of their own (32-element blocks along K for the
+    rowwise one, along M for the columnwise one); neither derives the other. Forward gathers
+    the rowwise copy only, the backward re-gather the columnwise copy only, so each gather
+    moves one byte per element plus a scale per 32 (the modules keep no weight copy from
+    forward: rebuild_weight_copy_in_backward)."""
+    backward = _in_backward()
+    if backward and rows % 32:
+        raise ValueError(
+            f"low-precision all-gather of MXFP8 weights needs every FSDP2 shard to hold a "
+            f"multiple of 32 rows (the columnwise blocks run along rows), got {rows}; use fewer "
+            "ranks, pad the weight's rows, or gather high-precision weights")
+    quantizer.set_usage(rowwise=not backward, columnwise=backward)
+    storage = quantizer.quantize(shard)
+    prefix = "columnwise" if backward else "rowwise"
+    data, scale = getattr(storage, f"{prefix}_data"), getattr(storage, f"{prefix}_scale")
+    return (_bytes(data), _bytes(scale)), ("mxfp8", storage.quantizer,
+                                           (data.dtype, scale.dtype), prefix)
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -166,6 +198,17 @@ def _gathered_storage(outputs, metadata, columns: int, param_dtype: torch.dtype)
         data = data.view(dtype).view(-1, columns)
         return Float8Storage(shape=data.shape, dtype=param_dtype, quantizer=quantizer,
                              data=data, data_transpose=None, scale_inv=shared, fp8_dtype=dtype)
+    if kind == "mxfp8":  # one direction per gather; `shared` names it
+        data, scale = outputs
+        data_dtype, scale_dtype = dtype
+        data = data.view(data_dtype).view(-1, columns)
+        scale = scale.view(scale_dtype).view(-1, columns if shared == "columnwise"
+                                             else columns // 32)
+        fields = {f"{direction}_{name}": None for direction in ("rowwise", "columnwise")
+                  for name in ("data", "scale")}
+        fields[f"{shared}_data"], fields[f"{shared}_scale"] = data, scale
+        return MXFP8Storage(shape=data.shape, dtype=param_dtype, quantizer=quantizer,
+                            fp8_dtype=data_dtype, **fields)
     if kind == "block_grid":  # cut tiles: the full scale grid came as metadata
         (data,) = outputs
         data = data.view(dtype).view(-1, columns)
@@ -190,7 +233,7 @@ def _gathered_storage(outputs, metadata, columns: int, param_dtype: torch.dtype)
 
 
 def _supported(quantizer: Quantizer) -> bool:
-    if isinstance(quantizer, Float8CurrentScalingQuantizer | Float8Quantizer):
+    if isinstance(quantizer, Float8CurrentScalingQuantizer | Float8Quantizer | MXFP8Quantizer):
         return True
     if isinstance(quantizer, Float8BlockQuantizer):
         return quantizer.block_scaling_dim == 2
@@ -229,9 +272,26 @@ def enable_low_precision_all_gather(model: nn.Module, recipe) -> nn.Module:
             if not _supported(quantizer):
                 raise NotImplementedError(
                     f"low-precision all-gather of {type(quantizer).__name__} weights is not "
-                    "written yet; FP8 current scaling, 128x128 block FP8 and 2D NVFP4 are "
-                    "supported (gather high-precision weights otherwise: FSDP2 without this "
-                    "call)")
+                    "written; per-tensor FP8 (current, delayed), 128x128 block FP8, MXFP8 and "
+                    "2D NVFP4 without stochastic rounding are supported (gather high-precision "
+                    "weights otherwise: FSDP2 without this call)")
             wrapped = LowPrecisionGatherWeight(weight.detach(), quantizer.copy())
             setattr(module, name, nn.Parameter(wrapped, requires_grad=weight.requires_grad))
+            # backward reads the re-gathered weight instead of a full-size copy kept from
+            # forward; delayed scaling keeps its copy (a re-gather would use the scale of the
+            # next step, updated when forward's autocast exits)
+            module.rebuild_weight_copy_in_backward = not isinstance(quantizer, Float8Quantizer)
+    return model
+
+
+def rebuild_weight_copies_in_backward(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Make model's minifloat modules keep no weight copy from forward to backward: backward
+    quantizes the (FSDP2 re-gathered) weight again for its data gradient, with the bytes the kept
+    copy would have had. Why: under FSDP2 a kept copy is a full-size weight per layer, alive from
+    forward to backward, which undoes the sharding of the weights (torchao's
+    force_recompute_fp8_weight_in_bwd). Costs one columnwise cast per weight in backward.
+    enable_low_precision_all_gather sets it for the weights it wraps."""
+    for module in model.modules():
+        if _gemm_weights(module):
+            module.rebuild_weight_copy_in_backward = enabled
     return model

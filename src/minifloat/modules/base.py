@@ -68,6 +68,10 @@ class QuantizedModule(nn.Module):
 
     module_type = "linear"
     num_gemms = 1
+    # True: keep no weight copy from forward to backward; backward quantizes the weight again
+    # (linear_function.rebuild_weight_copy). For FSDP2, whose sharding a kept full-size copy
+    # undoes; distributed.rebuild_weight_copies_in_backward sets it on a model's modules.
+    rebuild_weight_copy_in_backward = False
 
     def __init__(self, name: str | None = None) -> None:
         super().__init__()
@@ -282,7 +286,8 @@ class QuantizedModule(nn.Module):
             return compiled_gemms(x, weights, biases, plan, state, gemms, m_splits,
                                   need_dgrad=need_dgrad, need_wgrad=need_wgrad)
         binding = self._bindings.get(token) or self.binding(token)
-        if is_first_microbatch is None and len(weights) == 1:
+        rebuild = self.rebuild_weight_copy_in_backward
+        if is_first_microbatch is None and len(weights) == 1 and not rebuild:
             lean = binding.lean_plans[gemms[0]]
             if lean is not None and lean_applies(x, weights[0]):
                 if binding.delayed_pair is None:
@@ -296,7 +301,7 @@ class QuantizedModule(nn.Module):
         call = GemmCall.from_slots(
             binding.forward_quantizers, binding.backward_quantizers, gemms, m_splits,
             need_dgrad=need_dgrad, need_wgrad=need_wgrad, weight_cache=weight_cache,
-            reuse_weights=reuse_weights)
+            reuse_weights=reuse_weights, rebuild_weights=rebuild)
         if binding.delayed_pair is not None:
             if get_autocast_state().recompute_record is not None:
                 with self.delayed_scaling_scope(recipe_for_token(token)):

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from ..gemm import general_gemm
-from ..quantizers import QuantizedStorage, Quantizer
+from ..quantizers import (
+    Float8Quantizer,
+    HybridQuantizer,
+    QuantizedStorage,
+    QuantizedTensor,
+    Quantizer,
+    as_storage,
+)
 from ..quantizers.split import check_splits, split_quantize
 from .weights import quantized_weight
 
@@ -41,12 +48,16 @@ class GemmCall:
     grad_output_quantizers: list[Quantizer]
     need_dgrad: bool
     need_wgrad: bool
+    # keep no weight copy for dgrad: backward quantizes the weight again (or reads the copy an
+    # FSDP2 re-gather brought); see rebuild_weight_copy
+    rebuild_weights: bool = False
 
     @classmethod
     def from_slots(
         cls, forward_quantizers: list[Quantizer], backward_quantizers: list[Quantizer],
         gemms: list[int], m_splits: list[int], *, need_dgrad: bool, need_wgrad: bool,
         weight_cache: dict | None = None, reuse_weights: bool = False,
+        rebuild_weights: bool = False,
     ) -> GemmCall:
         """The call of GEMMs `gemms`, picking each one's quantizers from a module's slot lists
         (forward: input, weight, output per GEMM; backward: grad_output, grad_input)."""
@@ -60,6 +71,8 @@ class GemmCall:
             grad_output_quantizers=[backward_quantizers[per_backward * g] for g in gemms],
             need_dgrad=need_dgrad,
             need_wgrad=need_wgrad,
+            rebuild_weights=rebuild_weights and need_dgrad and all(
+                can_rebuild(forward_quantizers[per_forward * g + 1]) for g in gemms),
         )
 
 
@@ -219,10 +232,11 @@ def gemms_forward(
     splits = check_splits(x2d.shape[0], call.m_splits, len(weights))
     x_qs = quantize_for_gemms(x2d, splits, call.input_quantizers, rowwise=True,
                               columnwise=call.need_wgrad)
+    keep_weights = call.need_dgrad and not call.rebuild_weights
     y, w_qs = fprop_gemms(x_qs, weights, biases, call.weight_quantizers, call.weight_cache,
-                          need_dgrad=call.need_dgrad, out_dtype=x.dtype,
+                          need_dgrad=keep_weights, out_dtype=x.dtype,
                           reuse_weights=call.reuse_weights)
-    saved = keep_for_backward(x_qs, w_qs, need_dgrad=call.need_dgrad,
+    saved = keep_for_backward(x_qs, w_qs, need_dgrad=keep_weights,
                               need_wgrad=call.need_wgrad)
     return as_output(y, (*x.shape[:-1], weights[0].shape[0])), splits, saved
 
@@ -274,7 +288,11 @@ class LinearGemms(torch.autograd.Function):
         weights, biases = params[:count], params[count:]
         y, splits, saved = gemms_forward(x, call, list(weights), list(biases))
         x_count = saved.x_tensor_count
-        ctx.save_for_backward(*saved.tensors[:x_count])
+        if call.rebuild_weights:  # the weights themselves, as F.linear saves them
+            ctx.save_for_backward(*saved.tensors[:x_count], *weights)
+            ctx.forward_scales = [forward_scale(q) for q in call.weight_quantizers]
+        else:
+            ctx.save_for_backward(*saved.tensors[:x_count])
         ctx.w_tensors = saved.tensors[x_count:]
         # the buffers now live in autograd's saved tensors and ctx.w_tensors only: a list kept
         # here held every input copy alive after backward (as long as the graph object lived,
@@ -289,7 +307,14 @@ class LinearGemms(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        x_qs, w_qs = ctx.saved.restore(list(ctx.saved_tensors) + list(ctx.w_tensors))
+        saved_tensors = list(ctx.saved_tensors)
+        if ctx.call.rebuild_weights:
+            count = len(ctx.call.weight_quantizers)
+            weights, saved_tensors = saved_tensors[-count:], saved_tensors[:-count]
+        x_qs, w_qs = ctx.saved.restore(saved_tensors + list(ctx.w_tensors))
+        if ctx.call.rebuild_weights:
+            w_qs = [rebuild_weight_copy(weight, quantizer, scale) for weight, quantizer, scale
+                    in zip(weights, ctx.call.weight_quantizers, ctx.forward_scales, strict=True)]
         if not graph_kept():
             # autograd frees the saved inputs after backward; free the weight copies with them
             # (the loss, and so this node, usually lives on into the next step's forward)
@@ -299,6 +324,55 @@ class LinearGemms(torch.autograd.Function):
             ctx.out_dtype)
         grad_x = None if grad_x2d is None else as_output(grad_x2d, ctx.x_shape)
         return (grad_x, None, *grad_weights, *grad_biases)
+
+
+def _columnwise_maker(quantizer: Quantizer) -> Quantizer:
+    """The quantizer that makes a weight's columnwise copy (a hybrid's columnwise child)."""
+    return quantizer.columnwise_quantizer if isinstance(quantizer, HybridQuantizer) else quantizer
+
+
+def can_rebuild(quantizer: Quantizer) -> bool:
+    """Whether backward can make this weight quantizer's columnwise copy as forward would: not
+    for a hybrid whose columnwise copy takes delayed scaling (forward's cast of that copy is
+    what records its amax; a rebuild in backward would record nothing, or into the next step)."""
+    return not (isinstance(quantizer, HybridQuantizer)
+                and isinstance(quantizer.columnwise_quantizer, Float8Quantizer))
+
+
+def forward_scale(quantizer: Quantizer) -> torch.Tensor | None:
+    """The delayed-scaling scale a weight's columnwise copy takes in forward (a copy: the
+    recipe state's slot is updated before backward runs), or None for a stateless quantizer."""
+    maker = _columnwise_maker(quantizer)
+    return maker.scale.clone() if isinstance(maker, Float8Quantizer) else None
+
+
+def rebuild_weight_copy(weight: torch.Tensor, quantizer: Quantizer,
+                        scale: torch.Tensor | None) -> QuantizedStorage:
+    """The weight's columnwise copy for dgrad, made in backward instead of kept from forward.
+
+    Why: a kept copy is a full-size weight held from forward to backward, which undoes FSDP2's
+    sharding of the weights (torchao's force_recompute_fp8_weight_in_bwd exists for this). The
+    copy equals the one forward would have kept: a high-precision weight is quantized again
+    (columnwise only: every format's scales come from the same maxima, and delayed scaling uses
+    forward's scale and records no amax); a quantized weight (an FSDP2 low-precision re-gather)
+    derives the copy or already holds it.
+    """
+    if isinstance(weight, QuantizedTensor):
+        storage = as_storage(weight)
+        try:
+            storage.update_usage(columnwise=True)
+        except ValueError as error:
+            raise ValueError(
+                f"{error}. This weight came to backward without its columnwise copy: with "
+                "FSDP2's low-precision all-gather of MXFP8 weights, keep reshard_after_forward="
+                "True, so that the backward re-gather brings that copy") from None
+        return storage
+    rebuilt = _columnwise_maker(quantizer).copy()
+    rebuilt.set_usage(rowwise=False, columnwise=True)
+    rebuilt.internal = True
+    if scale is not None:
+        rebuilt.scale, rebuilt.amax = scale, torch.zeros_like(rebuilt.amax)
+    return rebuilt(weight.detach())
 
 
 def graph_kept() -> bool:

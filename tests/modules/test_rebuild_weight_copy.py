@@ -1,0 +1,94 @@
+"""rebuild_weight_copy_in_backward: backward quantizes the weight again instead of keeping a
+copy from forward (what FSDP2 needs to keep weights sharded between forward and backward).
+
+The rebuilt copy must be the one forward would have kept, so every step equals the default
+path bit for bit, under every recipe, including delayed scaling (whose scale changes between
+forward and backward: the rebuild uses forward's) and a hybrid whose dgrad format differs; and
+nothing weight-sized may be kept on the autograd graph besides the weight itself.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import minifloat as mf
+from minifloat.distributed import rebuild_weight_copies_in_backward
+
+NVFP4 = mf.NVFP4BlockScaling(disable_stochastic_rounding=True)
+RECIPES = {
+    "current": mf.Float8CurrentScaling(),
+    "delayed": mf.DelayedScaling(amax_history_len=2),
+    "block": mf.Float8BlockScaling(),
+    "mxfp8": mf.MXFP8BlockScaling(),
+    "nvfp4": NVFP4,
+    "hybrid": mf.HybridRecipe(fprop=mf.MXFP8BlockScaling(), dgrad=NVFP4, wgrad=NVFP4),
+    # a delayed-scaling dgrad copy is recorded by forward's cast: that weight keeps its copy
+    "hybrid-delayed-dgrad": mf.HybridRecipe(fprop=mf.MXFP8BlockScaling(),
+                                            dgrad=mf.DelayedScaling(), wgrad=NVFP4),
+}
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(mf.LayerNormLinear(128, 256, normalization="RMSNorm", name="a"),
+                         nn.GELU(), mf.LayerNormMLP(256, 256, normalization="RMSNorm", name="b"),
+                         mf.Linear(256, 128, name="c"))
+
+
+@pytest.mark.parametrize("kind", list(RECIPES))
+def test_rebuilt_copies_train_like_kept_copies_bitwise(kind):
+    recipe = RECIPES[kind]
+    kept = build()
+    rebuilt = rebuild_weight_copies_in_backward(copy.deepcopy(kept))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (kept, rebuilt)]
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(64, 128, generator=g) * (1 + step)
+        dy = torch.randn(64, 128, generator=g)
+        results = []
+        for model, optimizer in zip((kept, rebuilt), optimizers, strict=True):
+            xi = x.clone().requires_grad_(True)
+            with mf.autocast(recipe=recipe):
+                y = model(xi)
+            y.backward(dy)
+            mf.update_delayed_backward_scales()
+            results.append([y.detach(), xi.grad] + [p.grad.clone() for p in model.parameters()])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b), f"{kind} step {step}"
+    for a, b in zip(kept.modules(), rebuilt.modules(), strict=True):
+        if isinstance(a, mf.Linear | mf.LayerNormLinear | mf.LayerNormMLP):
+            for sa, sb in zip(a.recipe_states(recipe), b.recipe_states(recipe), strict=True):
+                for ta, tb in zip(sa.state_tensors(), sb.state_tensors(), strict=True):
+                    assert torch.equal(ta, tb), f"{kind}: delayed-scaling state"
+
+
+def _gemm_node(output):
+    node = output.grad_fn
+    while not hasattr(node, "w_tensors"):
+        node = node.next_functions[0][0]
+    return node
+
+
+@pytest.mark.parametrize("kind", ["current", "block"])
+def test_no_weight_copy_is_kept_between_forward_and_backward(kind):
+    layer = mf.Linear(256, 128)
+    layer.rebuild_weight_copy_in_backward = True
+    x = torch.randn(64, 256, requires_grad=True)
+    with mf.autocast(recipe=RECIPES[kind]):
+        y = layer(x)
+    node = _gemm_node(y)
+    assert list(node.w_tensors) == []
+    saved = node.saved_tensors
+    assert any(t is layer.weight for t in saved)  # the weight itself, as F.linear keeps it
+    weight_sized = [t for t in saved if t is not None and t is not layer.weight
+                    and t.numel() == layer.weight.numel()]
+    assert weight_sized == []
+    layer.rebuild_weight_copy_in_backward = False
+    with mf.autocast(recipe=RECIPES[kind]):
+        assert len(_gemm_node(layer(x)).w_tensors) > 0  # the default keeps one
