@@ -210,6 +210,43 @@ def test_shards_that_cut_scale_tiles_gather_the_full_quantization(name):
         assert same and all(same), f"rank {rank}: {same}"
 
 
+def cut_mxfp8_worker(rank: int, world_size: int, low_precision: bool) -> list[torch.Tensor]:
+    """MXFP8 weights of 96 rows over 2 ranks: 48 rows each, so the backward gather's columnwise
+    blocks (32 rows) are cut. Two steps; what dgrad computes from that copy (the input
+    gradient) and the updated weights must equal the high-precision gather's bit for bit."""
+    recipe = mf.MXFP8BlockScaling()
+    torch.manual_seed(0)
+    layer = mf.Linear(64, 96, name="cut")
+    with torch.no_grad():  # the largest values in the far rows of the cut block
+        layer.weight[48:56] *= 50
+    model = nn.Sequential(layer, mf.Linear(96, 64, name="next"))
+    if low_precision:
+        enable_low_precision_all_gather(model, recipe)
+    shard(model, world_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    results = []
+    for step in range(2):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step),
+                        requires_grad=True)
+        with mf.autocast(recipe=recipe):
+            model(x).float().pow(2).mean().backward()
+        results.append(x.grad.clone())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    for value in model.state_dict().values():
+        full = value.full_tensor()
+        results.append(getattr(full, "_inner", full).clone())
+    return results
+
+
+def test_mxfp8_columnwise_blocks_cut_by_shards_train_like_high_precision():
+    high = run_ranks(cut_mxfp8_worker, WORLD, False, timeout=120)
+    low = run_ranks(cut_mxfp8_worker, WORLD, True, timeout=120)
+    for rank in range(WORLD):
+        for index, (a, b) in enumerate(zip(low[rank], high[rank], strict=True)):
+            assert torch.equal(a, b), f"rank {rank}, result {index}"
+
+
 def uneven_worker(rank: int, world_size: int) -> None:
     model = nn.Sequential(mf.Linear(64, 33, name="uneven"))  # 33 rows over 2 ranks
     enable_low_precision_all_gather(model, mf.Float8CurrentScaling())

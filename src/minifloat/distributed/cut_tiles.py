@@ -14,6 +14,9 @@ which a cut tile would give twice, so the full grid (equal on every rank after t
 travels as metadata. NVFP4 stores its scales per row (a tile's scale repeated over its 16
 rows), so data and scale rows are gathered as for whole tiles.
 
+MXFP8's columnwise copy (32-row blocks, gathered for backward) is cut the same way; its scale
+grid ([M/32, K]) travels as metadata like block FP8's.
+
 This runs the numerics reference (pure torch, any device) on the tile rows the shard touches;
 shards of whole tiles keep the quantizer's own path (Triton kernels on a GPU).
 """
@@ -24,7 +27,7 @@ import torch
 
 from .. import numerics
 from ..numerics.blocks import tile_amax
-from ..quantizers import Float8BlockQuantizer, NVFP4Quantizer, Quantizer
+from ..quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer, Quantizer
 from .master_weights import all_reduce_max_keep_nan
 
 
@@ -87,3 +90,29 @@ def cut_tile_gather_inputs(
     scale = out["rowwise_scale"][top:top + rows].contiguous()
     return ((data, scale.view(torch.uint8)),
             ("nvfp4", owner, scale.dtype, out["amax_rowwise"]))
+
+
+def cut_mxfp8_columnwise_gather_inputs(
+    shard: torch.Tensor, quantizer: MXFP8Quantizer, first_row: int, total_rows: int, group
+) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """MXFP8's columnwise copy (32x1 blocks along rows) of a shard whose blocks the shard
+    boundary cuts: the block maxima reduced over `group`, the data rows gathered, the full E8M0
+    scale grid ([M/32, K], equal on every rank) as metadata ("mxfp8_grid")."""
+    rows = shard.shape[0]
+    block, first_tile, top = _padded_tile_rows(shard.detach(), first_row, 32)
+    local = tile_amax(block, 32, 1)
+    grid = torch.zeros((-(-total_rows // 32), local.shape[1]), dtype=torch.float32,
+                       device=shard.device)
+    grid[first_tile:first_tile + local.shape[0]] = local
+    grid = all_reduce_max_keep_nan(grid.view(-1), group).view(grid.shape)
+    out = numerics.quantize_mxfp8(block, rowwise=False, columnwise=True,
+                                  dtype=quantizer.fp8_dtype,
+                                  columnwise_amax=grid[first_tile:first_tile + local.shape[0]])
+    data = out["columnwise_data"][top:top + rows].contiguous()
+    scale = numerics.e8m0_exponent(grid, numerics.fp8_format(quantizer.fp8_dtype).max_value)
+    # FSDP2 keeps the all-gather buffers of a weight's first gather (forward: data and its
+    # [rows, K/32] scale), so this gather sends as many tensors of the same sizes: the second
+    # one, the size of those scale rows, is unused (the grid travels as metadata)
+    unused = torch.zeros(rows * (shard.shape[1] // 32), dtype=torch.uint8, device=shard.device)
+    return ((data.view(torch.uint8), unused),
+            ("mxfp8_grid", quantizer._output_quantizer(), (data.dtype, scale.dtype), scale))

@@ -47,7 +47,11 @@ from ..quantizers import (
     QuantizedTensor,
     Quantizer,
 )
-from .cut_tiles import cut_tile_gather_inputs, tile_rows_of
+from .cut_tiles import (
+    cut_mxfp8_columnwise_gather_inputs,
+    cut_tile_gather_inputs,
+    tile_rows_of,
+)
 
 # ops whose result is the same weight shard (or a piece of it) and so keeps the wrapper: what
 # FSDP2 applies to a parameter when sharding, padding and copying it
@@ -127,7 +131,7 @@ class LowPrecisionGatherWeight(torch.Tensor):
             return cut_tile_gather_inputs(self._inner, quantizer, mesh.get_local_rank() * rows,
                                           outer_size[0], mesh.get_group())
         if isinstance(quantizer, MXFP8Quantizer):
-            return _mxfp8_gather_inputs(self._inner, quantizer, rows)
+            return _mxfp8_gather_inputs(self._inner, quantizer, rows, mesh, outer_size[0])
         if isinstance(quantizer, Float8Quantizer) and torch._C._current_graph_task_id() != -1:
             # delayed scaling, re-gathered for backward: backward reads the copies forward kept,
             # so this gather must not record the weight's amax into the next round's slot
@@ -153,23 +157,25 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _mxfp8_gather_inputs(shard: torch.Tensor, quantizer: MXFP8Quantizer, rows: int
-                         ) -> tuple[tuple[torch.Tensor, ...], tuple]:
+def _mxfp8_gather_inputs(shard: torch.Tensor, quantizer: MXFP8Quantizer, rows: int, mesh,
+                         total_rows: int) -> tuple[tuple[torch.Tensor, ...], tuple]:
     """MXFP8 keeps two copies with scales of their own (32-element blocks along K for the
     rowwise one, along M for the columnwise one); neither derives the other. Forward gathers
     the rowwise copy only, the backward re-gather the columnwise copy only, so each gather
     moves one byte per element plus a scale per 32 (the modules keep no weight copy from
     forward: rebuild_weight_copy_in_backward)."""
     backward = _in_backward()
-    if backward and rows % 32:
-        raise ValueError(
-            f"low-precision all-gather of MXFP8 weights needs every FSDP2 shard to hold a "
-            f"multiple of 32 rows (the columnwise blocks run along rows), got {rows}; use fewer "
-            "ranks, pad the weight's rows, or gather high-precision weights")
+    if backward and rows % 32:  # columnwise blocks cut by the shard boundary
+        return cut_mxfp8_columnwise_gather_inputs(shard, quantizer, mesh.get_local_rank() * rows,
+                                                  total_rows, mesh.get_group())
     quantizer.set_usage(rowwise=not backward, columnwise=backward)
-    storage = quantizer.quantize(shard)
+    padded = shard
+    if rows % 32:  # rowwise blocks run along K: zero rows added to fit the format change none
+        padded = torch.cat([shard, shard.new_zeros(32 - rows % 32, shard.shape[1])])
+    storage = quantizer.quantize(padded)
     prefix = "columnwise" if backward else "rowwise"
-    data, scale = getattr(storage, f"{prefix}_data"), getattr(storage, f"{prefix}_scale")
+    data = getattr(storage, f"{prefix}_data")[:rows]
+    scale = getattr(storage, f"{prefix}_scale")[:rows if prefix == "rowwise" else None]
     return (_bytes(data), _bytes(scale)), ("mxfp8", storage.quantizer,
                                            (data.dtype, scale.dtype), prefix)
 
@@ -198,6 +204,13 @@ def _gathered_storage(outputs, metadata, columns: int, param_dtype: torch.dtype)
         data = data.view(dtype).view(-1, columns)
         return Float8Storage(shape=data.shape, dtype=param_dtype, quantizer=quantizer,
                              data=data, data_transpose=None, scale_inv=shared, fp8_dtype=dtype)
+    if kind == "mxfp8_grid":  # cut columnwise blocks: the full scale grid came as metadata
+        data = outputs[0]
+        data_dtype, _ = dtype
+        data = data.view(data_dtype).view(-1, columns)
+        return MXFP8Storage(shape=data.shape, dtype=param_dtype, quantizer=quantizer,
+                            fp8_dtype=data_dtype, rowwise_data=None, rowwise_scale=None,
+                            columnwise_data=data, columnwise_scale=shared)
     if kind == "mxfp8":  # one direction per gather; `shared` names it
         data, scale = outputs
         data_dtype, scale_dtype = dtype

@@ -6,7 +6,8 @@ gloo on a CPU machine, NCCL on GPUs (one per process, LOCAL_RANK). Run without t
 trains on one process. Every rank draws the same global batch from the same seed and trains
 on its share of the rows; FSDP2 (`fully_shard` per block, then the root) shards the parameters,
 gathers them in high precision and minifloat quantizes after the gather (`--mode hp`), or
-gathers them quantized (`--mode lp`: FP8 current or delayed, block FP8, NVFP4). Delayed
+gathers them quantized (`--mode lp`: FP8 current or delayed, block FP8, MXFP8, NVFP4); either
+way no full-size weight copy is kept from forward to backward. Delayed
 scaling reduces its amaxes over the data-parallel group. Rank 0 prints the loss averaged over
 ranks each step.
 """
@@ -23,7 +24,11 @@ import torch
 import torch.distributed as dist
 
 from ..autocast import autocast, update_delayed_backward_scales
-from ..distributed import destroy_process_group, enable_low_precision_all_gather
+from ..distributed import (
+    destroy_process_group,
+    enable_low_precision_all_gather,
+    rebuild_weight_copies_in_backward,
+)
 from ..models.gpt import GPT, PRESETS
 from .data import load_corpus, sample_batch
 from .recipe_specs import parse_recipe, recipes_help
@@ -94,6 +99,8 @@ def train(args: argparse.Namespace) -> list[float]:
     model = GPT(config, device=device)
     if args.mode == "lp":
         enable_low_precision_all_gather(model, recipe)
+    else:  # keep no full-size weight copy from forward to backward: weights stay sharded
+        rebuild_weight_copies_in_backward(model)
     _shard(model, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     corpus = load_corpus(args.data)
