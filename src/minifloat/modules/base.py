@@ -70,7 +70,8 @@ class QuantizedModule(nn.Module):
     num_gemms = 1
     # True: keep no weight copy from forward to backward; backward quantizes the weight again
     # (linear_function.rebuild_weight_copy). For FSDP2, whose sharding a kept full-size copy
-    # undoes; distributed.rebuild_weight_copies_in_backward sets it on a model's modules.
+    # undoes; distributed.rebuild_weight_copies_in_backward sets it on a model's modules. The
+    # eager path honours it; under torch.compile the ops still keep the copy.
     rebuild_weight_copy_in_backward = False
 
     def __init__(self, name: str | None = None) -> None:
