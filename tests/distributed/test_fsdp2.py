@@ -12,6 +12,8 @@ same in both runs:
   `autocast(amax_reduction_group=...)`; the reference runs both micro-batches in one autocast,
   so its history records the max of both.
 So the parameters after training must be equal bit for bit, and so must each rank's losses.
+The same holds when the FSDP2 run rebuilds its weight copies in backward (from the weight FSDP2
+re-gathers, freed between forward and backward) instead of keeping them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 import minifloat as mf
+from minifloat.distributed import rebuild_weight_copies_in_backward
 
 from .launch import run_ranks
 
@@ -31,6 +34,7 @@ WORLD = 2
 STEPS = 3
 HIDDEN, FFN, ROWS = 128, 256, 64  # block FP8 needs multiples of 128 in the weights
 
+REBUILD = "+rebuild"  # the FSDP2 run keeps no weight copy from forward to backward
 RECIPES = {
     "current": lambda: mf.Float8CurrentScaling(),
     "delayed": lambda: mf.DelayedScaling(amax_history_len=4),
@@ -86,7 +90,10 @@ def fsdp_worker(rank: int, world_size: int, kind: str) -> dict:
     results = {}
     for name, make_recipe in RECIPES.items():
         recipe = make_recipe()
-        model = shard(build(kind), mesh)
+        model = build(kind.removesuffix(REBUILD))
+        if kind.endswith(REBUILD):  # backward reads the re-gathered weight, keeps no copy
+            rebuild_weight_copies_in_backward(model)
+        model = shard(model, mesh)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         losses = []
         for x in batches():
@@ -107,7 +114,7 @@ def fsdp_worker(rank: int, world_size: int, kind: str) -> dict:
 
 def reference(kind: str, name: str) -> dict:
     recipe = RECIPES[name]()
-    model = build(kind)
+    model = build(kind.removesuffix(REBUILD))  # keeps its weight copies: the default
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = [[] for _ in range(WORLD)]
     for x in batches():
@@ -124,7 +131,7 @@ def reference(kind: str, name: str) -> dict:
     return {"losses": losses, "params": model.state_dict()}
 
 
-@pytest.fixture(scope="module", params=["modules", "convert_model"])
+@pytest.fixture(scope="module", params=["modules", "convert_model", "convert_model" + REBUILD])
 def fsdp_results(request):
     return request.param, run_ranks(fsdp_worker, WORLD, request.param, timeout=240)
 
