@@ -79,8 +79,11 @@ from minifloat.models.torch_gpt import PRESETS, TorchGPT, TorchGPTConfig, not_he
 
 RECIPE_NAMES = ("fp8-current", "fp8-delayed", "fp8-block", "mxfp8", "nvfp4")
 KINDS = ("bf16", "torchao-tensorwise", *RECIPE_NAMES)
-DEFAULT_ROWS = ["bf16-eager", "bf16-compiled", "torchao-tensorwise-compiled"] + [
-    f"{name}-{mode}" for name in RECIPE_NAMES for mode in ("eager", "compiled")]
+# each recipe eager, eager with CUDA graphs, and compiled with CUDA graphs (default-mode compiled
+# rows are host-bound, BENCHMARKS.md 2026-11-25: ask for them by name)
+DEFAULT_ROWS = ["bf16-eager", "bf16-graphed", "bf16-compiled", "torchao-tensorwise-compiled"] + [
+    f"{name}-{mode}" for name in RECIPE_NAMES
+    for mode in ("eager", "graphed", "compiled-reduce-overhead")]
 REDUCE_OVERHEAD = "-reduce-overhead"
 GRAPHED = "-graphed"
 HOST16_TOKENS = 16
@@ -477,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="1b",
                         help=f"one or a comma list of: {', '.join(PRESETS)}")
     parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
-                        help="comma list of rows (default: all): " + ", ".join(DEFAULT_ROWS))
+                        help="comma list of rows; default: " + ", ".join(DEFAULT_ROWS))
     parser.add_argument("--steps", type=int, default=10, help="timed steps (and host-timed)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (>= 1)")
     parser.add_argument("--compile-mode", choices=("default", "reduce-overhead", "both"),

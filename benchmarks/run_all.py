@@ -2,9 +2,10 @@
 
 Order: quantize bandwidth, the Linear step (with torchao and CUDA graphs), then the model step
 against plain PyTorch (model_step.py, issue 15):
-- presets 1b and small, every row (plain bf16 eager and compiled, torchao tensorwise compiled,
-  each minifloat recipe eager and compiled) -> model_step.json;
-- llama-block, the plain rows, torchao and FP8 current eager and compiled ->
+- presets 1b and small, the default rows (plain bf16 eager, graphed and compiled, torchao
+  tensorwise compiled, each minifloat recipe eager, graphed and compiled with reduce-overhead)
+  -> model_step.json;
+- llama-block, the plain rows, torchao and FP8 current eager, graphed and reduce-overhead ->
   model_step_llama_block.json.
 The model steps are budgeted at about 8 minutes of GPU time together. Most of it is
 torch.compile (tens of seconds per compiled row of 1b), not the timed steps, so the model steps
@@ -31,7 +32,7 @@ import quantize_bandwidth  # noqa: E402
 MODEL_STEPS = 10
 MODEL_WARMUP = 3
 LLAMA_ROWS = ("bf16-eager,bf16-compiled,torchao-tensorwise-compiled,fp8-current-eager,"
-              "fp8-current-compiled")
+              "fp8-current-graphed,fp8-current-compiled-reduce-overhead")
 
 
 def model_step_commands(out: Path) -> list[list[str]]:
