@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 import weakref
 
 import torch
@@ -73,6 +74,8 @@ class QuantizedModule(nn.Module):
     # undoes; distributed.rebuild_weight_copies_in_backward sets it on a model's modules. The
     # eager path honours it; under torch.compile the ops still keep the copy.
     rebuild_weight_copy_in_backward = False
+    # set by new_weight under quantized_model_init: a plain weight arriving later is reported once
+    _built_with_quantized_weights = False
 
     def __init__(self, name: str | None = None) -> None:
         super().__init__()
@@ -192,6 +195,21 @@ class QuantizedModule(nn.Module):
             self._compiled_args[token] = (binding.plan, binding.state)
         return binding
 
+    def _report_dequantized_weights(self, weight: torch.Tensor) -> None:
+        """Say (once) that weights built quantized now arrive in high precision. The usual
+        cause: FSDP2's fully_shard splits parameters with tensor ops, and a QuantizedTensor
+        answers those with its high-precision values, so the shards (and what the optimizer
+        updates) are no longer quantized."""
+        self._built_with_quantized_weights = False
+        warnings.warn(
+            f"{type(self).__name__} {self.name!r} was built under quantized_model_init, but its "
+            f"weight now arrives as a high-precision {type(weight).__name__}: it is no longer "
+            "stored quantized (FSDP2's fully_shard does not shard QuantizedTensor weights yet; "
+            "it turned them into high-precision shards). Training goes on in high-precision "
+            "weights; to shard a model, build it without quantized_model_init (and call "
+            "minifloat.distributed.enable_low_precision_all_gather to gather quantized bytes)",
+            stacklevel=3)
+
     def _state_device(self) -> torch.device:
         """Where recipe states (delayed-scaling scales, histories) live: with the parameters, or,
         while the first weight is being built (quantized_model_init), where it is built."""
@@ -234,6 +252,7 @@ class QuantizedModule(nn.Module):
         if init["keep_high_precision_copy"]:
             suffix = "" if self.num_gemms == 1 else str(gemm)
             setattr(self, f"weight{suffix}_hp_init", weight.detach().clone())
+        self._built_with_quantized_weights = True
         weight_quantizer = self.quantizers(init["recipe"])[0][len(FORWARD_SLOTS) * gemm + 1]
         weight_quantizer = weight_quantizer.copy()
         weight_quantizer.set_usage(rowwise=True, columnwise=True)
@@ -287,6 +306,8 @@ class QuantizedModule(nn.Module):
             return compiled_gemms(x, weights, biases, plan, state, gemms, m_splits,
                                   need_dgrad=need_dgrad, need_wgrad=need_wgrad)
         binding = self._bindings.get(token) or self.binding(token)
+        if self._built_with_quantized_weights and not isinstance(weights[0], QuantizedTensor):
+            self._report_dequantized_weights(weights[0])
         rebuild = self.rebuild_weight_copy_in_backward
         if is_first_microbatch is None and len(weights) == 1 and not rebuild:
             lean = binding.lean_plans[gemms[0]]
