@@ -71,8 +71,8 @@ class QuantizedModule(nn.Module):
     num_gemms = 1
     # True: keep no weight copy from forward to backward; backward quantizes the weight again
     # (linear_function.rebuild_weight_copy). For FSDP2, whose sharding a kept full-size copy
-    # undoes; distributed.rebuild_weight_copies_in_backward sets it on a model's modules. The
-    # eager path honours it; under torch.compile the ops still keep the copy.
+    # undoes; distributed.rebuild_weight_copies_in_backward sets it on a model's modules. Under
+    # torch.compile the ops honour it for stateless recipes (delayed scaling keeps its copy).
     rebuild_weight_copy_in_backward = False
     # set by new_weight under quantized_model_init: a plain weight arriving later is reported once
     _built_with_quantized_weights = False
@@ -304,7 +304,8 @@ class QuantizedModule(nn.Module):
             bind_live_modules(token)
             plan, state = self._compiled_args[token]
             return compiled_gemms(x, weights, biases, plan, state, gemms, m_splits,
-                                  need_dgrad=need_dgrad, need_wgrad=need_wgrad)
+                                  need_dgrad=need_dgrad, need_wgrad=need_wgrad,
+                                  rebuild=self.rebuild_weight_copy_in_backward)
         binding = self._bindings.get(token) or self.binding(token)
         if self._built_with_quantized_weights and not isinstance(weights[0], QuantizedTensor):
             self._report_dequantized_weights(weights[0])

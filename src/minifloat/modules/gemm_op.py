@@ -50,6 +50,7 @@ from .linear_function import (
     WeightInfo,
     gemms_backward,
     gemms_forward,
+    rebuild_weight_copy,
 )
 
 
@@ -135,7 +136,7 @@ def register_plan(forward: RecipeState, backward: RecipeState,
 
 
 def _gemm_call(plan_id: int, state: list[torch.Tensor], gemms: list[int], m_splits: list[int],
-               need_dgrad: bool, need_wgrad: bool) -> GemmCall:
+               need_dgrad: bool, need_wgrad: bool, rebuild: bool = False) -> GemmCall:
     plan = _PLANS.get(plan_id)
     if plan is None:
         raise RuntimeError(
@@ -149,7 +150,15 @@ def _gemm_call(plan_id: int, state: list[torch.Tensor], gemms: list[int], m_spli
         forward_quantizers, backward_quantizers = (forward.make_quantizers(),
                                                    backward.make_quantizers())
     return GemmCall.from_slots(forward_quantizers, backward_quantizers, gemms, m_splits,
-                               need_dgrad=need_dgrad, need_wgrad=need_wgrad)
+                               need_dgrad=need_dgrad, need_wgrad=need_wgrad,
+                               rebuild_weights=rebuild)
+
+
+def rebuild_applies(plan_id: int) -> bool:
+    """Whether the compiled ops can rebuild this plan's weight copies in backward: for stateless
+    recipes only (a delayed-scaling rebuild needs forward's scale, which the ops do not carry;
+    those keep their copies)."""
+    return _PLANS[plan_id].stateless is not None
 
 
 def _with_biases(biases: list[torch.Tensor], has_bias: list[bool]) -> list[torch.Tensor | None]:
@@ -178,15 +187,16 @@ def _unaliased(tensors: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[
 def _gemms_forward(
     x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
     has_bias: list[bool], state: list[torch.Tensor], plan: int, gemms: list[int],
-    m_splits: list[int], need_dgrad: bool, need_wgrad: bool,
+    m_splits: list[int], need_dgrad: bool, need_wgrad: bool, rebuild: bool,
 ) -> list[torch.Tensor]:
-    """[y, the buffers backward keeps (present ones, in order)]."""
+    """[y, the buffers backward keeps (present ones, in order)]; with `rebuild` no weight
+    copy is kept (backward quantizes the weights again)."""
     if state and not is_fake(x):
         pair = _DELAYED_BY_STATE.get(state[0].data_ptr())
         if pair is not None:
             note_delayed_use(pair)
         state = [detached_alias(t) for t in state]
-    call = _gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad)
+    call = _gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad, rebuild)
     y, _, saved = gemms_forward(x, call, weights, _with_biases(biases, has_bias))
     # contiguous: the kernels write row-major buffers where the reference path (which the fake
     # implementation runs) may hand over a transposed view; inductor asserts the fake strides
@@ -203,12 +213,12 @@ _gemms_forward_op.register_fake(_gemms_forward)
 
 def _layout(plan: int, gemms: list[int], m_splits: list[int], x_shape: list[int],
             weight_shapes: list[int], has_bias: list[bool], need_dgrad: bool, need_wgrad: bool,
-            dtype: torch.dtype, device: torch.device, state: list[torch.Tensor]
-            ) -> tuple[SavedForBackward, list[bool]]:
+            dtype: torch.dtype, device: torch.device, state: list[torch.Tensor],
+            rebuild: bool = False) -> tuple[SavedForBackward, list[bool]]:
     """The metadata of what forward kept (storages without buffers, and which buffers are
     present): the forward run once on fake tensors of these shapes, cached."""
     key = (plan, tuple(gemms), tuple(m_splits), tuple(x_shape), tuple(weight_shapes),
-           tuple(has_bias), need_dgrad, need_wgrad, dtype, str(device))
+           tuple(has_bias), need_dgrad, need_wgrad, dtype, str(device), rebuild)
     layout = _LAYOUTS.get(key)
     if layout is not None:
         return layout
@@ -219,7 +229,7 @@ def _layout(plan: int, gemms: list[int], m_splits: list[int], x_shape: list[int]
         weights = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
         biases = [torch.empty(shape[0], dtype=dtype, device=device) if flag else None
                   for shape, flag in zip(shapes, has_bias, strict=True)]
-        call = _gemm_call(plan, fake_state, gemms, m_splits, need_dgrad, need_wgrad)
+        call = _gemm_call(plan, fake_state, gemms, m_splits, need_dgrad, need_wgrad, rebuild)
         _, _, saved = gemms_forward(x, call, weights, biases)
     present = [t is not None for t in saved.tensors]
     storages = [_without_tensors(s) for s in saved.x_storages + saved.w_storages]
@@ -256,16 +266,21 @@ def _quantizer_without_tensors(quantizer: Quantizer) -> Quantizer:
 def _gemms_backward_op(
     grad_output: torch.Tensor, saved: list[torch.Tensor], state: list[torch.Tensor], plan: int,
     gemms: list[int], m_splits: list[int], x_shape: list[int], weight_shapes: list[int],
-    has_bias: list[bool], need_dgrad: bool, need_wgrad: bool,
+    has_bias: list[bool], need_dgrad: bool, need_wgrad: bool, rebuild_from: list[torch.Tensor],
 ) -> list[torch.Tensor]:
-    """[dx if need_dgrad] + [dW_i if need_wgrad] + [db_i where has_bias]."""
+    """[dx if need_dgrad] + [dW_i if need_wgrad] + [db_i where has_bias]; `rebuild_from`: the
+    weights, when forward kept no copy of them (empty otherwise)."""
+    rebuild = bool(rebuild_from)
     layout, present = _layout(plan, gemms, m_splits, x_shape, weight_shapes, has_bias,
                               need_dgrad, need_wgrad, grad_output.dtype, grad_output.device,
-                              state)
+                              state, rebuild)
     buffers = iter(saved)
     x_qs, w_qs = layout.restore([next(buffers) if flag else None for flag in present])
     state = [detached_alias(t) for t in state]
-    call = _gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad)
+    call = _gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad, rebuild)
+    if rebuild:
+        w_qs = [rebuild_weight_copy(weight, quantizer, None)
+                for weight, quantizer in zip(rebuild_from, call.weight_quantizers, strict=True)]
     shapes = [torch.Size(weight_shapes[i:i + 2]) for i in range(0, len(weight_shapes), 2)]
     weights = [WeightInfo(shape, grad_output.dtype, grad_output.device) for shape in shapes]
     splits = list(m_splits)
@@ -278,12 +293,13 @@ def _gemms_backward_op(
         outputs.extend(grad_weights)
     outputs.extend(g for g in grad_biases if g is not None)
     # contiguous, as the fake implementation's new_empty outputs are
-    return _unaliased([t.contiguous() for t in outputs], [grad_output, *saved, *state])
+    return _unaliased([t.contiguous() for t in outputs],
+                      [grad_output, *saved, *state, *rebuild_from])
 
 
 @_gemms_backward_op.register_fake
 def _gemms_backward_fake(grad_output, saved, state, plan, gemms, m_splits, x_shape,
-                         weight_shapes, has_bias, need_dgrad, need_wgrad):
+                         weight_shapes, has_bias, need_dgrad, need_wgrad, rebuild_from):
     outputs = []
     if need_dgrad:
         outputs.append(grad_output.new_empty(x_shape))
@@ -296,9 +312,13 @@ def _gemms_backward_fake(grad_output, saved, state, plan, gemms, m_splits, x_sha
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weights, biases, has_bias, state, plan, gemms, m_splits, need_dgrad, need_wgrad = inputs
-    ctx.save_for_backward(*output[1:], *state)  # state: aliases, see detached_alias
+    (x, weights, biases, has_bias, state, plan, gemms, m_splits, need_dgrad, need_wgrad,
+     rebuild) = inputs
+    rebuild_from = list(weights) if rebuild and need_dgrad else []
+    # state: aliases, see detached_alias; weights (rebuild): as F.linear keeps them
+    ctx.save_for_backward(*output[1:], *state, *rebuild_from)
     ctx.saved_count, ctx.bias_count = len(output) - 1, len(biases)
+    ctx.rebuild_count = len(rebuild_from)
     ctx.constants = (plan, list(gemms), list(m_splits), list(x.shape),
                      [d for w in weights for d in w.shape], list(has_bias), need_dgrad,
                      need_wgrad)
@@ -309,16 +329,18 @@ def _backward(ctx, grads):
     plan, gemms, m_splits, x_shape, weight_shapes, has_bias, need_dgrad, need_wgrad = (
         ctx.constants)
     tensors = list(ctx.saved_tensors)
-    saved, state = tensors[:ctx.saved_count], tensors[ctx.saved_count:]
+    saved = tensors[:ctx.saved_count]
+    state = tensors[ctx.saved_count:ctx.saved_count + ctx.state_count]
+    rebuild_from = tensors[ctx.saved_count + ctx.state_count:]
     outputs = iter(_gemms_backward_op(grads[0].contiguous(), saved, state, plan, gemms,
                                       m_splits, x_shape, weight_shapes, has_bias, need_dgrad,
-                                      need_wgrad))
+                                      need_wgrad, rebuild_from))
     grad_x = next(outputs) if need_dgrad else None
     grad_weights = ([next(outputs) for _ in range(ctx.weight_count)] if need_wgrad
                     else [None] * ctx.weight_count)
     grad_biases = [next(outputs) for _ in range(ctx.bias_count)]
     return (grad_x, grad_weights, grad_biases, None, [None] * ctx.state_count, None, None,
-            None, None, None)
+            None, None, None, None)
 
 
 _gemms_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -327,9 +349,10 @@ _gemms_forward_op.register_autograd(_backward, setup_context=_setup_context)
 def compiled_gemms(
     x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
     plan: int, state: list[torch.Tensor], gemms: list[int], m_splits: list[int], *,
-    need_dgrad: bool, need_wgrad: bool,
+    need_dgrad: bool, need_wgrad: bool, rebuild: bool = False,
 ) -> torch.Tensor:
-    """The module's GEMMs through the custom ops (the path torch.compile traces)."""
+    """The module's GEMMs through the custom ops (the path torch.compile traces); `rebuild`:
+    keep no weight copy for backward (stateless recipes; see rebuild_applies)."""
     for weight in weights:
         if isinstance(weight, QuantizedTensor):
             raise NotImplementedError(
@@ -343,5 +366,5 @@ def compiled_gemms(
     present = [b for b in biases if b is not None]
     outputs = _gemms_forward_op(x, list(weights), present, has_bias, list(state),
                                 plan, list(gemms), [int(m) for m in m_splits],
-                                need_dgrad, need_wgrad)
+                                need_dgrad, need_wgrad, rebuild and rebuild_applies(plan))
     return outputs[0]
