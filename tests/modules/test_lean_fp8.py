@@ -103,6 +103,17 @@ def test_no_grad_and_frozen_weight(on_cpu):
     assert lin.weight.grad is None
 
 
+def test_only_the_bias_needs_a_gradient(on_cpu):
+    torch.manual_seed(0)
+    lin = mf.Linear(96, 48)
+    lin.weight.requires_grad_(False)
+    x, dy = data()
+    with mf.autocast(recipe=CURRENT):
+        y = lin(x)  # x needs no gradient, the weight is frozen: dy is quantized for nothing
+    y.backward(dy)
+    assert len(on_cpu) == 1 and torch.equal(lin.bias.grad, dy.sum(dim=0))
+
+
 def test_cases_the_lean_path_leaves_to_the_general_path(on_cpu):
     torch.manual_seed(0)
     x, dy = data()

@@ -135,7 +135,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 class LeanFP8Gemm(torch.autograd.Function):
-    """y = x W^T + b with per-tensor current scaling (see the module docstring)."""
+    """y = x W^T + b in per-tensor FP8, current or delayed scaling (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -161,9 +161,11 @@ class LeanFP8Gemm(torch.autograd.Function):
         grad_bias = dy2d.sum(dim=0) if ctx.has_bias else None  # as LinearGemms sums it
         if not dy2d.is_contiguous():
             dy2d = dy2d.contiguous()  # the kernels read it as is; the bytes do not change
+        grad_x = grad_weight = None
+        if not (ctx.need_dgrad or ctx.need_wgrad):  # only the bias needs a gradient
+            return grad_x, grad_weight, grad_bias, None, None, None
         dy_data, dy_t, dy_scale_inv = ctx.plan.grad_output(
             dy2d, rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad)
-        grad_x = grad_weight = None
         if ctx.need_dgrad:
             w_t, w_scale_inv = ctx.weight_copy
             grad_x2d = scaled_mm_bytes(dy_data, w_t, dy_scale_inv, w_scale_inv,
