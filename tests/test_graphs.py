@@ -22,6 +22,12 @@ def test_without_cuda_says_so():
         mf.make_graphed_callables(model, (torch.randn(4, 16),))
 
 
+def test_inside_autocast_is_refused():
+    model = mf.Linear(16, 16)
+    with mf.autocast(recipe=mf.DelayedScaling()), pytest.raises(RuntimeError, match="outside"):
+        mf.make_graphed_callables(model, (torch.randn(4, 16),))
+
+
 def test_replay_guard_checks_recipe_and_notes_delayed_states():
     recipe = mf.DelayedScaling()
     module = mf.Linear(16, 16)

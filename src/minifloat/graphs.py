@@ -108,6 +108,11 @@ def make_graphed_callables(
     `is_first_microbatch` is not available inside a graph: a replay quantizes the weights it
     captured, each time.
     """
+    if get_autocast_state().delayed_round is not None:
+        raise RuntimeError(
+            "make_graphed_callables was called inside minifloat.autocast; call it outside (it "
+            "enters autocast itself for the capture, and an enclosing round would update "
+            "delayed-scaling state from the warm-up steps)")
     if not torch.cuda.is_available():
         raise RuntimeError("make_graphed_callables captures CUDA graphs and needs a CUDA device; "
                            "on the CPU call the modules directly")
