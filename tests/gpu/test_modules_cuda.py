@@ -110,10 +110,12 @@ def test_delayed_scaling_state_is_bit_exact_across_devices_over_steps():
             assert torch.equal(a, b), f"{name} differs between devices"
 
 
+@pytest.mark.parametrize("rebuild", [False, True], ids=["keep", "rebuild"])
 @pytest.mark.parametrize("recipe_kind", ["current", "delayed"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("module_kind", ["linear", "layernorm_linear", "layernorm_mlp"])
-def test_lean_fp8_path_equals_general_path_bitwise(module_kind, bias, recipe_kind, monkeypatch):
+def test_lean_fp8_path_equals_general_path_bitwise(module_kind, bias, recipe_kind, rebuild,
+                                                   monkeypatch):
     """modules/lean_fp8.py makes the kernel and scaled_mm calls of the general path (LinearGemms)
     with the same arguments: outputs, gradients and updated weights equal bit for bit, over
     three SGD steps (the weights change, so each forward quantizes new ones)."""
@@ -134,6 +136,7 @@ def test_lean_fp8_path_equals_general_path_bitwise(module_kind, bias, recipe_kin
     torch.manual_seed(0)
     lean = builders[module_kind]()
     general = copy.deepcopy(lean)
+    lean.rebuild_weight_copy_in_backward = rebuild  # FSDP2's setting: cast again in backward
     calls = []
     original = lean_fp8.LeanFP8Gemm.forward
     monkeypatch.setattr(lean_fp8.LeanFP8Gemm, "forward",

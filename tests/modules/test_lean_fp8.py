@@ -196,3 +196,41 @@ def test_delayed_scaling_lean_path_records_the_general_amaxes(on_cpu, monkeypatc
         for a, b in zip(mine.state_tensors(), theirs.state_tensors(), strict=True):
             assert torch.equal(a, b)
     assert lean.recipe_states(recipe)[0].amax_history.abs().sum() > 0
+
+
+@pytest.mark.parametrize("recipe", [CURRENT, mf.DelayedScaling(amax_history_len=4)],
+                         ids=["current", "delayed"])
+def test_lean_path_rebuilds_weight_copies_for_fsdp2(on_cpu, monkeypatch, recipe):
+    """rebuild_weight_copy_in_backward on the lean path: no weight copy kept, backward casts
+    the weight again (delayed: with forward's scale, recording nothing), and three steps equal
+    the lean path keeping its copy bit for bit (states included)."""
+    import copy
+
+    torch.manual_seed(0)
+    kept = mf.Linear(96, 48)
+    rebuilt = copy.deepcopy(kept)
+    rebuilt.rebuild_weight_copy_in_backward = True
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (kept, rebuilt)]
+    for step in range(3):
+        x, dy = data(seed=step)
+        results = []
+        for model, optimizer in zip((kept, rebuilt), optimizers, strict=True):
+            xi = (x * (1 + step)).requires_grad_(True)
+            with mf.autocast(recipe=recipe):
+                y = model(xi)
+            node = y.grad_fn
+            while not hasattr(node, "rebuild"):
+                node = node.next_functions[0][0]
+            assert (node.weight_copy is None) == (model is rebuilt)
+            y.backward(dy)
+            mf.update_delayed_backward_scales()
+            results.append([y.detach(), xi.grad, *(p.grad.clone() for p in model.parameters())])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b), f"step {step}"
+    assert len(on_cpu) == 6
+    for mine, theirs in zip(rebuilt.recipe_states(recipe), kept.recipe_states(recipe),
+                            strict=True):
+        for a, b in zip(mine.state_tensors(), theirs.state_tensors(), strict=True):
+            assert torch.equal(a, b)

@@ -310,16 +310,16 @@ class QuantizedModule(nn.Module):
         if self._built_with_quantized_weights and not isinstance(weights[0], QuantizedTensor):
             self._report_dequantized_weights(weights[0])
         rebuild = self.rebuild_weight_copy_in_backward
-        if is_first_microbatch is None and len(weights) == 1 and not rebuild:
+        if is_first_microbatch is None and len(weights) == 1:
             lean = binding.lean_plans[gemms[0]]
             if lean is not None and lean_applies(x, weights[0]):
                 if binding.delayed_pair is None:
                     return LeanFP8Gemm.apply(x, weights[0], biases[0], lean, need_dgrad,
-                                             need_wgrad)
+                                             need_wgrad, rebuild)
                 if get_autocast_state().recompute_record is None:
                     note_delayed_use(binding.delayed_pair)
                     return LeanFP8Gemm.apply(x, weights[0], biases[0], lean, need_dgrad,
-                                             need_wgrad)
+                                             need_wgrad, rebuild)
         weight_cache, reuse_weights = weight_cache_for(self._weight_cache, is_first_microbatch)
         call = GemmCall.from_slots(
             binding.forward_quantizers, binding.backward_quantizers, gemms, m_splits,

@@ -24,7 +24,8 @@ LinearGemms, which handles every case; MINIFLOAT_LEAN_PATH=0 sends everything th
 
 What is kept for backward is what LinearGemms keeps: the input's columnwise copy through
 save_for_backward (offload and recompute hooks see it), the weight's columnwise copy on ctx,
-dropped once backward has read it unless the graph is retained.
+dropped once backward has read it unless the graph is retained; with the module's
+rebuild_weight_copy_in_backward (FSDP2), the weight itself instead, cast again in backward.
 """
 
 from __future__ import annotations
@@ -139,17 +140,24 @@ class LeanFP8Gemm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                plan: LeanPlan, need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
+                plan: LeanPlan, need_dgrad: bool, need_wgrad: bool,
+                rebuild: bool = False) -> torch.Tensor:
         n, k = weight.shape
         x2d = x.reshape(-1, k)
+        rebuild = rebuild and need_dgrad
         x_data, x_t, x_scale_inv = plan.input(x2d, rowwise=True, columnwise=need_wgrad)
         w_data, w_t, w_scale_inv = plan.weight(weight.detach(), rowwise=True,
-                                               columnwise=need_dgrad)
+                                               columnwise=need_dgrad and not rebuild)
         y = scaled_mm_bytes(x_data, w_data, x_scale_inv, w_scale_inv, out_dtype=x.dtype,
                             bias=bias, fast_accumulation=True)
-        if need_wgrad:
-            ctx.save_for_backward(x_t, x_scale_inv)
-        ctx.weight_copy = (w_t, w_scale_inv) if need_dgrad else None
+        kept = (x_t, x_scale_inv) if need_wgrad else ()
+        # rebuild (FSDP2): keep the weight itself, as F.linear does, and the scale a delayed
+        # cast used (the recipe state's slot is updated before backward runs)
+        ctx.save_for_backward(*kept, *((weight,) if rebuild else ()))
+        ctx.rebuild_scale = (plan.weight.scale.clone()
+                             if rebuild and plan.weight.scale is not None else None)
+        ctx.rebuild = rebuild
+        ctx.weight_copy = (w_t, w_scale_inv) if need_dgrad and not rebuild else None
         ctx.plan, ctx.need_dgrad, ctx.need_wgrad = plan, need_dgrad, need_wgrad
         ctx.x_shape, ctx.out_dtype, ctx.weight_dtype = x.shape, x.dtype, weight.dtype
         ctx.has_bias = bias is not None
@@ -163,11 +171,19 @@ class LeanFP8Gemm(torch.autograd.Function):
             dy2d = dy2d.contiguous()  # the kernels read it as is; the bytes do not change
         grad_x = grad_weight = None
         if not (ctx.need_dgrad or ctx.need_wgrad):  # only the bias needs a gradient
-            return grad_x, grad_weight, grad_bias, None, None, None
+            return grad_x, grad_weight, grad_bias, None, None, None, None, None
         dy_data, dy_t, dy_scale_inv = ctx.plan.grad_output(
             dy2d, rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad)
+        saved = ctx.saved_tensors
         if ctx.need_dgrad:
-            w_t, w_scale_inv = ctx.weight_copy
+            if ctx.rebuild:  # the columnwise copy forward would have kept, made now
+                cast = ctx.plan.weight
+                if ctx.rebuild_scale is not None:  # forward's scale; record no amax
+                    cast = Cast(cast.fp8_dtype, scale=ctx.rebuild_scale,
+                                amax=torch.zeros_like(cast.amax))
+                _, w_t, w_scale_inv = cast(saved[-1].detach(), rowwise=False, columnwise=True)
+            else:
+                w_t, w_scale_inv = ctx.weight_copy
             grad_x2d = scaled_mm_bytes(dy_data, w_t, dy_scale_inv, w_scale_inv,
                                        out_dtype=ctx.out_dtype, bias=None,
                                        fast_accumulation=False)
@@ -175,8 +191,8 @@ class LeanFP8Gemm(torch.autograd.Function):
             if not graph_kept():
                 ctx.weight_copy = None  # as LinearGemms: freed once read
         if ctx.need_wgrad:
-            x_t, x_scale_inv = ctx.saved_tensors
+            x_t, x_scale_inv = saved[:2]
             grad_weight = scaled_mm_bytes(dy_t, x_t, dy_scale_inv, x_scale_inv,
                                           out_dtype=ctx.weight_dtype, bias=None,
                                           fast_accumulation=False)
-        return grad_x, grad_weight, grad_bias, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None
