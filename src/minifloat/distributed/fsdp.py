@@ -52,6 +52,7 @@ from .cut_tiles import (
     cut_tile_gather_inputs,
     tile_rows_of,
 )
+from .quantized_shards import QuantizedShardWeight
 
 # ops whose result is the same weight shard (or a piece of it) and so keeps the wrapper: what
 # FSDP2 applies to a parameter when sharding, padding and copying it
@@ -141,15 +142,21 @@ class LowPrecisionGatherWeight(torch.Tensor):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The gathered rows as a QuantizedTensor weight (FSDP2 frees the outputs after use)."""
-        storage = _gathered_storage(all_gather_outputs, metadata, self._inner.shape[1],
-                                    param_dtype)
-        if out is not None:  # the same unsharded weight object, refilled in place (not
-            # through .data: that is a detached alias with a storage object of its own)
-            target = out.quantized_storage
-            for name in (*target.tensor_fields(), "quantizer"):
-                setattr(target, name, getattr(storage, name))
-            return None
-        return QuantizedTensor(storage), tuple(all_gather_outputs)
+        return refill_or_wrap(all_gather_outputs, metadata, self._inner.shape[1], param_dtype,
+                              out)
+
+
+def refill_or_wrap(all_gather_outputs, metadata, columns: int, param_dtype: torch.dtype, out):
+    """fsdp_post_all_gather's answer: the gathered storage as a new QuantizedTensor weight, or
+    refilled into `out`, the unsharded weight of an earlier gather (in place, not through .data:
+    that is a detached alias with a storage object of its own)."""
+    storage = _gathered_storage(all_gather_outputs, metadata, columns, param_dtype)
+    if out is not None:
+        target = out.quantized_storage
+        for name in (*target.tensor_fields(), "quantizer"):
+            setattr(target, name, getattr(storage, name))
+        return None
+    return QuantizedTensor(storage), tuple(all_gather_outputs)
 
 
 def _in_backward() -> bool:
@@ -269,17 +276,23 @@ def _gemm_weights(module: nn.Module) -> list[tuple[str, int]]:
 
 def enable_low_precision_all_gather(model: nn.Module, recipe) -> nn.Module:
     """Wrap the weights of model's minifloat modules (Linear, LayerNormLinear, LayerNormMLP,
-    GroupedLinear) so
-    that FSDP2 gathers them quantized with `recipe`'s weight quantizers. Call it before
-    fully_shard; the model trains as before."""
+    GroupedLinear) so that FSDP2 gathers them quantized with `recipe`'s weight quantizers. Call
+    it before fully_shard; the model trains as before. Weights built under quantized_model_init
+    (per-tensor FP8) are sharded and gathered as the bytes they are (quantized_shards.py);
+    update them through quantize_master_weights."""
     from ..modules.base import FORWARD_SLOTS
 
     for module in model.modules():
         for name, gemm in _gemm_weights(module):
             weight = getattr(module, name)
-            if isinstance(weight, QuantizedTensor | LowPrecisionGatherWeight):
+            if isinstance(weight, QuantizedTensor):  # quantized_model_init: bytes as they are
+                wrapped = QuantizedShardWeight.of(weight)
+                setattr(module, name, nn.Parameter(wrapped, requires_grad=weight.requires_grad))
+                module.rebuild_weight_copy_in_backward = True
+                continue
+            if isinstance(weight, LowPrecisionGatherWeight | QuantizedShardWeight):
                 raise TypeError(f"{module.name or type(module).__name__}.{name} is already a "
-                                f"{type(weight).__name__}; wrap high-precision weights only")
+                                f"{type(weight).__name__}; wrap each weight once")
             forward_quantizers, _ = module.quantizers(recipe)
             quantizer = forward_quantizers[len(FORWARD_SLOTS) * gemm + 1]  # the weight slot
             if not _supported(quantizer):

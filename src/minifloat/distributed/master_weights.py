@@ -46,6 +46,7 @@ from ..quantizers import (
     NVFP4Storage,
     QuantizedTensor,
 )
+from .quantized_shards import local_shard
 
 _MX_BLOCK = 32
 _TILE = 128
@@ -75,14 +76,26 @@ def _device(cast: _Cast) -> torch.device:
                 if getattr(storage, name) is not None).device
 
 
-def _check(model_weight, master, start, index) -> object:
+def _check(model_weight, master, start, index) -> tuple[object, int]:
+    """(the storage to cast into, the master's start in that storage's elements)."""
+    shard = local_shard(model_weight)
+    if shard is not None:  # an FSDP2 shard of FP8 bytes: the rank writes its own rows
+        local, first_row = shard
+        offset = first_row * local.shape[1]
+        if master is not None and not (
+                offset <= start <= start + master.numel() <= offset + local.numel()):
+            raise ValueError(
+                f"master_weights[{index}] covers elements [{start}, {start + master.numel()}) "
+                f"of the weight, but this rank's FSDP2 shard holds [{offset}, "
+                f"{offset + local.numel()}); give each rank the master of its own shard")
+        return local.shard_storage(), start - offset
     if not isinstance(model_weight, QuantizedTensor):
         raise TypeError(
             f"model_weights[{index}] is a {type(model_weight).__name__}; quantize_master_weights "
             "casts into QuantizedTensor weights (build the model under mf.quantized_model_init)")
     storage = model_weight.quantized_storage
     if master is None:
-        return storage
+        return storage, start
     if master.dim() != 1 or not master.is_floating_point():
         raise ValueError(
             f"master_weights[{index}] must be a flat (1-D) floating-point shard, got shape "
@@ -92,7 +105,7 @@ def _check(model_weight, master, start, index) -> object:
         raise ValueError(
             f"master_weights[{index}] covers elements [{start}, {start + master.numel()}) of a "
             f"weight of {numel} elements; start_offsets[{index}] or the shard length is wrong")
-    return storage
+    return storage, start
 
 
 def _kind(storage) -> str:
@@ -264,7 +277,9 @@ def quantize_master_weights(
 ) -> None:
     """Cast each rank's fp32 master shards into the quantized model weights, in place.
 
-    model_weights[i]: a full-size QuantizedTensor weight (quantized_model_init). master_weights[i]:
+    model_weights[i]: a full-size QuantizedTensor weight (quantized_model_init), or the FSDP2
+    parameter of one (enable_low_precision_all_gather shards its FP8 bytes: this rank writes its
+    own rows; `fsdp_shard_model_weights` may name those parameters instead). master_weights[i]:
     this rank's flat shard of it (None when it owns none), covering elements
     [start_offsets[i], start_offsets[i] + numel) of the flattened weight; shards need not
     align with rows, tiles or blocks. group: the ranks that share the weights (the
@@ -277,9 +292,9 @@ def quantize_master_weights(
     and rebuilt from the rowwise bytes when a GEMM next asks for them).
     """
     if fsdp_shard_model_weights is not None:
-        raise NotImplementedError(
-            "fsdp_shard_model_weights (FSDP2-sharded model weights) is not supported yet; "
-            "pass full-size model weights")
+        if len(fsdp_shard_model_weights) != len(model_weights):
+            raise ValueError("fsdp_shard_model_weights must name one shard per model weight")
+        model_weights = fsdp_shard_model_weights
     if not len(model_weights) == len(master_weights) == len(start_offsets):
         raise ValueError(
             f"model_weights, master_weights and start_offsets differ in length "
@@ -289,8 +304,8 @@ def quantize_master_weights(
     offset = 0
     for index, (weight, master, start) in enumerate(
             zip(model_weights, master_weights, start_offsets, strict=True)):
-        storage = _check(weight, master, int(start), index)
-        cast = _Cast(storage, None if master is None else master.detach(), int(start),
+        storage, local_start = _check(weight, master, int(start), index)
+        cast = _Cast(storage, None if master is None else master.detach(), local_start,
                      _kind(storage))
         maxima = _partial_maxima(cast, _shape(weight))
         cast.offset, cast.count = offset, maxima.numel()

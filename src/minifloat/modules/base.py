@@ -204,10 +204,12 @@ class QuantizedModule(nn.Module):
         warnings.warn(
             f"{type(self).__name__} {self.name!r} was built under quantized_model_init, but its "
             f"weight now arrives as a high-precision {type(weight).__name__}: it is no longer "
-            "stored quantized (FSDP2's fully_shard does not shard QuantizedTensor weights yet; "
-            "it turned them into high-precision shards). Training goes on in high-precision "
-            "weights; to shard a model, build it without quantized_model_init (and call "
-            "minifloat.distributed.enable_low_precision_all_gather to gather quantized bytes)",
+            "stored quantized (FSDP2's fully_shard split the QuantizedTensor weight with tensor "
+            "ops, which answer with high-precision values). Training goes on in high-precision "
+            "weights. To shard per-tensor FP8 weights as bytes, call "
+            "minifloat.distributed.enable_low_precision_all_gather(model, recipe) before "
+            "fully_shard and update them with quantize_master_weights; other formats: build "
+            "the model without quantized_model_init",
             stacklevel=3)
 
     def _state_device(self) -> torch.device:
