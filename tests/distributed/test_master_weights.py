@@ -250,3 +250,42 @@ def test_without_manual_post_processing_the_copy_is_rebuilt_on_use(name):
     with mf.autocast(recipe=RECIPES[name]()):
         lazy(x).sum().backward()
     assert_same(buffers(lazy.weight), buffers(manual.weight), name)
+
+
+def nvfp4_api_worker(rank: int, world_size: int) -> list[dict]:
+    """cast_master_weights_to_nvfp4 over 2 gloo ranks, each owning half of the elements (the
+    split falls inside a 16x16 tile and, for odd halves, inside a byte)."""
+    from minifloat.distributed import cast_master_weights_to_nvfp4
+
+    master_list = masters("nvfp4")
+    modules = build("nvfp4")
+    halves = [(m.numel() // 2) | 1 for m in master_list]  # odd: a byte shared by both ranks
+    ranges = [(0, h) if rank == 0 else (h, m.numel()) for m, h in zip(master_list, halves,
+                                                                          strict=True)]
+    shards = [m.reshape(-1)[a:b] for m, (a, b) in zip(master_list, ranges, strict=True)]
+    cast_master_weights_to_nvfp4([m.weight for m in modules], shards,
+                                 [a for a, _ in ranges], group=dist.group.WORLD)
+    for module, (start, end) in zip(modules, ranges, strict=True):
+        buffer = module.weight.quantized_storage.rowwise_data
+        codes = elements("nvfp4", buffer)
+        mine = torch.zeros(codes.numel(), dtype=torch.int32)
+        mine[start:end] = codes[start:end].to(torch.int32)
+        dist.all_reduce(mine)
+        store_elements("nvfp4", buffer, mine)
+    post_all_gather_processing([m.weight for m in modules])
+    return [buffers(m.weight) for m in modules]
+
+
+def test_cast_master_weights_to_nvfp4_equals_the_full_cast():
+    expected = full_cast("nvfp4", masters("nvfp4"))
+    for rank, result in enumerate(run_ranks(nvfp4_api_worker, 2, timeout=120)):
+        for index, want in enumerate(expected):
+            assert_same(result[index], want, f"rank {rank} weight {index}")
+
+
+def test_cast_master_weights_to_nvfp4_refuses_other_formats():
+    from minifloat.distributed import cast_master_weights_to_nvfp4
+
+    modules = build("current")
+    with pytest.raises(TypeError, match="not a 2D NVFP4 weight"):
+        cast_master_weights_to_nvfp4([modules[0].weight], [None], [0])

@@ -13,11 +13,16 @@ from .fsdp import (
     enable_low_precision_all_gather,
     rebuild_weight_copies_in_backward,
 )
-from .master_weights import post_all_gather_processing, quantize_master_weights
+from .master_weights import (
+    cast_master_weights_to_nvfp4,
+    post_all_gather_processing,
+    quantize_master_weights,
+)
 from .process_group import destroy_process_group
 
 __all__ = [
     "LowPrecisionGatherWeight",
+    "cast_master_weights_to_nvfp4",
     "destroy_process_group",
     "enable_low_precision_all_gather",
     "post_all_gather_processing",

@@ -321,6 +321,30 @@ def quantize_master_weights(
             _drop_derived_copies(cast.storage)
 
 
+def cast_master_weights_to_nvfp4(
+    model_weights: Sequence[torch.Tensor],
+    master_weights: Sequence[torch.Tensor | None],
+    start_offsets: Sequence[int],
+    group=None,
+    fsdp_shard_model_weights: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """quantize_master_weights for 2D NVFP4 weights only (seed 004's NVFP4 partial cast), under
+    the seed's name: the global amax and the 16x16 tile maxima reduced over `group`, each rank's
+    range written nibble by nibble. As the seed's review asked, a new API has no
+    manual_post_all_gather_processing switch: call post_all_gather_processing(model_weights)
+    after the all-gather, which rebuilds the transposed copies."""
+    for index, weight in enumerate(model_weights):
+        storage = weight.quantized_storage if isinstance(weight, QuantizedTensor) else None
+        if not (isinstance(storage, NVFP4Storage) and storage.two_dimensional):
+            raise TypeError(
+                f"cast_master_weights_to_nvfp4: model_weights[{index}] is not a 2D NVFP4 weight "
+                f"({storage!r} of {type(weight).__name__}); build the weights under "
+                "quantized_model_init(recipe=NVFP4BlockScaling()), or use "
+                "quantize_master_weights, which casts every format")
+    quantize_master_weights(model_weights, master_weights, start_offsets, group,
+                            fsdp_shard_model_weights=fsdp_shard_model_weights)
+
+
 def _shape(weight: torch.Tensor) -> tuple[int, int]:
     return tuple(as_2d(torch.empty(weight.shape, device="meta")).shape)
 
