@@ -25,45 +25,71 @@ from minifloat.distributed import (
 
 from .launch import run_ranks
 
-WORLD, HIDDEN, ROWS, STEPS = 2, 64, 32, 3
-RECIPES = {
-    "current": lambda: mf.Float8CurrentScaling(),
-    "delayed": lambda: mf.DelayedScaling(amax_history_len=1),
+WORLD, ROWS, STEPS = 2, 32, 3
+NVFP4 = mf.NVFP4BlockScaling(disable_stochastic_rounding=True)
+CASES = {  # recipe, width (each rank holds width / 2 rows of each weight)
+    "current": (mf.Float8CurrentScaling, 64),
+    "delayed": (lambda: mf.DelayedScaling(amax_history_len=1), 64),
+    "nvfp4": (lambda: NVFP4, 64),
+    "nvfp4-cut-tiles": (lambda: NVFP4, 48),  # 24 rows a rank: a 16x16 tile on both ranks
 }
+# the rowwise buffers a shard holds (row slices of the full weight's) and the shared ones
+ROW_FIELDS = {"fp8": ("data",), "nvfp4": ("rowwise_data", "rowwise_scale")}
+SHARED_FIELDS = {"fp8": ("scale_inv",), "nvfp4": ("amax_rowwise",)}
 
 
-def build(recipe) -> tuple[nn.Module, list[torch.Tensor]]:
-    """Two FP8-weight Linears and the fp32 masters of their weights (the initial values)."""
+def build(name: str) -> tuple[nn.Module, list[torch.Tensor]]:
+    """Two quantized-weight Linears and the fp32 masters of their weights (initial values)."""
+    make_recipe, hidden = CASES[name]
     torch.manual_seed(0)
-    with mf.quantized_model_init(recipe=recipe, keep_high_precision_copy=True):
-        model = nn.Sequential(mf.Linear(HIDDEN, HIDDEN, bias=False, name="a"),
-                              mf.Linear(HIDDEN, HIDDEN, bias=False, name="b"))
-    return model, [layer.weight_hp_init.float() for layer in model]
+    with mf.quantized_model_init(recipe=make_recipe(), keep_high_precision_copy=True):
+        model = nn.Sequential(mf.Linear(hidden, hidden, bias=False, name="a"),
+                              mf.Linear(hidden, hidden, bias=False, name="b"))
+    with torch.no_grad():  # the largest values in rows the second rank holds
+        model[0].weight_hp_init[hidden // 2:hidden // 2 + 4] *= 20
+    masters = [layer.weight_hp_init.float() for layer in model]
+    # the weights start as the masters' cast (the masters were just changed)
+    quantize_master_weights([layer.weight for layer in model], [m.reshape(-1) for m in masters],
+                            [0, 0])
+    post_all_gather_processing([layer.weight for layer in model])
+    return model, masters
 
 
-def batches() -> list[torch.Tensor]:
+def batches(name: str) -> list[torch.Tensor]:
+    hidden = CASES[name][1]
     generator = torch.Generator().manual_seed(1)
-    return [torch.randn(WORLD * ROWS, HIDDEN, generator=generator) for _ in range(STEPS)]
+    return [torch.randn(WORLD * ROWS, hidden, generator=generator) for _ in range(STEPS)]
+
+
+def kind_of(name: str) -> str:
+    return "nvfp4" if name.startswith("nvfp4") else "fp8"
+
+
+def fields(storage, name: str) -> dict[str, torch.Tensor]:
+    kind = kind_of(name)
+    return {field: getattr(storage, field).clone()
+            for field in ROW_FIELDS[kind] + SHARED_FIELDS[kind]}
 
 
 def sharded_worker(rank: int, world_size: int, name: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    recipe = RECIPES[name]()
-    model, full_masters = build(recipe)
+    recipe = CASES[name][0]()
+    hidden = CASES[name][1]
+    model, full_masters = build(name)
     enable_low_precision_all_gather(model, recipe)
     mesh = init_device_mesh("cpu", (world_size,))
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    rows = HIDDEN // world_size
+    rows = hidden // world_size
     masters = [m[rank * rows:(rank + 1) * rows].reshape(-1).clone() for m in full_masters]
-    starts = [rank * rows * HIDDEN] * len(masters)
+    starts = [rank * rows * hidden] * len(masters)
     params = [layer.weight for layer in model]
     optimizer = torch.optim.SGD(masters, lr=0.5)
     losses = []
-    for x in batches():
+    for x in batches(name):
         with mf.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
             loss = model(x.chunk(world_size)[rank]).float().pow(2).mean()
         loss.backward()
@@ -74,19 +100,17 @@ def sharded_worker(rank: int, world_size: int, name: str) -> dict:
         quantize_master_weights(params, masters, starts, group=dist.group.WORLD)
         losses.append(loss.detach().clone())
     mf.update_delayed_backward_scales()
-    shards = [param.to_local() for param in params]
     return {"losses": losses, "masters": masters,
-            "bytes": [shard._data.clone() for shard in shards],
-            "scales": [shard._scale_inv.clone() for shard in shards]}
+            "storages": [fields(param.to_local().shard_storage(), name) for param in params]}
 
 
 def reference(name: str) -> dict:
-    recipe = RECIPES[name]()
-    model, masters = build(recipe)
+    recipe = CASES[name][0]()
+    model, masters = build(name)
     masters = [m.reshape(-1).clone() for m in masters]
     optimizer = torch.optim.SGD(masters, lr=0.5)
     losses = [[] for _ in range(WORLD)]
-    for x in batches():
+    for x in batches(name):
         with mf.autocast(recipe=recipe):
             for rank, piece in enumerate(x.chunk(WORLD)):
                 loss = model(piece).float().pow(2).mean()
@@ -100,31 +124,38 @@ def reference(name: str) -> dict:
         quantize_master_weights(weights, masters, [0, 0])
         post_all_gather_processing(weights)  # the transposed copies dgrad reads
     mf.update_delayed_backward_scales()
-    storages = [layer.weight.quantized_storage for layer in model]
     return {"losses": losses, "masters": masters,
-            "bytes": [s.data.view(torch.uint8) for s in storages],
-            "scales": [s.scale_inv for s in storages]}
+            "storages": [fields(layer.weight.quantized_storage, name) for layer in model]}
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
-def test_sharded_fp8_weights_train_like_one_process_bitwise(name):
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sharded_quantized_weights_train_like_one_process_bitwise(name):
     want = reference(name)
-    rows = HIDDEN // WORLD
+    hidden = CASES[name][1]
+    rows = hidden // WORLD
+    kind = kind_of(name)
     for rank, got in enumerate(run_ranks(sharded_worker, WORLD, name, timeout=120)):
         for step, (a, b) in enumerate(zip(got["losses"], want["losses"][rank], strict=True)):
             assert torch.equal(a, b), f"{name} rank {rank} step {step} loss"
         for index in range(2):
-            mine = slice(rank * rows * HIDDEN, (rank + 1) * rows * HIDDEN)
+            mine = slice(rank * rows * hidden, (rank + 1) * rows * hidden)
             assert torch.equal(got["masters"][index], want["masters"][index][mine])
-            assert torch.equal(got["bytes"][index],
-                               want["bytes"][index][rank * rows:(rank + 1) * rows])
-            assert torch.equal(got["scales"][index], want["scales"][index])
+            shard, full = got["storages"][index], want["storages"][index]
+            for field in ROW_FIELDS[kind]:
+                assert torch.equal(_bits(shard[field]),
+                                   _bits(full[field][rank * rows:(rank + 1) * rows])), field
+            for field in SHARED_FIELDS[kind]:
+                assert torch.equal(shard[field], full[field]), field
 
 
 def test_other_quantized_formats_are_refused_clearly():
     with mf.quantized_model_init(recipe=mf.MXFP8BlockScaling()):
-        model = nn.Sequential(mf.Linear(HIDDEN, HIDDEN, name="mx"))
-    with pytest.raises(NotImplementedError, match="per-tensor FP8"):
+        model = nn.Sequential(mf.Linear(64, 64, name="mx"))
+    with pytest.raises(NotImplementedError, match="per-tensor FP8 and 2D NVFP4"):
         enable_low_precision_all_gather(model, mf.MXFP8BlockScaling())
 
 
@@ -134,7 +165,7 @@ def test_the_bytes_refuse_arithmetic():
     from minifloat.distributed.quantized_shards import QuantizedShardWeight
 
     with mf.quantized_model_init(recipe=mf.Float8CurrentScaling()):
-        layer = mf.Linear(HIDDEN, HIDDEN)
+        layer = mf.Linear(64, 64)
     shard = QuantizedShardWeight.of(layer.weight)
     with pytest.raises(NotImplementedError, match="quantize_master_weights"):
         shard.add_(1.0)

@@ -278,8 +278,8 @@ def enable_low_precision_all_gather(model: nn.Module, recipe) -> nn.Module:
     """Wrap the weights of model's minifloat modules (Linear, LayerNormLinear, LayerNormMLP,
     GroupedLinear) so that FSDP2 gathers them quantized with `recipe`'s weight quantizers. Call
     it before fully_shard; the model trains as before. Weights built under quantized_model_init
-    (per-tensor FP8) are sharded and gathered as the bytes they are (quantized_shards.py);
-    update them through quantize_master_weights."""
+    (per-tensor FP8, 2D NVFP4) are sharded and gathered as the bytes they are
+    (quantized_shards.py); update them through quantize_master_weights."""
     from ..modules.base import FORWARD_SLOTS
 
     for module in model.modules():

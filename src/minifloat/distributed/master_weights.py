@@ -65,6 +65,7 @@ class _Cast:
     offset: int = 0  # into the amax vector
     count: int = 0
     full: torch.Tensor | None = None  # block formats: the scattered weight, built once
+    base: int = 0  # the element of the full weight where `storage` starts (an FSDP2 shard's)
 
 
 def _device(cast: _Cast) -> torch.device:
@@ -77,7 +78,7 @@ def _device(cast: _Cast) -> torch.device:
 
 
 def _check(model_weight, master, start, index) -> tuple[object, int]:
-    """(the storage to cast into, the master's start in that storage's elements)."""
+    """(the storage to cast into, the element of the full weight where it starts)."""
     shard = local_shard(model_weight)
     if shard is not None:  # an FSDP2 shard of FP8 bytes: the rank writes its own rows
         local, first_row = shard
@@ -88,14 +89,14 @@ def _check(model_weight, master, start, index) -> tuple[object, int]:
                 f"master_weights[{index}] covers elements [{start}, {start + master.numel()}) "
                 f"of the weight, but this rank's FSDP2 shard holds [{offset}, "
                 f"{offset + local.numel()}); give each rank the master of its own shard")
-        return local.shard_storage(), start - offset
+        return local.shard_storage(), offset
     if not isinstance(model_weight, QuantizedTensor):
         raise TypeError(
             f"model_weights[{index}] is a {type(model_weight).__name__}; quantize_master_weights "
             "casts into QuantizedTensor weights (build the model under mf.quantized_model_init)")
     storage = model_weight.quantized_storage
     if master is None:
-        return storage, start
+        return storage, 0
     if master.dim() != 1 or not master.is_floating_point():
         raise ValueError(
             f"master_weights[{index}] must be a flat (1-D) floating-point shard, got shape "
@@ -105,7 +106,7 @@ def _check(model_weight, master, start, index) -> tuple[object, int]:
         raise ValueError(
             f"master_weights[{index}] covers elements [{start}, {start + master.numel()}) of a "
             f"weight of {numel} elements; start_offsets[{index}] or the shard length is wrong")
-    return storage, start
+    return storage, 0
 
 
 def _kind(storage) -> str:
@@ -196,7 +197,7 @@ def _cast(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int]) -> None:
         if cast.master is not None and storage.data is not None:
             data, _ = numerics.quantize_with_scale(cast.master.to(device), scale,
                                                    quantizer.fp8_dtype)
-            _write_range(storage.data, data, cast.start)
+            _write_range(storage.data, data, cast.start - cast.base)
         return
     full = _scattered(cast, shape)
     if cast.kind == "block":
@@ -245,7 +246,8 @@ def _cast_nvfp4(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int],
     if target is None:
         raise ValueError("quantize_master_weights: this NVFP4 weight keeps no rowwise copy to "
                          "cast into; keep the rowwise usage of weights")
-    storage.rowwise_scale.copy_(quantized["rowwise_scale"])
+    first_row = cast.base // shape[1]  # an FSDP2 shard holds rows of the full weight
+    storage.rowwise_scale.copy_(quantized["rowwise_scale"][first_row:first_row + target.shape[0]])
     storage.amax_rowwise.copy_(amax.reshape(storage.amax_rowwise.shape))
     if storage.columnwise_scale is not None:  # the scales are final now; the data after gather
         _, scale_t = numerics.transpose_nvfp4_2d(quantized["rowwise_data"],
@@ -254,8 +256,9 @@ def _cast_nvfp4(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int],
         storage.amax_columnwise.copy_(amax.reshape(storage.amax_columnwise.shape))
     if cast.master is None or cast.master.numel() == 0:
         return
-    start, end = cast.start, cast.start + cast.master.numel()
-    source, destination = quantized["rowwise_data"].view(-1), target.view(-1)
+    start, end = cast.start - cast.base, cast.start - cast.base + cast.master.numel()
+    source = quantized["rowwise_data"].view(-1)[cast.base // 2:]  # K is even: whole bytes
+    destination = target.view(-1)
     first_full, last_full = (start + 1) // 2, end // 2  # bytes wholly inside [start, end)
     if last_full > first_full:
         destination[first_full:last_full] = source[first_full:last_full].to(destination.device)
@@ -304,9 +307,9 @@ def quantize_master_weights(
     offset = 0
     for index, (weight, master, start) in enumerate(
             zip(model_weights, master_weights, start_offsets, strict=True)):
-        storage, local_start = _check(weight, master, int(start), index)
-        cast = _Cast(storage, None if master is None else master.detach(), local_start,
-                     _kind(storage))
+        storage, base = _check(weight, master, int(start), index)
+        cast = _Cast(storage, None if master is None else master.detach(), int(start),
+                     _kind(storage), base=base)
         maxima = _partial_maxima(cast, _shape(weight))
         cast.offset, cast.count = offset, maxima.numel()
         offset += maxima.numel()

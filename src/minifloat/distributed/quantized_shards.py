@@ -1,20 +1,21 @@
-"""quantized_model_init weights under FSDP2: FP8 bytes sharded and gathered as they are.
+"""quantized_model_init weights under FSDP2: quantized bytes sharded and gathered as they are.
 
-Why: a model built under `quantized_model_init` holds its weights in FP8 only (TE's
+Why: a model built under `quantized_model_init` holds its weights quantized only (TE's
 fp8_model_params), with fp32 master copies kept by the optimizer. `fully_shard` splits
 parameters with tensor ops, which a QuantizedTensor answers with its high-precision values, so
-the weights would silently stop being FP8. `enable_low_precision_all_gather` therefore wraps each
-such weight in `QuantizedShardWeight`: a tensor subclass over the weight's rowwise FP8 bytes
-(uint8 [M, K]) and its shared scale_inv. FSDP2 shards and pads the bytes like any tensor (the
-wrapper survives the ops it applies), all-gathers them through its extension hooks without any
-cast, and the gathered bytes become the QuantizedTensor weight the module uses.
+the weights would silently stop being quantized. `enable_low_precision_all_gather` therefore
+wraps each such weight in `QuantizedShardWeight`: a tensor subclass over the weight's rowwise
+bytes (and NVFP4's per-row scales) and what all shards share (scale_inv, or NVFP4's global
+amax). FSDP2 shards and pads the bytes like any tensor (the wrapper survives the ops it
+applies), all-gathers them through its extension hooks without any cast, and the gathered bytes
+become the QuantizedTensor weight the module uses.
 
 Updates go through the master weights: the optimizer steps each rank's fp32 master rows, then
 `quantize_master_weights(fsdp_params, masters, start_offsets, group)` casts them into the rank's
-shard with the amax all-reduced over the group, so every shard keeps one scale_inv, and the
-gathered weight is the full master's cast, bit for bit.
+shard with the maxima all-reduced over the group, so every shard keeps the shared values, and
+the gathered weight is the full master's cast, bit for bit.
 
-Per-tensor FP8 (current and delayed scaling) weights only; other formats are refused.
+Per-tensor FP8 (current and delayed scaling) and 2D NVFP4 weights; other formats are refused.
 """
 
 from __future__ import annotations
@@ -24,92 +25,144 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from ..quantizers import Float8Storage, QuantizedTensor, Quantizer
+from ..quantizers import Float8Storage, NVFP4Storage, QuantizedTensor
 
 
 class QuantizedShardWeight(torch.Tensor):
-    """FP8 weight bytes (or an FSDP2 shard of them) with the weight's scale_inv and quantizer;
-    FSDP2 all-gathers the bytes unchanged."""
+    """Quantized weight bytes (or an FSDP2 shard of them) with what every shard shares; FSDP2
+    all-gathers the bytes unchanged.
+
+    Per-tensor FP8: `_data` holds the rowwise bytes [rows, K], `_shared` the scale_inv. 2D NVFP4:
+    `_data` holds the packed rowwise codes [rows, K/2], `_scale` the per-row E4M3 block scales
+    [rows, K/16] (a 16x16 tile's scale repeated over its rows), `_shared` the global amax. Every
+    row-wise op FSDP2 applies (split, narrow, copy_, new_zeros, view) is applied to `_data` and
+    `_scale` alike, with the widths of each.
+    """
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: torch.dtype,
-                quantizer: Quantizer, dtype: torch.dtype) -> QuantizedShardWeight:
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor | None, shared: torch.Tensor,
+                meta: tuple) -> QuantizedShardWeight:
+        kind, _, _, dtype, columns = meta
+        shape = (data.shape[0], columns) if data.dim() == 2 else (data.numel() * _ELEMENTS[kind],)
         return torch.Tensor._make_wrapper_subclass(
-            cls, data.shape, strides=data.stride(), storage_offset=data.storage_offset(),
-            dtype=dtype, device=data.device, layout=data.layout, requires_grad=False)
+            cls, shape, dtype=dtype, device=data.device, requires_grad=False)
 
-    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: torch.dtype,
-                 quantizer: Quantizer, dtype: torch.dtype) -> None:
-        self._data = data  # uint8 bytes of the rows
-        self._scale_inv = scale_inv  # shared by every shard of the weight
-        self._fp8_dtype = fp8_dtype
-        self._quantizer = quantizer
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor | None, shared: torch.Tensor,
+                 meta: tuple) -> None:
+        self._data = data  # uint8
+        self._scale = scale  # uint8 (NVFP4) or None
+        self._shared = shared  # the same for every shard of the weight
+        self._meta = meta  # (kind, element dtype, quantizer, nominal dtype, K)
 
     @staticmethod
     def of(weight: QuantizedTensor) -> QuantizedShardWeight:
         storage = weight.quantized_storage
-        if not isinstance(storage, Float8Storage) or storage.data is None:
-            raise NotImplementedError(
-                f"FSDP2 sharding of quantized_model_init weights covers per-tensor FP8 with a "
-                f"rowwise copy; this weight is {storage!r}. Build the model without "
-                "quantized_model_init to shard it (FSDP2 then gathers high-precision weights, or "
-                "quantized ones with enable_low_precision_all_gather)")
         quantizer = storage.quantizer.copy() if storage.quantizer is not None else None
-        return QuantizedShardWeight(storage.data.view(torch.uint8), storage.scale_inv,
-                                    storage.fp8_dtype, quantizer, storage.dtype)
+        columns = storage.shape[-1]
+        if isinstance(storage, Float8Storage) and storage.data is not None:
+            return QuantizedShardWeight(storage.data.view(torch.uint8), None, storage.scale_inv,
+                                        ("fp8", storage.fp8_dtype, quantizer, storage.dtype,
+                                         columns))
+        if (isinstance(storage, NVFP4Storage) and storage.two_dimensional
+                and storage.rowwise_data is not None):
+            scale = storage.rowwise_scale
+            return QuantizedShardWeight(storage.rowwise_data, scale.view(torch.uint8),
+                                        storage.amax_rowwise,
+                                        ("nvfp4", scale.dtype, quantizer, storage.dtype, columns))
+        raise NotImplementedError(
+            f"FSDP2 sharding of quantized_model_init weights covers per-tensor FP8 and 2D NVFP4 "
+            f"with a rowwise copy; this weight is {storage!r}. Build the model without "
+            "quantized_model_init to shard it (FSDP2 then gathers high-precision weights, or "
+            "quantized ones with enable_low_precision_all_gather)")
 
     def __repr__(self) -> str:
-        return f"QuantizedShardWeight({tuple(self.shape)}, {self._fp8_dtype})"
+        return f"QuantizedShardWeight({tuple(self.shape)}, {self._meta[0]})"
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return ["_data", "_scale_inv"], (self._fp8_dtype, self._quantizer, self.dtype)
+        names = ["_data", "_shared"] + (["_scale"] if self._scale is not None else [])
+        return names, self._meta
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
-        fp8_dtype, quantizer, dtype = meta
-        return QuantizedShardWeight(inner_tensors["_data"], inner_tensors["_scale_inv"],
-                                    fp8_dtype, quantizer, dtype)
+        return QuantizedShardWeight(inner_tensors["_data"], inner_tensors.get("_scale"),
+                                    inner_tensors["_shared"], meta)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         first = next(a for a in tree_leaves((args, kwargs))
                      if isinstance(a, QuantizedShardWeight))
-        if func not in _KEEP_WRAPPER:
+        if func not in _ROW_OPS:
             raise NotImplementedError(
-                f"{func} on FP8 weight bytes that FSDP2 shards: update the fp32 master weights "
-                "and cast them with minifloat.distributed.quantize_master_weights")
-        unwrap = tree_map_only(QuantizedShardWeight, lambda t: t._data, (args, kwargs))
-        out = func(*unwrap[0], **unwrap[1])
-        return tree_map_only(
-            torch.Tensor, lambda t: QuantizedShardWeight(t, first._scale_inv, first._fp8_dtype,
-                                                         first._quantizer, first.dtype), out)
+                f"{func} on quantized weight bytes that FSDP2 shards: update the fp32 master "
+                "weights and cast them with minifloat.distributed.quantize_master_weights")
+        data = _apply(func, args, kwargs, "_data", first)
+        scale = None if first._scale is None else _apply(func, args, kwargs, "_scale", first)
+        if isinstance(data, torch.Tensor):
+            return QuantizedShardWeight(data, scale, first._shared, first._meta)
+        return type(data)(QuantizedShardWeight(d, s, first._shared, first._meta)
+                          for d, s in zip(data, scale if scale is not None else [None] * len(data),
+                                          strict=True))
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """The rank's bytes as they are; the shared scale_inv travels as metadata."""
-        return (self._data,), ("fp8", self._quantizer, self._fp8_dtype, self._scale_inv)
+        """The rank's bytes as they are; what shards share travels as metadata."""
+        kind, element_dtype, quantizer, _, _ = self._meta
+        if kind == "fp8":
+            return (self._data,), ("fp8", quantizer, element_dtype, self._shared)
+        return (self._data, self._scale), ("nvfp4", quantizer, element_dtype, self._shared)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         from .fsdp import refill_or_wrap
 
-        return refill_or_wrap(all_gather_outputs, metadata, self.shape[1], param_dtype, out)
+        return refill_or_wrap(all_gather_outputs, metadata, self._meta[4], param_dtype, out)
 
-    def shard_storage(self) -> Float8Storage:
+    def shard_storage(self) -> Float8Storage | NVFP4Storage:
         """A storage over these bytes (quantize_master_weights writes into it in place)."""
-        data = self._data.view(self._fp8_dtype)
-        return Float8Storage(shape=data.shape, dtype=self.dtype, quantizer=self._quantizer,
-                             data=data, data_transpose=None, scale_inv=self._scale_inv,
-                             fp8_dtype=self._fp8_dtype)
+        kind, element_dtype, quantizer, dtype, columns = self._meta
+        shape = (self._data.shape[0], columns)
+        if kind == "fp8":
+            return Float8Storage(shape=shape, dtype=dtype, quantizer=quantizer,
+                                 data=self._data.view(element_dtype), data_transpose=None,
+                                 scale_inv=self._shared, fp8_dtype=element_dtype)
+        return NVFP4Storage(shape=shape, dtype=dtype, quantizer=quantizer,
+                            rowwise_data=self._data,
+                            rowwise_scale=self._scale.view(element_dtype),
+                            amax_rowwise=self._shared, columnwise_data=None,
+                            columnwise_scale=None, amax_columnwise=None, two_dimensional=True,
+                            with_rht=False)
 
 
-# ops FSDP2 applies to a parameter when sharding, padding and copying it: the result is the same
-# bytes (or a piece of them), so it keeps the wrapper
-_KEEP_WRAPPER = {
-    torch.ops.aten.detach.default,
-    torch.ops.aten.alias.default,
+# elements per stored byte of `_data`: FP8 one, NVFP4 two (packed nibbles)
+_ELEMENTS = {"fp8": 1, "nvfp4": 2}
+
+
+def _apply(func, args, kwargs, field: str, first: QuantizedShardWeight):
+    """func on one inner tensor of every wrapper in the arguments; a new tensor's size (given in
+    the weight's elements) is converted to that tensor's width."""
+    unwrapped = tree_map_only(QuantizedShardWeight, lambda t: getattr(t, field), (args, kwargs))
+    call_args, call_kwargs = list(unwrapped[0]), unwrapped[1]
+    if func in _SIZED_OPS and len(call_args) > 1:
+        inner = getattr(first, field)
+        size = list(call_args[1])
+        if len(size) == 2:
+            size[1] = inner.shape[1]
+        elif size != [-1]:
+            size = [size[0] * inner.numel() // first.numel()]
+        call_args[1] = size
+    return func(*call_args, **call_kwargs)
+
+
+# ops FSDP2 applies to a parameter when sharding, padding and copying it: row-wise, so each
+# keeps the wrapper; _SIZED_OPS take a size in the weight's elements
+_SIZED_OPS = {
     torch.ops.aten.view.default,
     torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.as_strided.default,
+    torch.ops.aten.new_zeros.default,
+    torch.ops.aten.new_empty.default,
+}
+_ROW_OPS = _SIZED_OPS | {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
     torch.ops.aten.slice.Tensor,
     torch.ops.aten.narrow.default,
     torch.ops.aten.split.Tensor,
@@ -117,9 +170,6 @@ _KEEP_WRAPPER = {
     torch.ops.aten.chunk.default,
     torch.ops.aten.clone.default,
     torch.ops.aten.empty_like.default,
-    torch.ops.aten.new_zeros.default,
-    torch.ops.aten.new_empty.default,
-    torch.ops.aten.new_empty_strided.default,
     torch.ops.aten.zeros_like.default,
     torch.ops.aten.copy_.default,
     torch.ops.aten._pin_memory.default,
