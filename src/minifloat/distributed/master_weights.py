@@ -209,7 +209,7 @@ def _cast(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int]) -> None:
             storage.rowwise_scale_inv.copy_(scale_inv)
             if cast.master is not None:
                 _write_range(storage.rowwise_data, data.view(-1)[cast.start:].narrow(
-                    0, 0, cast.master.numel()), cast.start)
+                    0, 0, cast.master.numel()), cast.start - cast.base)
         if storage.columnwise_scale_inv is not None:
             storage.columnwise_scale_inv.copy_(scale_inv.t())
         return

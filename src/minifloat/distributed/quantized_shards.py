@@ -15,7 +15,8 @@ Updates go through the master weights: the optimizer steps each rank's fp32 mast
 shard with the maxima all-reduced over the group, so every shard keeps the shared values, and
 the gathered weight is the full master's cast, bit for bit.
 
-Per-tensor FP8 (current and delayed scaling) and 2D NVFP4 weights; other formats are refused.
+Per-tensor FP8 (current and delayed scaling), 128x128 block FP8 and 2D NVFP4 weights; MXFP8
+(two copies with scales of their own) is refused.
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from ..quantizers import Float8Storage, NVFP4Storage, QuantizedTensor
+from ..quantizers import Float8BlockStorage, Float8Storage, NVFP4Storage, QuantizedTensor
 
 
 class QuantizedShardWeight(torch.Tensor):
     """Quantized weight bytes (or an FSDP2 shard of them) with what every shard shares; FSDP2
     all-gathers the bytes unchanged.
 
-    Per-tensor FP8: `_data` holds the rowwise bytes [rows, K], `_shared` the scale_inv. 2D NVFP4:
+    Per-tensor FP8: `_data` holds the rowwise bytes [rows, K], `_shared` the scale_inv. 128x128
+    block FP8: the same, `_shared` the whole weight's tile grid (a tile's rows may lie on two
+    ranks; the grid is small and equal everywhere after quantize_master_weights). 2D NVFP4:
     `_data` holds the packed rowwise codes [rows, K/2], `_scale` the per-row E4M3 block scales
     [rows, K/16] (a 16x16 tile's scale repeated over its rows), `_shared` the global amax. Every
     row-wise op FSDP2 applies (split, narrow, copy_, new_zeros, view) is applied to `_data` and
@@ -63,6 +66,12 @@ class QuantizedShardWeight(torch.Tensor):
             return QuantizedShardWeight(storage.data.view(torch.uint8), None, storage.scale_inv,
                                         ("fp8", storage.fp8_dtype, quantizer, storage.dtype,
                                          columns))
+        if (isinstance(storage, Float8BlockStorage) and storage.block_scaling_dim == 2
+                and storage.rowwise_data is not None):  # the tile grid is shared, whole
+            data = storage.rowwise_data
+            return QuantizedShardWeight(data.view(torch.uint8), None, storage.rowwise_scale_inv,
+                                        ("block", data.dtype, quantizer, storage.dtype,
+                                         columns))
         if (isinstance(storage, NVFP4Storage) and storage.two_dimensional
                 and storage.rowwise_data is not None):
             scale = storage.rowwise_scale
@@ -70,10 +79,10 @@ class QuantizedShardWeight(torch.Tensor):
                                         storage.amax_rowwise,
                                         ("nvfp4", scale.dtype, quantizer, storage.dtype, columns))
         raise NotImplementedError(
-            f"FSDP2 sharding of quantized_model_init weights covers per-tensor FP8 and 2D NVFP4 "
-            f"with a rowwise copy; this weight is {storage!r}. Build the model without "
-            "quantized_model_init to shard it (FSDP2 then gathers high-precision weights, or "
-            "quantized ones with enable_low_precision_all_gather)")
+            f"FSDP2 sharding of quantized_model_init weights covers per-tensor FP8, 128x128 "
+            f"block FP8 and 2D NVFP4 with a rowwise copy; this weight is {storage!r}. Build "
+            "the model without quantized_model_init to shard it (FSDP2 then gathers "
+            "high-precision weights, or quantized ones with enable_low_precision_all_gather)")
 
     def __repr__(self) -> str:
         return f"QuantizedShardWeight({tuple(self.shape)}, {self._meta[0]})"
@@ -109,6 +118,8 @@ class QuantizedShardWeight(torch.Tensor):
         kind, element_dtype, quantizer, _, _ = self._meta
         if kind == "fp8":
             return (self._data,), ("fp8", quantizer, element_dtype, self._shared)
+        if kind == "block":  # the full scale grid, equal on every rank
+            return (self._data,), ("block_grid", quantizer, element_dtype, self._shared)
         return (self._data, self._scale), ("nvfp4", quantizer, element_dtype, self._shared)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
@@ -124,6 +135,11 @@ class QuantizedShardWeight(torch.Tensor):
             return Float8Storage(shape=shape, dtype=dtype, quantizer=quantizer,
                                  data=self._data.view(element_dtype), data_transpose=None,
                                  scale_inv=self._shared, fp8_dtype=element_dtype)
+        if kind == "block":  # rows of the bytes; the whole weight's tile grid
+            return Float8BlockStorage(shape=shape, dtype=dtype, quantizer=quantizer,
+                                      rowwise_data=self._data.view(element_dtype),
+                                      rowwise_scale_inv=self._shared, columnwise_data=None,
+                                      columnwise_scale_inv=None, block_scaling_dim=2)
         return NVFP4Storage(shape=shape, dtype=dtype, quantizer=quantizer,
                             rowwise_data=self._data,
                             rowwise_scale=self._scale.view(element_dtype),
@@ -133,7 +149,7 @@ class QuantizedShardWeight(torch.Tensor):
 
 
 # elements per stored byte of `_data`: FP8 one, NVFP4 two (packed nibbles)
-_ELEMENTS = {"fp8": 1, "nvfp4": 2}
+_ELEMENTS = {"fp8": 1, "block": 1, "nvfp4": 2}
 
 
 def _apply(func, args, kwargs, field: str, first: QuantizedShardWeight):
