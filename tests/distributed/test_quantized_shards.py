@@ -31,14 +31,16 @@ CASES = {  # recipe, width (each rank holds width / 2 rows of each weight)
     "current": (mf.Float8CurrentScaling, 64),
     "delayed": (lambda: mf.DelayedScaling(amax_history_len=1), 64),
     "block": (mf.Float8BlockScaling, 192),  # 96 rows a rank: a 128x128 tile on both ranks
+    "mxfp8": (mf.MXFP8BlockScaling, 96),  # 48 rows a rank: a 32-row columnwise block on both
     "nvfp4": (lambda: NVFP4, 64),
     "nvfp4-cut-tiles": (lambda: NVFP4, 48),  # 24 rows a rank: a 16x16 tile on both ranks
 }
 # the rowwise buffers a shard holds (row slices of the full weight's) and the shared ones
 ROW_FIELDS = {"fp8": ("data",), "block": ("rowwise_data",),
+              "mxfp8": ("rowwise_data", "rowwise_scale", "columnwise_data"),
               "nvfp4": ("rowwise_data", "rowwise_scale")}
 SHARED_FIELDS = {"fp8": ("scale_inv",), "block": ("rowwise_scale_inv",),
-                 "nvfp4": ("amax_rowwise",)}
+                 "mxfp8": ("columnwise_scale",), "nvfp4": ("amax_rowwise",)}
 
 
 def build(name: str) -> tuple[nn.Module, list[torch.Tensor]]:
@@ -65,7 +67,7 @@ def batches(name: str) -> list[torch.Tensor]:
 
 
 def kind_of(name: str) -> str:
-    return name.split("-")[0] if name.startswith(("nvfp4", "block")) else "fp8"
+    return name.split("-")[0] if name.startswith(("nvfp4", "block", "mxfp8")) else "fp8"
 
 
 def fields(storage, name: str) -> dict[str, torch.Tensor]:
@@ -155,11 +157,16 @@ def test_sharded_quantized_weights_train_like_one_process_bitwise(name):
                 assert torch.equal(shard[field], full[field]), field
 
 
+def nvfp4_1d(role):
+    return mf.NVFP4Quantizer(with_2d_quantization=False)
+
+
 def test_other_quantized_formats_are_refused_clearly():
-    with mf.quantized_model_init(recipe=mf.MXFP8BlockScaling()):
-        model = nn.Sequential(mf.Linear(64, 64, name="mx"))
-    with pytest.raises(NotImplementedError, match="block FP8 and 2D NVFP4"):
-        enable_low_precision_all_gather(model, mf.MXFP8BlockScaling())
+    recipe = mf.CustomRecipe(nvfp4_1d)  # 1D NVFP4 weights: not a weight format
+    with mf.quantized_model_init(recipe=recipe):
+        model = nn.Sequential(mf.Linear(64, 64, name="nv1d"))
+    with pytest.raises(NotImplementedError, match="2D NVFP4 with a rowwise copy"):
+        enable_low_precision_all_gather(model, recipe)
 
 
 def test_the_bytes_refuse_arithmetic():

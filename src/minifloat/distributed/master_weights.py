@@ -222,14 +222,19 @@ def _cast(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int]) -> None:
         columnwise=storage.columnwise_data is not None, dtype=storage.fp8_dtype,
         rowwise_amax=maxima[:rows].reshape(shape[0], shape[1] // _MX_BLOCK),
         columnwise_amax=maxima[rows:].reshape(shape[0] // _MX_BLOCK, shape[1]))
+    first_row = cast.base // shape[1]  # an FSDP2 shard: its rows of the per-row scales
     for direction in ("rowwise", "columnwise"):
         if f"{direction}_data" not in quantized:
             continue
-        getattr(storage, f"{direction}_scale").copy_(quantized[f"{direction}_scale"])
+        scale = quantized[f"{direction}_scale"]
+        target_scale = getattr(storage, f"{direction}_scale")
+        if direction == "rowwise" and target_scale.shape[0] != scale.shape[0]:
+            scale = scale[first_row:first_row + target_scale.shape[0]]
+        target_scale.copy_(scale)  # (the columnwise grid is whole: shards share it)
         if cast.master is not None:
             values = quantized[f"{direction}_data"].view(-1)[cast.start:].narrow(
                 0, 0, cast.master.numel())
-            _write_range(getattr(storage, f"{direction}_data"), values, cast.start)
+            _write_range(getattr(storage, f"{direction}_data"), values, cast.start - cast.base)
 
 
 def _cast_nvfp4(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int],

@@ -15,8 +15,8 @@ Updates go through the master weights: the optimizer steps each rank's fp32 mast
 shard with the maxima all-reduced over the group, so every shard keeps the shared values, and
 the gathered weight is the full master's cast, bit for bit.
 
-Per-tensor FP8 (current and delayed scaling), 128x128 block FP8 and 2D NVFP4 weights; MXFP8
-(two copies with scales of their own) is refused.
+Per-tensor FP8 (current and delayed scaling), 128x128 block FP8, MXFP8 (both copies) and 2D NVFP4
+weights; other formats are refused.
 """
 
 from __future__ import annotations
@@ -26,75 +26,91 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from ..quantizers import Float8BlockStorage, Float8Storage, NVFP4Storage, QuantizedTensor
+from ..quantizers import (
+    Float8BlockStorage,
+    Float8Storage,
+    MXFP8Storage,
+    NVFP4Storage,
+    QuantizedTensor,
+)
 
 
 class QuantizedShardWeight(torch.Tensor):
     """Quantized weight bytes (or an FSDP2 shard of them) with what every shard shares; FSDP2
     all-gathers the bytes unchanged.
 
-    Per-tensor FP8: `_data` holds the rowwise bytes [rows, K], `_shared` the scale_inv. 128x128
-    block FP8: the same, `_shared` the whole weight's tile grid (a tile's rows may lie on two
-    ranks; the grid is small and equal everywhere after quantize_master_weights). 2D NVFP4:
-    `_data` holds the packed rowwise codes [rows, K/2], `_scale` the per-row E4M3 block scales
-    [rows, K/16] (a 16x16 tile's scale repeated over its rows), `_shared` the global amax. Every
-    row-wise op FSDP2 applies (split, narrow, copy_, new_zeros, view) is applied to `_data` and
-    `_scale` alike, with the widths of each.
+    `_rows`: tensors with one row per weight row, the first the rowwise bytes; `_shared`: what
+    every shard holds alike. Per-tensor FP8: the bytes [rows, K]; the scale_inv. 128x128 block
+    FP8: the bytes; the whole weight's tile grid (a tile's rows may lie on two ranks; the grid is
+    small and equal everywhere after quantize_master_weights). 2D NVFP4: the packed codes
+    [rows, K/2] and the per-row E4M3 block scales [rows, K/16]; the global amax. MXFP8: the
+    rowwise bytes, their per-row E8M0 scales [rows, K/32] and the columnwise bytes [rows, K]; the
+    columnwise scale grid [M/32, K]. Every row-wise op FSDP2 applies (split, narrow, copy_,
+    new_zeros, view) is applied to each row tensor with its own width.
     """
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale: torch.Tensor | None, shared: torch.Tensor,
-                meta: tuple) -> QuantizedShardWeight:
+    def __new__(cls, rows: tuple, shared: torch.Tensor, meta: tuple) -> QuantizedShardWeight:
         kind, _, _, dtype, columns = meta
+        data = rows[0]
         shape = (data.shape[0], columns) if data.dim() == 2 else (data.numel() * _ELEMENTS[kind],)
         return torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=data.device, requires_grad=False)
 
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor | None, shared: torch.Tensor,
-                 meta: tuple) -> None:
-        self._data = data  # uint8
-        self._scale = scale  # uint8 (NVFP4) or None
+    def __init__(self, rows: tuple, shared: torch.Tensor, meta: tuple) -> None:
+        self._rows = tuple(rows)  # uint8 row tensors, the rowwise bytes first
+        for index, tensor in enumerate(self._rows):  # the names __tensor_flatten__ gives
+            setattr(self, f"_row{index}", tensor)
         self._shared = shared  # the same for every shard of the weight
-        self._meta = meta  # (kind, element dtype, quantizer, nominal dtype, K)
+        self._meta = meta  # (kind, element dtype(s), quantizer, nominal dtype, K)
+
+    @property
+    def _data(self) -> torch.Tensor:
+        return self._rows[0]
 
     @staticmethod
     def of(weight: QuantizedTensor) -> QuantizedShardWeight:
         storage = weight.quantized_storage
         quantizer = storage.quantizer.copy() if storage.quantizer is not None else None
-        columns = storage.shape[-1]
+        columns, nominal = storage.shape[-1], storage.dtype
         if isinstance(storage, Float8Storage) and storage.data is not None:
-            return QuantizedShardWeight(storage.data.view(torch.uint8), None, storage.scale_inv,
-                                        ("fp8", storage.fp8_dtype, quantizer, storage.dtype,
-                                         columns))
+            return QuantizedShardWeight((storage.data.view(torch.uint8),), storage.scale_inv,
+                                        ("fp8", storage.fp8_dtype, quantizer, nominal, columns))
         if (isinstance(storage, Float8BlockStorage) and storage.block_scaling_dim == 2
                 and storage.rowwise_data is not None):  # the tile grid is shared, whole
             data = storage.rowwise_data
-            return QuantizedShardWeight(data.view(torch.uint8), None, storage.rowwise_scale_inv,
-                                        ("block", data.dtype, quantizer, storage.dtype,
-                                         columns))
+            return QuantizedShardWeight((data.view(torch.uint8),), storage.rowwise_scale_inv,
+                                        ("block", data.dtype, quantizer, nominal, columns))
         if (isinstance(storage, NVFP4Storage) and storage.two_dimensional
                 and storage.rowwise_data is not None):
             scale = storage.rowwise_scale
-            return QuantizedShardWeight(storage.rowwise_data, scale.view(torch.uint8),
+            return QuantizedShardWeight((storage.rowwise_data, scale.view(torch.uint8)),
                                         storage.amax_rowwise,
-                                        ("nvfp4", scale.dtype, quantizer, storage.dtype, columns))
+                                        ("nvfp4", scale.dtype, quantizer, nominal, columns))
+        if (isinstance(storage, MXFP8Storage) and storage.rowwise_data is not None
+                and storage.columnwise_data is not None):
+            rows = (storage.rowwise_data.view(torch.uint8), storage.rowwise_scale,
+                    storage.columnwise_data.view(torch.uint8))
+            return QuantizedShardWeight(rows, storage.columnwise_scale,
+                                        ("mxfp8", storage.fp8_dtype, quantizer, nominal,
+                                         columns))
         raise NotImplementedError(
             f"FSDP2 sharding of quantized_model_init weights covers per-tensor FP8, 128x128 "
-            f"block FP8 and 2D NVFP4 with a rowwise copy; this weight is {storage!r}. Build "
-            "the model without quantized_model_init to shard it (FSDP2 then gathers "
-            "high-precision weights, or quantized ones with enable_low_precision_all_gather)")
+            f"block FP8, MXFP8 (both copies) and 2D NVFP4 with a rowwise copy; this weight is "
+            f"{storage!r}. Build the model without quantized_model_init to shard it (FSDP2 "
+            "then gathers high-precision weights, or quantized ones with "
+            "enable_low_precision_all_gather)")
 
     def __repr__(self) -> str:
         return f"QuantizedShardWeight({tuple(self.shape)}, {self._meta[0]})"
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        names = ["_data", "_shared"] + (["_scale"] if self._scale is not None else [])
-        return names, self._meta
+        return [f"_row{i}" for i in range(len(self._rows))] + ["_shared"], self._meta
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
-        return QuantizedShardWeight(inner_tensors["_data"], inner_tensors.get("_scale"),
-                                    inner_tensors["_shared"], meta)
+        rows = tuple(inner_tensors[f"_row{i}"] for i in range(len(inner_tensors) - 1))
+        return QuantizedShardWeight(rows, inner_tensors["_shared"], meta)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -105,29 +121,36 @@ class QuantizedShardWeight(torch.Tensor):
             raise NotImplementedError(
                 f"{func} on quantized weight bytes that FSDP2 shards: update the fp32 master "
                 "weights and cast them with minifloat.distributed.quantize_master_weights")
-        data = _apply(func, args, kwargs, "_data", first)
-        scale = None if first._scale is None else _apply(func, args, kwargs, "_scale", first)
-        if isinstance(data, torch.Tensor):
-            return QuantizedShardWeight(data, scale, first._shared, first._meta)
-        return type(data)(QuantizedShardWeight(d, s, first._shared, first._meta)
-                          for d, s in zip(data, scale if scale is not None else [None] * len(data),
-                                          strict=True))
+        results = [_apply(func, args, kwargs, index, first)
+                   for index in range(len(first._rows))]
+        if isinstance(results[0], torch.Tensor):
+            return QuantizedShardWeight(tuple(results), first._shared, first._meta)
+        return type(results[0])(QuantizedShardWeight(rows, first._shared, first._meta)
+                                for rows in zip(*results, strict=True))
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """The rank's bytes as they are; what shards share travels as metadata."""
+        """The rank's bytes as they are; what shards share travels as metadata. MXFP8 sends its
+        rowwise copy for forward and its columnwise copy for backward (same sizes: FSDP2 keeps
+        a weight's first gather buffers)."""
         kind, element_dtype, quantizer, _, _ = self._meta
         if kind == "fp8":
             return (self._data,), ("fp8", quantizer, element_dtype, self._shared)
         if kind == "block":  # the full scale grid, equal on every rank
             return (self._data,), ("block_grid", quantizer, element_dtype, self._shared)
-        return (self._data, self._scale), ("nvfp4", quantizer, element_dtype, self._shared)
+        if kind == "nvfp4":
+            return self._rows, ("nvfp4", quantizer, element_dtype, self._shared)
+        data, scale, columnwise = self._rows
+        if torch._C._current_graph_task_id() != -1:  # backward's re-gather
+            return ((columnwise, torch.zeros_like(scale)),
+                    ("mxfp8_grid", quantizer, (element_dtype, scale.dtype), self._shared))
+        return (data, scale), ("mxfp8", quantizer, (element_dtype, scale.dtype), "rowwise")
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         from .fsdp import refill_or_wrap
 
         return refill_or_wrap(all_gather_outputs, metadata, self._meta[4], param_dtype, out)
 
-    def shard_storage(self) -> Float8Storage | NVFP4Storage:
+    def shard_storage(self) -> Float8Storage | Float8BlockStorage | NVFP4Storage | MXFP8Storage:
         """A storage over these bytes (quantize_master_weights writes into it in place)."""
         kind, element_dtype, quantizer, dtype, columns = self._meta
         shape = (self._data.shape[0], columns)
@@ -140,25 +163,31 @@ class QuantizedShardWeight(torch.Tensor):
                                       rowwise_data=self._data.view(element_dtype),
                                       rowwise_scale_inv=self._shared, columnwise_data=None,
                                       columnwise_scale_inv=None, block_scaling_dim=2)
-        return NVFP4Storage(shape=shape, dtype=dtype, quantizer=quantizer,
-                            rowwise_data=self._data,
-                            rowwise_scale=self._scale.view(element_dtype),
-                            amax_rowwise=self._shared, columnwise_data=None,
-                            columnwise_scale=None, amax_columnwise=None, two_dimensional=True,
-                            with_rht=False)
+        if kind == "nvfp4":
+            return NVFP4Storage(shape=shape, dtype=dtype, quantizer=quantizer,
+                                rowwise_data=self._data,
+                                rowwise_scale=self._rows[1].view(element_dtype),
+                                amax_rowwise=self._shared, columnwise_data=None,
+                                columnwise_scale=None, amax_columnwise=None,
+                                two_dimensional=True, with_rht=False)
+        data, scale, columnwise = self._rows  # rows of both copies; the whole columnwise grid
+        return MXFP8Storage(shape=shape, dtype=dtype, quantizer=quantizer,
+                            fp8_dtype=element_dtype, rowwise_data=data.view(element_dtype),
+                            rowwise_scale=scale, columnwise_data=columnwise.view(element_dtype),
+                            columnwise_scale=self._shared)
 
 
-# elements per stored byte of `_data`: FP8 one, NVFP4 two (packed nibbles)
-_ELEMENTS = {"fp8": 1, "block": 1, "nvfp4": 2}
+# elements per stored byte of the rowwise bytes: FP8 one, NVFP4 two (packed nibbles)
+_ELEMENTS = {"fp8": 1, "block": 1, "mxfp8": 1, "nvfp4": 2}
 
 
-def _apply(func, args, kwargs, field: str, first: QuantizedShardWeight):
-    """func on one inner tensor of every wrapper in the arguments; a new tensor's size (given in
-    the weight's elements) is converted to that tensor's width."""
-    unwrapped = tree_map_only(QuantizedShardWeight, lambda t: getattr(t, field), (args, kwargs))
+def _apply(func, args, kwargs, index: int, first: QuantizedShardWeight):
+    """func on row tensor `index` of every wrapper in the arguments; a new tensor's size (given
+    in the weight's elements) is converted to that tensor's width."""
+    unwrapped = tree_map_only(QuantizedShardWeight, lambda t: t._rows[index], (args, kwargs))
     call_args, call_kwargs = list(unwrapped[0]), unwrapped[1]
     if func in _SIZED_OPS and len(call_args) > 1:
-        inner = getattr(first, field)
+        inner = first._rows[index]
         size = list(call_args[1])
         if len(size) == 2:
             size[1] = inner.shape[1]
