@@ -180,3 +180,7 @@ def test_the_bytes_refuse_arithmetic():
     with pytest.raises(NotImplementedError, match="quantize_master_weights"):
         shard.add_(1.0)
     assert torch.equal(shard.narrow(0, 0, 8)._data, shard._data[:8])
+    # FSDP2's mixed precision casts parameters to param_dtype before the all-gather: that names
+    # the dtype the gathered weight computes in, and keeps the bytes
+    relabeled = shard.to(torch.bfloat16)
+    assert relabeled.dtype == torch.bfloat16 and relabeled._data is shard._data

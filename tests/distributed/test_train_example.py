@@ -39,12 +39,18 @@ def test_torchrun_two_processes_train_like_one():
 
 def test_low_precision_all_gather_trains_exactly_like_high_precision():
     """--mode lp gathers NVFP4 bytes (the lab GPT's shards hold whole 16x16 tiles) and must
-    train exactly as --mode hp, which gathers the weights and quantizes them after."""
+    train exactly as --mode hp, which gathers the weights and quantizes them after. So must
+    --mode qw, whose weights are stored in NVFP4 and updated through fp32 master rows (AdamW on
+    the masters is AdamW on hp's fp32 shards, and the partial cast equals quantizing the
+    gathered weight)."""
     high = _losses(_run("--standalone", "--nproc-per-node", "2", recipe="nvfp4"))
     low = _losses(_run("--standalone", "--nproc-per-node", "2", recipe="nvfp4", mode="lp"))
+    stored = _losses(_run("--standalone", "--nproc-per-node", "2", recipe="nvfp4", mode="qw"))
     assert len(low) == 3 and low == high
+    assert stored == high
 
 
 def test_low_precision_mode_needs_a_recipe(capsys):
-    assert train.main(["--mode", "lp", "--recipe", "bf16"]) == 2
-    assert "needs a recipe" in capsys.readouterr().err
+    for mode in ("lp", "qw"):
+        assert train.main(["--mode", mode, "--recipe", "bf16"]) == 2
+        assert "needs a recipe" in capsys.readouterr().err

@@ -261,7 +261,7 @@ def _supported(quantizer: Quantizer) -> bool:
             and not quantizer.stochastic_rounding)
 
 
-def _gemm_weights(module: nn.Module) -> list[tuple[str, int]]:
+def gemm_weights(module: nn.Module) -> list[tuple[str, int]]:
     """(parameter name, GEMM index) of each weight of a minifloat module."""
     from ..modules import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
 
@@ -283,7 +283,7 @@ def enable_low_precision_all_gather(model: nn.Module, recipe) -> nn.Module:
     from ..modules.base import FORWARD_SLOTS
 
     for module in model.modules():
-        for name, gemm in _gemm_weights(module):
+        for name, gemm in gemm_weights(module):
             weight = getattr(module, name)
             if isinstance(weight, QuantizedTensor):  # quantized_model_init: bytes as they are
                 wrapped = QuantizedShardWeight.of(weight)
@@ -318,6 +318,6 @@ def rebuild_weight_copies_in_backward(model: nn.Module, enabled: bool = True) ->
     force_recompute_fp8_weight_in_bwd). Costs one columnwise cast per weight in backward.
     enable_low_precision_all_gather sets it for the weights it wraps."""
     for module in model.modules():
-        if _gemm_weights(module):
+        if gemm_weights(module):
             module.rebuild_weight_copy_in_backward = enabled
     return model

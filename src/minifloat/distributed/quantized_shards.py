@@ -117,6 +117,8 @@ class QuantizedShardWeight(torch.Tensor):
         kwargs = kwargs or {}
         first = next(a for a in tree_leaves((args, kwargs))
                      if isinstance(a, QuantizedShardWeight))
+        if func is torch.ops.aten._to_copy.default:
+            return _relabeled(first, **kwargs)
         if func not in _ROW_OPS:
             raise NotImplementedError(
                 f"{func} on quantized weight bytes that FSDP2 shards: update the fp32 master "
@@ -179,6 +181,19 @@ class QuantizedShardWeight(torch.Tensor):
 
 # elements per stored byte of the rowwise bytes: FP8 one, NVFP4 two (packed nibbles)
 _ELEMENTS = {"fp8": 1, "block": 1, "mxfp8": 1, "nvfp4": 2}
+
+
+def _relabeled(weight: QuantizedShardWeight, *, dtype: torch.dtype | None = None,
+               device: torch.device | None = None, **_) -> QuantizedShardWeight:
+    """`.to(dtype)` (FSDP2's mixed-precision param_dtype before the all-gather) names the
+    dtype the gathered weight computes in; the bytes stay as they are. A device moves them."""
+    kind, element_dtype, quantizer, nominal, columns = weight._meta
+    rows, shared = weight._rows, weight._shared
+    if device is not None:
+        rows = tuple(t.to(device) for t in rows)
+        shared = shared.to(device)
+    return QuantizedShardWeight(rows, shared, (kind, element_dtype, quantizer, dtype or nominal,
+                                               columns))
 
 
 def _apply(func, args, kwargs, index: int, first: QuantizedShardWeight):

@@ -23,12 +23,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..autocast import autocast, update_delayed_backward_scales
+from ..autocast import autocast, quantized_model_init, update_delayed_backward_scales
 from ..distributed import (
     destroy_process_group,
     enable_low_precision_all_gather,
+    quantize_master_weights,
     rebuild_weight_copies_in_backward,
 )
+from ..distributed.fsdp import gemm_weights
 from ..models.gpt import GPT, PRESETS
 from .data import load_corpus, sample_batch
 from .recipe_specs import parse_recipe, recipes_help
@@ -40,10 +42,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Train the lab GPT with FSDP2 under a minifloat recipe.")
     parser.add_argument("--preset", default="tiny", choices=list(PRESETS))
     parser.add_argument("--recipe", default="fp8-current", help=recipes_help())
-    parser.add_argument("--mode", default="hp", choices=("hp", "lp"),
+    parser.add_argument("--mode", default="hp", choices=("hp", "lp", "qw"),
                         help="hp: FSDP2 gathers high-precision weights (minifloat quantizes after "
                              "the gather); lp: FSDP2 gathers them quantized (fp8-current, "
-                             "fp8-delayed, fp8-block, nvfp4)")
+                             "fp8-delayed, fp8-block, mxfp8, nvfp4); qw: the weights are stored "
+                             "quantized (quantized_model_init), sharded and gathered as bytes, "
+                             "and AdamW steps fp32 master rows cast back with "
+                             "quantize_master_weights")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -86,6 +91,39 @@ def _shard(model: GPT, device: torch.device) -> None:
     register_fsdp_forward_method(model, "loss")  # the step calls model.loss, not forward
 
 
+class MasterWeights:
+    """fp32 masters of the quantized weights (each rank's rows, from the initial high-precision
+    copies), beside the model's other parameters: what the optimizer steps in `--mode qw`."""
+
+    def __init__(self, model: GPT, rank: int, world: int) -> None:
+        self.weights, self.masters, self.starts = [], [], []
+        quantized = set()
+        for module in model.modules():
+            for name, _ in gemm_weights(module):
+                weight = getattr(module, name)
+                full = getattr(module, f"{name}_hp_init").float()
+                rows = full.shape[0] // world
+                self.weights.append(weight)
+                self.masters.append(full[rank * rows:(rank + 1) * rows].reshape(-1).clone()
+                                    .requires_grad_())
+                self.starts.append(rank * rows * full.shape[1])
+                quantized.add(id(weight))
+        self.others = [p for p in model.parameters() if id(p) not in quantized]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.masters + self.others
+
+    def take_gradients(self) -> None:
+        """The FSDP2 gradient shards of the quantized weights, onto their masters."""
+        for master, weight in zip(self.masters, self.weights, strict=True):
+            master.grad = weight.grad.to_local().float().reshape(-1)
+            weight.grad = None
+
+    def cast_into_weights(self) -> None:
+        quantize_master_weights(self.weights, self.masters, self.starts,
+                                group=dist.group.WORLD)
+
+
 def train(args: argparse.Namespace) -> list[float]:
     """The training loop; returns the rank-averaged loss of every step (on every rank)."""
     device = _init_process_group()
@@ -96,13 +134,17 @@ def train(args: argparse.Namespace) -> list[float]:
                          f"{config.batch_size} sequences; choose a divisor")
     recipe = parse_recipe(args.recipe, config.n_layers)
     torch.manual_seed(args.seed)
-    model = GPT(config, device=device)
-    if args.mode == "lp":
+    with quantized_model_init(enabled=args.mode == "qw", recipe=recipe,
+                              keep_high_precision_copy=True):
+        model = GPT(config, device=device)
+    if args.mode in ("lp", "qw"):
         enable_low_precision_all_gather(model, recipe)
     else:  # keep no full-size weight copy from forward to backward: weights stay sharded
         rebuild_weight_copies_in_backward(model)
     _shard(model, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    masters = MasterWeights(model, rank, world) if args.mode == "qw" else None
+    optimizer = torch.optim.AdamW(masters.parameters() if masters else model.parameters(),
+                                  lr=args.lr)
     corpus = load_corpus(args.data)
     generator = torch.Generator().manual_seed(args.seed)  # the same batches on every rank
     losses = []
@@ -114,8 +156,12 @@ def train(args: argparse.Namespace) -> list[float]:
                       amax_reduction_group=dist.group.WORLD):
             loss = model.loss(tokens)
         loss.backward()
+        if masters is not None:
+            masters.take_gradients()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if masters is not None:
+            masters.cast_into_weights()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
@@ -135,9 +181,9 @@ def train(args: argparse.Namespace) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.mode == "lp" and args.recipe == "bf16":
-        print("minifloat.lab.train: --mode lp gathers quantized weights and needs a recipe; "
-              "bf16 has none (use --mode hp)", file=sys.stderr)
+    if args.mode in ("lp", "qw") and args.recipe == "bf16":
+        print(f"minifloat.lab.train: --mode {args.mode} gathers quantized weights and needs a "
+              "recipe; bf16 has none (use --mode hp)", file=sys.stderr)
         return 2
     try:
         train(args)
