@@ -204,9 +204,10 @@ def test_autocast_inside_compiled_code_is_refused():
         torch.compile(step, backend="aot_eager", fullgraph=True)(torch.randn(ROWS, HIDDEN))
 
 
+@pytest.mark.parametrize("kind", ["convert_model", "grouped_linear", "layernorm_mlp"])
 @pytest.mark.parametrize("recipe_name", ["current", "block", "mxfp8", "nvfp4", "hybrid",
                                          "delayed"])
-def test_compiled_ops_rebuild_weight_copies_in_backward(recipe_name, monkeypatch):
+def test_compiled_ops_rebuild_weight_copies_in_backward(recipe_name, kind, monkeypatch):
     """With rebuild_weight_copy_in_backward (FSDP2), the compiled forward keeps no weight copy
     and the backward op quantizes the weights again: bitwise equal to eager keeping its copies.
     Delayed scaling keeps its copies under compile (the ops do not carry forward's scale)."""
@@ -218,8 +219,8 @@ def test_compiled_ops_rebuild_weight_copies_in_backward(recipe_name, monkeypatch
     monkeypatch.setattr(gemm_op, "rebuild_weight_copy",
                         lambda *args: calls.append(1) or original(*args))
     recipe = RECIPES[recipe_name]
-    eager = _build("convert_model")
-    compiled_model = rebuild_weight_copies_in_backward(_build("convert_model"))
+    eager = _build(kind)
+    compiled_model = rebuild_weight_copies_in_backward(_build(kind))
     compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
     dy = _dy_like(eager, _data(0))
     for step in range(2):
@@ -229,4 +230,5 @@ def test_compiled_ops_rebuild_weight_copies_in_backward(recipe_name, monkeypatch
         for index, (a, b) in enumerate(zip([got[0], got[1], *got[2]],
                                            [want[0], want[1], *want[2]], strict=True)):
             _assert_bitwise(a, b, f"{recipe_name} step {step} result {index}")
-    assert (len(calls) == 0) if recipe_name == "delayed" else (len(calls) == 4)  # 2 GEMMs x 2
+    # two GEMMs (or experts) a step, two steps
+    assert (len(calls) == 0) if recipe_name == "delayed" else (len(calls) == 4)
