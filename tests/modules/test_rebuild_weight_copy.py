@@ -92,3 +92,28 @@ def test_no_weight_copy_is_kept_between_forward_and_backward(kind):
     layer.rebuild_weight_copy_in_backward = False
     with mf.autocast(recipe=RECIPES[kind]):
         assert len(_gemm_node(layer(x)).w_tensors) > 0  # the default keeps one
+
+
+@pytest.mark.parametrize("kind", ["current", "delayed", "mxfp8", "nvfp4"])
+def test_grouped_linear_rebuilds_every_expert_bitwise(kind):
+    """GroupedLinear keeps (or rebuilds) one copy per expert; an empty expert has none."""
+    recipe = RECIPES[kind]
+    torch.manual_seed(0)
+    kept = mf.GroupedLinear(3, 128, 64, name="experts")
+    rebuilt = copy.deepcopy(kept)
+    rebuilt.rebuild_weight_copy_in_backward = True
+    splits = [64, 0, 64]
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, dy = torch.randn(128, 128, generator=g), torch.randn(128, 64, generator=g)
+        results = []
+        for model in (kept, rebuilt):
+            xi = x.clone().requires_grad_(True)
+            with mf.autocast(recipe=recipe):
+                y = model(xi, splits)
+            y.backward(dy)
+            mf.update_delayed_backward_scales()
+            results.append([y.detach(), xi.grad] + [p.grad.clone() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b), f"{kind} step {step}"
