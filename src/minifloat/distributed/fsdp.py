@@ -1,4 +1,4 @@
-"""FSDP2 low-precision all-gather (issue 16, mode b): weights gathered as FP8 bytes.
+"""FSDP2 low-precision all-gather (issue 16, mode b): weights gathered as quantized bytes.
 
 `enable_low_precision_all_gather(model, recipe)` wraps the weights of minifloat modules in
 `LowPrecisionGatherWeight`, a tensor subclass over the high-precision shard, before
@@ -24,6 +24,9 @@ copy for backward (neither derives the other). FSDP2 must shard evenly (padding 
 gathered as data). Wrapped modules keep no weight copy from forward to backward (except under
 delayed scaling): backward reads the re-gathered weight, so the weights stay sharded between the
 two. The optimizer updates the high-precision shards; the next forward quantizes them again.
+
+Weights built under quantized_model_init take another wrapper (quantized_shards.py): their bytes
+are sharded and gathered as they are, and quantize_master_weights updates them.
 """
 
 from __future__ import annotations
