@@ -136,7 +136,7 @@ class LowPrecisionGatherWeight(torch.Tensor):
                                           outer_size[0], mesh.get_group())
         if isinstance(quantizer, MXFP8Quantizer):
             return _mxfp8_gather_inputs(self._inner, quantizer, rows, mesh, outer_size[0])
-        if isinstance(quantizer, Float8Quantizer) and torch._C._current_graph_task_id() != -1:
+        if isinstance(quantizer, Float8Quantizer) and in_backward():
             # delayed scaling, re-gathered for backward: backward reads the copies forward kept,
             # so this gather must not record the weight's amax into the next round's slot
             quantizer.amax = torch.zeros_like(quantizer.amax)
@@ -162,7 +162,7 @@ def refill_or_wrap(all_gather_outputs, metadata, columns: int, param_dtype: torc
     return QuantizedTensor(storage), tuple(all_gather_outputs)
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """Whether this gather runs inside backward (FSDP2's re-gather before a module's backward)."""
     return torch._C._current_graph_task_id() != -1
 
@@ -174,7 +174,7 @@ def _mxfp8_gather_inputs(shard: torch.Tensor, quantizer: MXFP8Quantizer, rows: i
     the rowwise copy only, the backward re-gather the columnwise copy only, so each gather
     moves one byte per element plus a scale per 32 (the modules keep no weight copy from
     forward: rebuild_weight_copy_in_backward)."""
-    backward = _in_backward()
+    backward = in_backward()
     if backward and rows % 32:  # columnwise blocks cut by the shard boundary
         return cut_mxfp8_columnwise_gather_inputs(shard, quantizer, mesh.get_local_rank() * rows,
                                                   total_rows, mesh.get_group())

@@ -222,19 +222,25 @@ def _cast(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int]) -> None:
         columnwise=storage.columnwise_data is not None, dtype=storage.fp8_dtype,
         rowwise_amax=maxima[:rows].reshape(shape[0], shape[1] // _MX_BLOCK),
         columnwise_amax=maxima[rows:].reshape(shape[0] // _MX_BLOCK, shape[1]))
-    first_row = cast.base // shape[1]  # an FSDP2 shard: its rows of the per-row scales
     for direction in ("rowwise", "columnwise"):
         if f"{direction}_data" not in quantized:
             continue
         scale = quantized[f"{direction}_scale"]
-        target_scale = getattr(storage, f"{direction}_scale")
-        if direction == "rowwise" and target_scale.shape[0] != scale.shape[0]:
-            scale = scale[first_row:first_row + target_scale.shape[0]]
-        target_scale.copy_(scale)  # (the columnwise grid is whole: shards share it)
+        if direction == "rowwise":  # per-row scales; the columnwise grid is whole (shared)
+            scale = _storage_rows(scale, cast, shape, storage.rowwise_data.shape[0])
+        getattr(storage, f"{direction}_scale").copy_(scale)
         if cast.master is not None:
             values = quantized[f"{direction}_data"].view(-1)[cast.start:].narrow(
                 0, 0, cast.master.numel())
             _write_range(getattr(storage, f"{direction}_data"), values, cast.start - cast.base)
+
+
+def _storage_rows(full_rows: torch.Tensor, cast: _Cast, shape: tuple[int, int],
+                  count: int) -> torch.Tensor:
+    """The rows of a per-row tensor of the full weight that cast.storage holds (all of them for
+    a full-size weight; an FSDP2 shard's own rows otherwise)."""
+    first_row = cast.base // shape[1]
+    return full_rows[first_row:first_row + count]
 
 
 def _cast_nvfp4(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int],
@@ -251,8 +257,8 @@ def _cast_nvfp4(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int],
     if target is None:
         raise ValueError("quantize_master_weights: this NVFP4 weight keeps no rowwise copy to "
                          "cast into; keep the rowwise usage of weights")
-    first_row = cast.base // shape[1]  # an FSDP2 shard holds rows of the full weight
-    storage.rowwise_scale.copy_(quantized["rowwise_scale"][first_row:first_row + target.shape[0]])
+    storage.rowwise_scale.copy_(_storage_rows(quantized["rowwise_scale"], cast, shape,
+                                              target.shape[0]))
     storage.amax_rowwise.copy_(amax.reshape(storage.amax_rowwise.shape))
     if storage.columnwise_scale is not None:  # the scales are final now; the data after gather
         _, scale_t = numerics.transpose_nvfp4_2d(quantized["rowwise_data"],

@@ -141,8 +141,10 @@ class QuantizedShardWeight(torch.Tensor):
             return (self._data,), ("block_grid", quantizer, element_dtype, self._shared)
         if kind == "nvfp4":
             return self._rows, ("nvfp4", quantizer, element_dtype, self._shared)
+        from .fsdp import in_backward
+
         data, scale, columnwise = self._rows
-        if torch._C._current_graph_task_id() != -1:  # backward's re-gather
+        if in_backward():  # backward's re-gather
             return ((columnwise, torch.zeros_like(scale)),
                     ("mxfp8_grid", quantizer, (element_dtype, scale.dtype), self._shared))
         return (data, scale), ("mxfp8", quantizer, (element_dtype, scale.dtype), "rowwise")

@@ -318,7 +318,6 @@ def _setup_context(ctx, inputs, output) -> None:
     # state: aliases, see detached_alias; weights (rebuild): as F.linear keeps them
     ctx.save_for_backward(*output[1:], *state, *rebuild_from)
     ctx.saved_count, ctx.bias_count = len(output) - 1, len(biases)
-    ctx.rebuild_count = len(rebuild_from)
     ctx.constants = (plan, list(gemms), list(m_splits), list(x.shape),
                      [d for w in weights for d in w.shape], list(has_bias), need_dgrad,
                      need_wgrad)

@@ -171,7 +171,7 @@ class LeanFP8Gemm(torch.autograd.Function):
             dy2d = dy2d.contiguous()  # the kernels read it as is; the bytes do not change
         grad_x = grad_weight = None
         if not (ctx.need_dgrad or ctx.need_wgrad):  # only the bias needs a gradient
-            return grad_x, grad_weight, grad_bias, None, None, None, None, None
+            return grad_x, grad_weight, grad_bias, None, None, None, None
         dy_data, dy_t, dy_scale_inv = ctx.plan.grad_output(
             dy2d, rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad)
         saved = ctx.saved_tensors

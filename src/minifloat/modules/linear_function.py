@@ -340,10 +340,10 @@ def can_rebuild(quantizer: Quantizer) -> bool:
 
 
 def forward_scale(quantizer: Quantizer) -> torch.Tensor | None:
-    """The delayed-scaling scale a weight's columnwise copy takes in forward (a copy: the
-    recipe state's slot is updated before backward runs), or None for a stateless quantizer."""
-    maker = _columnwise_maker(quantizer)
-    return maker.scale.clone() if isinstance(maker, Float8Quantizer) else None
+    """The delayed-scaling scale a weight was quantized with in forward (a copy: the recipe
+    state's slot is updated before backward runs), or None for a stateless quantizer (a hybrid
+    with a delayed columnwise child never rebuilds: can_rebuild)."""
+    return quantizer.scale.clone() if isinstance(quantizer, Float8Quantizer) else None
 
 
 def rebuild_weight_copy(weight: torch.Tensor, quantizer: Quantizer,
