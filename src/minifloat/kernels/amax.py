@@ -34,14 +34,14 @@ AMAX_BF16_BITS = True
 
 
 @jit
-def _amax_kernel(x_ptr, amax_bits_ptr, n, iterations, BLOCK: tl.constexpr,
-                 UNROLL: tl.constexpr, PARTIALS: tl.constexpr, BF16_BITS: tl.constexpr):
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
+def program_amax_bits(x_ptr, n, pid, programs, iterations, BLOCK: tl.constexpr,
+                      UNROLL: tl.constexpr, BF16_BITS: tl.constexpr):
+    """max|x| over program `pid`'s grid-stride share of the flat x[0:n], as int32 fp32 bits.
+
+    Super-blocks of UNROLL * BLOCK elements: pid, pid + programs, ... A while loop, not
+    range(iterations): the interpreter cannot take a runtime bound in range() with recent numpy.
+    Shared by the amax kernel and the one-launch current-scaling kernel (per_tensor_fp8)."""
     running = tl.zeros([BLOCK], dtype=tl.int16 if BF16_BITS else tl.int32)
-    # Grid-stride over super-blocks of UNROLL * BLOCK elements: pid, pid + programs, ... A while
-    # loop, not range(iterations): the interpreter cannot take a runtime bound in range() with
-    # recent numpy.
     i = 0
     while i < iterations:
         base = (pid + i * programs).to(tl.int64) * (BLOCK * UNROLL)
@@ -56,6 +56,15 @@ def _amax_kernel(x_ptr, amax_bits_ptr, n, iterations, BLOCK: tl.constexpr,
     result = tl.max(running, axis=0).to(tl.int32)
     if BF16_BITS:
         result = result << 16  # bf16 bits -> the same value's fp32 bits
+    return result
+
+
+@jit
+def _amax_kernel(x_ptr, amax_bits_ptr, n, iterations, BLOCK: tl.constexpr,
+                 UNROLL: tl.constexpr, PARTIALS: tl.constexpr, BF16_BITS: tl.constexpr):
+    pid = tl.program_id(0)
+    result = program_amax_bits(x_ptr, n, pid, tl.num_programs(0), iterations, BLOCK, UNROLL,
+                               BF16_BITS)
     if PARTIALS:  # one slot per program, reduced by the consumer: no zeroed buffer needed
         tl.store(amax_bits_ptr + pid, result)
     else:

@@ -30,6 +30,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # key -> (compiled kernel, its trailing constexpr values in signature order)
 _COMPILED: dict[tuple, tuple[Any, tuple]] = {}
 _INT32 = range(-(2**31), 2**31)
+# plan key -> (compiled kernel, trailing constexpr values): launch_planned's cache
+_PLANNED: dict[tuple, tuple[Any, tuple]] = {}
 _KNOBS: list[Any] = []  # triton.knobs, imported once (an import statement a launch cost
 #                          about a microsecond of host time)
 
@@ -81,18 +83,19 @@ def _no_hook(hook: Any) -> bool:
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int = 4,
-           options: dict[str, Any] | None = None, **constexprs: Any) -> None:
+           options: dict[str, Any] | None = None, **constexprs: Any) -> tuple | None:
     """kernel[grid](*args, num_warps=..., **options, **constexprs), with the direct path.
 
     `args` are the kernel's runtime arguments in order; `constexprs` its constexpr parameters
     by name (they must be the parameters after `args`); `options` compile options such as
-    enable_fp_fusion.
+    enable_fp_fusion. Returns the (compiled kernel, trailing constexprs) entry the direct path
+    keeps for this key, or None where there is none.
     """
     global _DIRECT
     options = options or {}
     if not _direct_allowed(kernel, args):
         kernel[grid](*args, num_warps=num_warps, **options, **constexprs)
-        return
+        return None
     device = torch.cuda.current_device()
     key = (kernel, device, num_warps, tuple(sorted(options.items())) if options else (),
            tuple(constexprs.items()), tuple([_argument_key(a) for a in args]))
@@ -108,7 +111,7 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int = 4,
             compiled.run(grid_x, grid_y, grid_z, torch._C._cuda_getCurrentRawStream(device),
                          compiled.function, compiled.packed_metadata, None, None, None,
                          *args, *trailing)
-            return
+            return entry
         except (TypeError, AttributeError):  # another Triton's launcher: use Triton's path
             _DIRECT = False
             _COMPILED.clear()
@@ -117,4 +120,33 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int = 4,
         compiled = compiled.result()
     names = kernel.arg_names[len(args):]
     if set(names) == set(constexprs):
-        _COMPILED[key] = (compiled, tuple(constexprs[name] for name in names))
+        entry = _COMPILED[key] = (compiled, tuple(constexprs[name] for name in names))
+        return entry
+    return None
+
+
+def launch_planned(plan_key: tuple, device_index: int, kernel: Any, grid: tuple[int, ...],
+                   *args: Any, num_warps: int = 4, **constexprs: Any) -> None:
+    """launch(), keyed by the caller's `plan_key` instead of a key built from every argument.
+
+    For the hottest launches (the one-launch current-scaling cast runs twice per Linear
+    forward): building launch's key costs a few microseconds an argument. `plan_key` must
+    determine everything launch's key holds: the kernel, the dtypes and 16-byte alignment of
+    the tensor arguments, the value classes of the integer arguments and the constexprs; the
+    arguments must be CUDA tensors on device `device_index`.
+    """
+    entry = _PLANNED.get(plan_key)
+    if entry is not None and _DIRECT:
+        enter, leave = _launch_hooks()
+        if _no_hook(enter) and _no_hook(leave):
+            compiled, trailing = entry
+            try:
+                compiled.run(grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(device_index),
+                             compiled.function, compiled.packed_metadata, None, None, None,
+                             *args, *trailing)
+                return
+            except (TypeError, AttributeError):
+                _PLANNED.clear()
+    entry = launch(kernel, grid, *args, num_warps=num_warps, **constexprs)
+    if entry is not None:
+        _PLANNED[plan_key] = entry

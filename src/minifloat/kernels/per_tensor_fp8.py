@@ -11,7 +11,8 @@ K % 4 != 0, unaligned inputs and WORDS = False take the element kernel below.
   all-reduce it in between) or, without a reduction, leaves per-program partial maxima that
   every cast program reduces itself; then the cast kernel derives scale and scale_inv from that
   amax on device, exactly as numerics.scale_from_amax does, and casts. Two launches, no host
-  sync.
+  sync. On CUDA without a given amax the two are one launch (_one_launch_kernel): the same
+  amax and tile functions around a grid barrier.
 - Delayed scaling: the cast uses the given scale tensor and folds this tensor's amax into the
   given amax tensor in the same pass (an atomic max per tile).
 
@@ -20,13 +21,16 @@ Bytes equal numerics.quantize_current_scaling / quantize_with_scale (the tests c
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import amax as amax_kernels
 from . import per_tensor_fp8_words as words_kernels
-from .amax import current_scale
+from .amax import current_scale, program_amax_bits
 from .fp8_common import (
     _capability,
+    _sm_count,
     abs_bits,
     cdiv,
     float32_value,
@@ -37,11 +41,12 @@ from .fp8_common import (
     kernel_input,
     needs_wide_offsets,
     reciprocal_rn,
+    scale_from_amax,
     tile_offsets,
     tl,
     triton,
 )
-from .launch import launch
+from .launch import _INTERPRET, launch, launch_planned
 
 # 64x128 tiles, 4 warps (64 elements a thread). Swept on an H100 with the hardware cast
 # (benchmarks/KERNEL_NOTES.md): 64x64, 32x128, 128x64 with 4 warps within 5%; 8 or 16 warps
@@ -56,6 +61,15 @@ WORDS = True
 WORDS_TILE_M = 64
 WORDS_TILE_K = 128
 WORDS_NUM_WARPS = 4
+# Current scaling in one launch (_one_launch_kernel): on CUDA, unless
+# MINIFLOAT_ONE_LAUNCH_CURRENT=0. Programs per SM: two programs of ONE_LAUNCH_WARPS = 4 warps
+# always fit one SM together (2 x 128 threads x 255 registers <= 64K registers, shared memory
+# a few KiB), which the grid barrier needs: every program of the grid must be resident at once.
+ONE_LAUNCH = os.environ.get("MINIFLOAT_ONE_LAUNCH_CURRENT", "1") != "0"
+ONE_LAUNCH_PROGRAMS_PER_SM = 2
+ONE_LAUNCH_WARPS = 4
+ONE_LAUNCH_AMAX_BLOCK = 2048
+ONE_LAUNCH_AMAX_UNROLL = 4
 # Tests only: run the words kernel's CUDA algorithm (cvt stand-in with a wrong NaN byte, NaN
 # fix-up per tile, plain halfwise maxima) under the interpreter.
 EMULATE_PRODUCTS = False
@@ -115,6 +129,66 @@ def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, sca
                             E5M2, ROWWISE, COLUMNWISE, True, BLOCK_M, BLOCK_K, WIDE, HW_CAST)
     if pid == 0:
         tl.store(scale_inv_ptr, reciprocal_rn(scale))
+
+
+@jit
+def _one_launch_kernel(x_ptr, x_words_ptr, data_ptr, data_t_ptr, sync_ptr, scale_inv_ptr, eps,
+                       M, K, n, amax_iterations, E5M2: tl.constexpr, POW2: tl.constexpr,
+                       ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, WORDS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WIDE: tl.constexpr,
+                       HW_CAST: tl.constexpr, PRODUCTS: tl.constexpr, MAX_U16X2: tl.constexpr,
+                       MASK_M: tl.constexpr, MASK_K: tl.constexpr, AMAX_BLOCK: tl.constexpr,
+                       AMAX_UNROLL: tl.constexpr, BF16_BITS: tl.constexpr):
+    """Current scaling in one launch: amax, grid barrier, scale, cast (+ transpose).
+
+    Why: the two-launch form (amax partials, then the cast) costs a launch and an allocation of
+    host time per quantization, and an eager FP8 Linear quantizes three tensors a step. Every
+    program folds max|x| over its grid-stride share into sync[2] (int32 |x| bits, NaN above
+    inf), arrives at sync[0] and spins until all have arrived, derives the scale from the whole
+    tensor's amax exactly as the cast kernels do, then casts its share of the tiles with the
+    element or the words tile function. The last program to leave (sync[1]) zeroes sync[0..2]
+    for the next launch on the stream. The grid must fit the GPU at once (the host sizes it);
+    the interpreter runs programs one by one and never takes this kernel.
+    """
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    bits = program_amax_bits(x_ptr, n, pid, programs, amax_iterations, AMAX_BLOCK, AMAX_UNROLL,
+                             BF16_BITS)
+    tl.atomic_max(sync_ptr + 2, bits, sem="relaxed")
+    tl.atomic_add(sync_ptr, 1, sem="release")
+    arrived = tl.atomic_add(sync_ptr, 0, sem="acquire")
+    while arrived < programs:
+        arrived = tl.atomic_add(sync_ptr, 0, sem="acquire")
+    amax = tl.atomic_max(sync_ptr + 2, 0, sem="acquire").to(tl.float32, bitcast=True)
+    scale = scale_from_amax(amax, eps, E5M2, POW2, 0x7F7FFFFF)
+    # the words tiles' NaN fix-up: a NaN product needs a NaN input (the amax is NaN exactly
+    # then) or a zero, infinite or NaN scale
+    scale_mag = scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    nan_possible = ((scale_mag == 0) | (scale_mag >= 0x7F800000)
+                    | ((amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000))
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    tiles = tl.cdiv(M, BLOCK_M) * tiles_k
+    tile = pid
+    while tile < tiles:
+        pid_m = tile // tiles_k
+        pid_k = tile % tiles_k
+        if WORDS:
+            words_kernels.per_tensor_words_tile(
+                x_words_ptr, data_ptr, data_t_ptr, sync_ptr, scale, nan_possible, M, K, pid_m,
+                pid_k, E5M2, ROWWISE, COLUMNWISE, False, False, BLOCK_M, BLOCK_K, HW_CAST,
+                PRODUCTS, MAX_U16X2, MASK_M, MASK_K)
+        else:
+            cast_transpose_tile(x_ptr, data_ptr, data_t_ptr, sync_ptr, scale, M, K, pid_m,
+                                pid_k, E5M2, ROWWISE, COLUMNWISE, False, BLOCK_M, BLOCK_K, WIDE,
+                                HW_CAST)
+        tile += programs
+    if pid == 0:
+        tl.store(scale_inv_ptr, reciprocal_rn(scale))
+    departed = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
+    if departed == programs - 1:  # everyone has read the amax: reset for the next launch
+        tl.atomic_xchg(sync_ptr, 0)
+        tl.atomic_xchg(sync_ptr + 1, 0)
+        tl.atomic_xchg(sync_ptr + 2, 0)
 
 
 def _matrix_shape(x: torch.Tensor) -> tuple[int, int]:
@@ -243,6 +317,78 @@ def _launch_elements(x: torch.Tensor, data: torch.Tensor | None, data_t: torch.T
     )
 
 
+# (device index, raw stream) -> int32 [4]: the one-launch kernel's arrive / depart counters and
+# amax bits, zero between launches. One per stream: two streams (FSDP2 quantizes on its
+# all-gather stream) must never count into the same barrier.
+_SYNC: dict[tuple[int, int], torch.Tensor] = {}
+# plan key -> (grid, amax iterations, constexprs): what a shape and its options decide, once
+_ONE_LAUNCH_PLANS: dict[tuple, tuple[tuple[int], int, dict]] = {}
+
+
+def _one_launch_applies(x: torch.Tensor) -> bool:
+    return ONE_LAUNCH and not _INTERPRET and x.is_cuda and kernel_input(x)
+
+
+def _one_launch_plan(x: torch.Tensor, m: int, k: int, e5m2: bool, power_2_scale: bool,
+                     rowwise: bool, columnwise: bool, index: int) -> tuple[tuple[int], int, dict]:
+    words = _takes_words(x, m, k, columnwise)
+    block_m, block_k = (WORDS_TILE_M, WORDS_TILE_K) if words else (TILE_M, TILE_K)
+    tiles = cdiv(m, block_m) * cdiv(k, block_k)
+    amax_blocks = cdiv(m * k, ONE_LAUNCH_AMAX_BLOCK * ONE_LAUNCH_AMAX_UNROLL)
+    programs = min(ONE_LAUNCH_PROGRAMS_PER_SM * _sm_count(index), max(tiles, amax_blocks))
+    hw = hw_cast(x)
+    constexprs = {
+        "E5M2": e5m2, "POW2": power_2_scale, "ROWWISE": rowwise, "COLUMNWISE": columnwise,
+        "WORDS": words, "BLOCK_M": block_m, "BLOCK_K": block_k,
+        "WIDE": not words and needs_wide_offsets(m, k, max(TILE_M, TILE_K)), "HW_CAST": hw,
+        "PRODUCTS": hw or EMULATE_PRODUCTS, "MAX_U16X2": hw and _capability(index) >= (9, 0),
+        "MASK_M": words and m % block_m != 0, "MASK_K": words and k % block_k != 0,
+        "AMAX_BLOCK": ONE_LAUNCH_AMAX_BLOCK, "AMAX_UNROLL": ONE_LAUNCH_AMAX_UNROLL,
+        "BF16_BITS": amax_kernels.AMAX_BF16_BITS and x.dtype == torch.bfloat16,
+    }
+    return (programs,), cdiv(amax_blocks, programs), constexprs
+
+
+def _one_launch(x: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float,
+                power_2_scale: bool, rowwise: bool, columnwise: bool
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """quantize_current_scaling without a given amax, in one launch (_one_launch_kernel)."""
+    if not (rowwise or columnwise):
+        raise ValueError("per-tensor FP8 kernel: ask for the rowwise or the columnwise copy")
+    m, k = _matrix_shape(x)
+    index = x.get_device()
+    plan_key = (x.dtype, m, k, fp8_dtype, amax_epsilon, power_2_scale, rowwise, columnwise,
+                x.data_ptr() % 16, x.storage_offset() % 4, index)
+    plan = _ONE_LAUNCH_PLANS.get(plan_key)
+    if plan is None:
+        plan = _ONE_LAUNCH_PLANS[plan_key] = _one_launch_plan(
+            x, m, k, is_e5m2(fp8_dtype), power_2_scale, rowwise, columnwise, index)
+    grid, amax_iterations, constexprs = plan
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    sync = _SYNC.get((index, stream))
+    if sync is None:
+        sync = _SYNC[(index, stream)] = torch.zeros(4, dtype=torch.int32, device=x.device)
+    data = torch.empty((m, k), dtype=torch.uint8, device=x.device) if rowwise else None
+    data_t = torch.empty((k, m), dtype=torch.uint8, device=x.device) if columnwise else None
+    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
+    dummy = scale_inv  # stands in for absent outputs; the constexpr flags skip their stores
+    words = constexprs["WORDS"]
+    rows_out = data if data is not None else dummy
+    cols_out = data_t if data_t is not None else dummy
+    launch_planned(
+        ("one_launch", *plan_key), index, _one_launch_kernel, grid, x,
+        x.view(torch.int64) if words else x,
+        _words_view(rows_out) if words else rows_out,
+        _words_view(cols_out) if words else cols_out,
+        sync, scale_inv, float32_value(amax_epsilon), m, k, m * k, amax_iterations,
+        num_warps=ONE_LAUNCH_WARPS, **constexprs)
+    return (
+        None if data is None else data.view(fp8_dtype),
+        None if data_t is None else data_t.view(fp8_dtype),
+        scale_inv,
+    )
+
+
 def quantize_current_scaling(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -259,6 +405,8 @@ def quantize_current_scaling(
     for, with the bytes of numerics.quantize_current_scaling. `amax` (a 1-element fp32 tensor on
     x's device) may be given when it was reduced across ranks; otherwise it is computed here.
     """
+    if amax is None and _one_launch_applies(x):
+        return _one_launch(x, fp8_dtype, amax_epsilon, power_2_scale, rowwise, columnwise)
     if amax is None:  # partial maxima: no zeroed buffer (see amax.amax_partials)
         return _launch(x, fp8_dtype, scale=None, amax=amax_kernels.amax_partials(x),
                        amax_epsilon=amax_epsilon, power_2_scale=power_2_scale, rowwise=rowwise,
