@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .recipe_state import update_delayed_states
 from .recipes import DelayedScaling, Recipe
 
 
@@ -51,12 +52,15 @@ class DelayedScalingRound:
         return [pair for recipe in self.recipes for pair in registered_delayed_states(recipe)]
 
     def update_forward(self) -> None:
-        for pair in self.pairs():
-            pair.forward.update(self.amax_reduction_group)
+        """Every used module's forward states, in one batched update (update_delayed_states)."""
+        update_delayed_states([state for pair in self.pairs()
+                               for state in pair.forward.delayed_states()],
+                              self.amax_reduction_group)
 
     def update_backward(self) -> None:
-        for pair in self.pairs():
-            pair.backward.update(self.amax_reduction_group)
+        update_delayed_states([state for pair in self.pairs()
+                               for state in pair.backward.delayed_states()],
+                              self.amax_reduction_group)
 
 
 @dataclass

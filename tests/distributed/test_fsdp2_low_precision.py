@@ -118,6 +118,19 @@ def test_low_precision_gather_trains_like_high_precision_bitwise(name):
         assert len(pickle.loads(low[rank]["pickled"])) == 6
 
 
+@pytest.mark.parametrize("name", ["block", "mxfp8", "nvfp4"])
+def test_one_rank_gathers_the_scales_too(name):
+    """At world size 1 FSDP2 copies only the first all-gather input (no all-gather runs), so
+    the formats with scales pack theirs with the bytes (fsdp.packed_for_one_rank). Found on one
+    GPU under NCCL; gloo takes the same FSDP2 path."""
+    high = run_ranks(train_worker, 1, name, False, timeout=180)[0]
+    low = run_ranks(train_worker, 1, name, True, timeout=180)[0]
+    for step, (a, b) in enumerate(zip(low["losses"], high["losses"], strict=True)):
+        assert torch.equal(a, b), f"step {step}"
+    for key, value in high["params"].items():
+        assert torch.equal(low["params"][key], value), key
+
+
 def bytes_worker(rank: int, world_size: int, name: str, low_precision: bool) -> int:
     """Bytes this rank feeds into FSDP2's all-gathers over one step, bf16 parameters."""
     recipe = RECIPES[name]()

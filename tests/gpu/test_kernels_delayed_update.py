@@ -21,7 +21,10 @@ if DEVICE is None:
     )
 
 from minifloat import numerics  # noqa: E402
-from minifloat.kernels.delayed_update import delayed_scaling_update_  # noqa: E402
+from minifloat.kernels.delayed_update import (  # noqa: E402
+    delayed_scaling_update_,
+    delayed_scaling_update_many_,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -85,3 +88,28 @@ def test_bad_inputs_name_the_problem():
         delayed_scaling_update_(history, scale[:2], fp8_max)
     with pytest.raises(ValueError, match="amax_history must be"):
         delayed_scaling_update_(history.t(), scale, fp8_max)
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("rows,slots", [(1, 3), (4, 17), (300, 9)])
+def test_many_states_in_one_launch_follow_the_reference(algo, rows, slots):
+    """Separate allocations (offsets from the first history, either sign), updated twice (the
+    second update reuses the cached offset table)."""
+    states = [make_state(rows, slots, seed=seed) for seed in range(5)]
+    expected = [(h.clone(), s.clone(), m) for h, s, m in states]
+    for _ in range(2):
+        expected = [(*numerics.delayed_scaling_update(h, s, m, margin=1, amax_compute_algo=algo),
+                     m) for h, s, m in expected]
+        delayed_scaling_update_many_(states, margin=1, amax_compute_algo=algo)
+        for (history, scale, _), (want_history, want_scale, _) in zip(states, expected,
+                                                                        strict=True):
+            assert torch.equal(bits(history), bits(want_history.float()))
+            assert torch.equal(bits(scale), bits(want_scale.float()))
+
+
+def test_many_states_refuse_what_would_race_or_mismatch():
+    state = make_state(2, 3, seed=0)
+    with pytest.raises(ValueError, match="appears twice"):
+        delayed_scaling_update_many_([state, state])
+    with pytest.raises(ValueError, match="one shape"):
+        delayed_scaling_update_many_([state, make_state(3, 3, seed=1)])

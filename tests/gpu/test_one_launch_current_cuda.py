@@ -57,7 +57,8 @@ def check(x, fp8_dtype=E4M3, reference=True, **options):
 
 
 def sync_is_clear():
-    return all(int(buffer[:3].abs().sum()) == 0 for buffer in per_tensor_fp8._SYNC.values())
+    pools = per_tensor_fp8._SYNC_POOLS.values()
+    return all(int(pool[:, :3].abs().sum()) == 0 for pool in pools)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
@@ -134,3 +135,21 @@ def test_cuda_graph_replay():
         expected = two_launch(x, E4M3)
         for a, b in zip(captured, expected, strict=True):
             same_bytes(a, b, "a replayed one-launch cast differs from an eager one")
+
+
+def test_capture_before_any_pool_takes_two_launches(monkeypatch):
+    """A capture must not allocate the barrier pool (the graph's private pool would reuse it):
+    with no pool yet, the captured cast is the two-launch one, with the same bytes."""
+    monkeypatch.setattr(per_tensor_fp8, "_SYNC_POOLS", {})
+    monkeypatch.setattr(per_tensor_fp8, "_SYNC_SLOT", {})
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    two_launch(x, E4M3)  # compile the two-launch kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = per_tensor_fp8.quantize_current_scaling(x, E4M3)
+    assert per_tensor_fp8._SYNC_POOLS == {}
+    x.mul_(3)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, two_launch(x, E4M3), strict=True):
+        same_bytes(a, b, "captured two-launch fallback")

@@ -119,6 +119,9 @@ class LowPrecisionGatherWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """Quantize this rank's rows (rowwise copy only); the all-gather inputs are the bytes
         and, for block formats, the rows of the scale grid."""
+        return packed_for_one_rank(*self._rank_gather_inputs(mesh, outer_size), mesh)
+
+    def _rank_gather_inputs(self, mesh, outer_size) -> tuple[tuple[torch.Tensor, ...], tuple]:
         quantizer = self._quantizer.copy()  # throwaway: the group lives for this call only
         quantizer.amax_reduction_group = mesh.get_group()
         quantizer.set_usage(rowwise=True, columnwise=False)
@@ -153,13 +156,46 @@ def refill_or_wrap(all_gather_outputs, metadata, columns: int, param_dtype: torc
     """fsdp_post_all_gather's answer: the gathered storage as a new QuantizedTensor weight, or
     refilled into `out`, the unsharded weight of an earlier gather (in place, not through .data:
     that is a detached alias with a storage object of its own)."""
-    storage = _gathered_storage(all_gather_outputs, metadata, columns, param_dtype)
+    storage = _gathered_storage(*unpacked(all_gather_outputs, metadata), columns, param_dtype)
     if out is not None:
         target = out.quantized_storage
         for name in (*target.tensor_fields(), "quantizer"):
             setattr(target, name, getattr(storage, name))
         return None
     return QuantizedTensor(storage), tuple(all_gather_outputs)
+
+
+def packed_for_one_rank(inputs: tuple[torch.Tensor, ...], metadata: tuple, mesh
+                        ) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """The all-gather inputs as one flat byte tensor when the shard group has one rank.
+
+    Why: with world size 1, FSDP2 (torch 2.11 to 2.13, FSDPParamGroup.unshard) skips the
+    all-gather and copies only the first all-gather input into the unsharded buffer, so the
+    scales of a block format never reached fsdp_post_all_gather (found on one GPU under NCCL).
+    Each input is laid out at a 16-byte aligned offset, so unpacked() views it back without a
+    copy; nothing is communicated at world size 1, so the one concatenation is the whole cost.
+    """
+    if mesh.size() != 1 or len(inputs) == 1:
+        return inputs, metadata
+    parts, layout, offset = [], [], 0
+    for tensor in inputs:
+        flat = tensor.contiguous().view(-1).view(torch.uint8)
+        padding = -flat.numel() % 16
+        parts += [flat, flat.new_zeros(padding)] if padding else [flat]
+        layout.append((offset, flat.numel(), tensor.dtype, tuple(tensor.shape)))
+        offset += flat.numel() + padding
+    return (torch.cat(parts),), ("packed", tuple(layout), metadata)
+
+
+def unpacked(outputs: tuple[torch.Tensor, ...], metadata: tuple
+             ) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """packed_for_one_rank undone on the gathered buffer: views, no copies."""
+    if metadata[0] != "packed":
+        return outputs, metadata
+    _, layout, inner = metadata
+    flat = outputs[0].view(-1)
+    return tuple(flat[offset:offset + size].view(dtype).view(shape)
+                 for offset, size, dtype, shape in layout), inner
 
 
 def in_backward() -> bool:

@@ -134,6 +134,11 @@ class QuantizedShardWeight(torch.Tensor):
         """The rank's bytes as they are; what shards share travels as metadata. MXFP8 sends its
         rowwise copy for forward and its columnwise copy for backward (same sizes: FSDP2 keeps
         a weight's first gather buffers)."""
+        from .fsdp import packed_for_one_rank
+
+        return packed_for_one_rank(*self._rank_gather_inputs(), mesh)
+
+    def _rank_gather_inputs(self) -> tuple[tuple[torch.Tensor, ...], tuple]:
         kind, element_dtype, quantizer, _, _ = self._meta
         if kind == "fp8":
             return (self._data,), ("fp8", quantizer, element_dtype, self._shared)

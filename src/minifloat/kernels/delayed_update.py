@@ -37,10 +37,33 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38) if tl is not None else None
 def _delayed_update_kernel(history_ptr, scale_ptr, fp8_max_ptr, rows, slots, margin_factor,
                            MOST_RECENT: tl.constexpr, SLOTS: tl.constexpr,
                            ROWS: tl.constexpr, ROLL: tl.constexpr):
-    """ROLL: the history has more than one row. A one-row history has nothing to roll, and its
-    loop must not be emitted at all: Triton specialises `rows` == 1 to a constant, and the
-    resulting zero-trip loop crashed Triton 3.6's coalescing pass on sm_90 (H200 run)."""
-    slot = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)
+    _update_slots(history_ptr, scale_ptr, fp8_max_ptr, rows, slots, margin_factor,
+                  tl.program_id(0), MOST_RECENT, SLOTS, ROWS, ROLL)
+
+
+@jit
+def _delayed_update_many_kernel(base_ptr, offsets_ptr, rows, slots, margin_factor,
+                                MOST_RECENT: tl.constexpr, SLOTS: tl.constexpr,
+                                ROWS: tl.constexpr, ROLL: tl.constexpr):
+    """Many states of one shape at once: program (block, state) reads state's history, scale
+    and fp8_max at the element offsets offsets[state, 0:3] from base_ptr (all fp32)."""
+    state = tl.program_id(1).to(tl.int64)
+    history = base_ptr + tl.load(offsets_ptr + state * 3)
+    scale = base_ptr + tl.load(offsets_ptr + state * 3 + 1)
+    fp8_max = base_ptr + tl.load(offsets_ptr + state * 3 + 2)
+    _update_slots(history, scale, fp8_max, rows, slots, margin_factor, tl.program_id(0),
+                  MOST_RECENT, SLOTS, ROWS, ROLL)
+
+
+@jit
+def _update_slots(history_ptr, scale_ptr, fp8_max_ptr, rows, slots, margin_factor, block,
+                  MOST_RECENT: tl.constexpr, SLOTS: tl.constexpr, ROWS: tl.constexpr,
+                  ROLL: tl.constexpr):
+    """Slot block `block` of one state. ROLL: the history has more than one row. A one-row
+    history has nothing to roll, and its loop must not be emitted at all: Triton specialises
+    `rows` == 1 to a constant, and the resulting zero-trip loop crashed Triton 3.6's coalescing
+    pass on sm_90 (H200 run)."""
+    slot = block * SLOTS + tl.arange(0, SLOTS)
     slot_ok = slot < slots
     row_zero = tl.load(history_ptr + slot, mask=slot_ok, other=0.0)
     if MOST_RECENT:
@@ -87,6 +110,73 @@ def _delayed_update_kernel(history_ptr, scale_ptr, fp8_max_ptr, rows, slots, mar
     tl.store(scale_ptr + slot, tl.where(valid, candidate, old_scale), mask=slot_ok)
 
 
+# key: the (history, scale, fp8_max) addresses of a list of states -> its device offset table
+# (and the pinned host copy it came from, alive until the asynchronous copy has run)
+_OFFSET_TABLES: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def delayed_scaling_update_many_(
+    states: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    *,
+    margin: float = 0,
+    amax_compute_algo: str = "max",
+) -> None:
+    """delayed_scaling_update_ on many states in one launch: (amax_history, scale, fp8_max) per
+    state, every history of one shape [rows, slots] on one device, no tensor twice.
+
+    Why: autocast updates two states per module and step, one launch each, which at 80 Linears
+    cost ~20 ms of host time a step (benchmarks/model_step.py, delayed eager). The offset table
+    (each tensor's element offset from the first history) is built once per set of addresses
+    and kept on the device: the states are long-lived, so later steps reuse it.
+    """
+    if not states:
+        return
+    for history, scale, fp8_max in states:
+        _check_state(history, scale, fp8_max, amax_compute_algo)
+    rows, slots = states[0][0].shape
+    if any(history.shape != (rows, slots) for history, _, _ in states):
+        raise ValueError("delayed_scaling_update_many_: every amax_history must have one shape")
+    if rows == 0 or slots == 0:
+        return
+    base = states[0][0]
+    key = tuple(t.data_ptr() for state in states for t in state)
+    if len(set(key)) != len(key):
+        raise ValueError("delayed_scaling_update_many_: a tensor appears twice (the updates "
+                         "would race); pass each state once")
+    entry = _OFFSET_TABLES.get(key)
+    if entry is None:
+        if len(_OFFSET_TABLES) > 64:
+            _OFFSET_TABLES.clear()
+        host = torch.tensor([(address - base.data_ptr()) // 4 for address in key],
+                            dtype=torch.int64)
+        if base.is_cuda:  # no host sync: a pinned copy, sent asynchronously
+            host = host.pin_memory()
+        entry = _OFFSET_TABLES[key] = (host.to(base.device, non_blocking=True), host)
+    table = entry[0]
+    launch(_delayed_update_many_kernel, (cdiv(slots, SLOTS_BLOCK), len(states)), base, table,
+           rows, slots, float32_value(2.0 ** margin),
+           MOST_RECENT=amax_compute_algo == "most_recent", SLOTS=SLOTS_BLOCK, ROWS=ROWS_BLOCK,
+           ROLL=rows > 1, num_warps=4)
+
+
+def _check_state(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: torch.Tensor,
+                 amax_compute_algo: str) -> None:
+    if amax_compute_algo not in ("max", "most_recent"):
+        raise ValueError(
+            f"unknown amax_compute_algo {amax_compute_algo!r}: use 'max' or 'most_recent'"
+        )
+    if (amax_history.dtype != torch.float32 or amax_history.dim() != 2
+            or not amax_history.is_contiguous()):
+        raise ValueError("delayed_scaling_update_: amax_history must be a contiguous fp32 "
+                         "[history_len, slots] tensor")
+    slots = amax_history.shape[1]
+    for name, tensor, numel in (("scale", scale, slots), ("fp8_max", fp8_max, slots)):
+        if (tensor.dtype != torch.float32 or tensor.numel() != numel
+                or not tensor.is_contiguous() or tensor.device != amax_history.device):
+            raise ValueError(f"delayed_scaling_update_: {name} must be a contiguous fp32 tensor "
+                             f"of {numel} values on the history's device")
+
+
 def delayed_scaling_update_(
     amax_history: torch.Tensor,
     scale: torch.Tensor,
@@ -97,20 +187,8 @@ def delayed_scaling_update_(
 ) -> None:
     """numerics.delayed_scaling_update applied in place to a state's history [rows, slots] and
     scale [slots] (fp32, contiguous, one device); fp8_max holds one fp32 value per slot."""
-    if amax_compute_algo not in ("max", "most_recent"):
-        raise ValueError(
-            f"unknown amax_compute_algo {amax_compute_algo!r}: use 'max' or 'most_recent'"
-        )
-    if (amax_history.dtype != torch.float32 or amax_history.dim() != 2
-            or not amax_history.is_contiguous()):
-        raise ValueError("delayed_scaling_update_: amax_history must be a contiguous fp32 "
-                         "[history_len, slots] tensor")
+    _check_state(amax_history, scale, fp8_max, amax_compute_algo)
     rows, slots = amax_history.shape
-    for name, tensor, numel in (("scale", scale, slots), ("fp8_max", fp8_max, slots)):
-        if (tensor.dtype != torch.float32 or tensor.numel() != numel
-                or not tensor.is_contiguous() or tensor.device != amax_history.device):
-            raise ValueError(f"delayed_scaling_update_: {name} must be a contiguous fp32 tensor "
-                             f"of {numel} values on the history's device")
     if rows == 0 or slots == 0:
         return
     launch(_delayed_update_kernel, (cdiv(slots, SLOTS_BLOCK),), amax_history, scale, fp8_max,

@@ -317,10 +317,40 @@ def _launch_elements(x: torch.Tensor, data: torch.Tensor | None, data_t: torch.T
     )
 
 
-# (device index, raw stream) -> int32 [4]: the one-launch kernel's arrive / depart counters and
-# amax bits, zero between launches. One per stream: two streams (FSDP2 quantizes on its
-# all-gather stream) must never count into the same barrier.
-_SYNC: dict[tuple[int, int], torch.Tensor] = {}
+# The one-launch kernel's barrier slots: per device one int32 pool of SYNC_SLOTS x 4 (arrive,
+# depart, amax bits, unused), zero between launches, and a slot per stream: two streams (FSDP2
+# quantizes on its all-gather stream) must never count into the same barrier. The pool is
+# allocated on a stream of its own, outside any CUDA-graph capture: memory allocated on a
+# capturing (or cudagraph-tree warm-up) stream belongs to the graph's private pool, which
+# reuses it once it looks dead, and a barrier counter overwritten there corrupts every later
+# launch (found under torch.compile mode="reduce-overhead"). A capture that finds no pool, or
+# no free slot, takes the two launches.
+SYNC_SLOTS = 256
+_SYNC_POOLS: dict[int, torch.Tensor] = {}
+_SYNC_SLOT: dict[tuple[int, int], torch.Tensor] = {}  # (device, raw stream) -> its [4] slot
+
+
+def _sync_slot(x: torch.Tensor, index: int) -> torch.Tensor | None:
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    slot = _SYNC_SLOT.get((index, stream))
+    if slot is not None:
+        return slot
+    pool = _SYNC_POOLS.get(index)
+    if pool is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        side = torch.cuda.Stream(device=x.device)
+        with torch.cuda.stream(side):
+            pool = torch.zeros(SYNC_SLOTS, 4, dtype=torch.int32, device=x.device)
+        torch.cuda.current_stream(x.device).wait_stream(side)
+        _SYNC_POOLS[index] = pool
+    used = sum(1 for key in _SYNC_SLOT if key[0] == index)
+    if used == SYNC_SLOTS:
+        return None
+    slot = _SYNC_SLOT[(index, stream)] = pool[used]
+    return slot
+
+
 # plan key -> (grid, amax iterations, constexprs): what a shape and its options decide, once
 _ONE_LAUNCH_PLANS: dict[tuple, tuple[tuple[int], int, dict]] = {}
 
@@ -364,10 +394,11 @@ def _one_launch(x: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float,
         plan = _ONE_LAUNCH_PLANS[plan_key] = _one_launch_plan(
             x, m, k, is_e5m2(fp8_dtype), power_2_scale, rowwise, columnwise, index)
     grid, amax_iterations, constexprs = plan
-    stream = torch._C._cuda_getCurrentRawStream(index)
-    sync = _SYNC.get((index, stream))
-    if sync is None:
-        sync = _SYNC[(index, stream)] = torch.zeros(4, dtype=torch.int32, device=x.device)
+    sync = _sync_slot(x, index)
+    if sync is None:  # a capture before any pool existed, or every slot taken
+        return _launch(x, fp8_dtype, scale=None, amax=amax_kernels.amax_partials(x),
+                       amax_epsilon=amax_epsilon, power_2_scale=power_2_scale,
+                       rowwise=rowwise, columnwise=columnwise, partials=True)
     data = torch.empty((m, k), dtype=torch.uint8, device=x.device) if rowwise else None
     data_t = torch.empty((k, m), dtype=torch.uint8, device=x.device) if columnwise else None
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
