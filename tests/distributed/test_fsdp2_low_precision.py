@@ -31,8 +31,18 @@ RECIPES = {
     "block": lambda: mf.Float8BlockScaling(),
     "mxfp8": lambda: mf.MXFP8BlockScaling(),
     "nvfp4": lambda: mf.NVFP4BlockScaling(disable_stochastic_rounding=True),
+    # hybrid weights (seed 000): the rowwise copy in the fprop format, the columnwise copy in
+    # the dgrad format, each gathered in its own (hybrid_gather.py)
+    "hybrid-mxfp8-nvfp4": lambda: mf.HybridRecipe(
+        fprop=mf.MXFP8BlockScaling(),
+        dgrad=mf.NVFP4BlockScaling(disable_stochastic_rounding=True),
+        wgrad=mf.NVFP4BlockScaling(disable_stochastic_rounding=True)),
+    "hybrid-current-block": lambda: mf.HybridRecipe(
+        fprop=mf.Float8CurrentScaling(), dgrad=mf.Float8BlockScaling(),
+        wgrad=mf.Float8CurrentScaling()),
 }
-BYTE_BOUND = {"current": 0.55, "delayed": 0.55, "block": 0.55, "mxfp8": 0.55, "nvfp4": 0.3}
+BYTE_BOUND = {"current": 0.55, "delayed": 0.55, "block": 0.55, "mxfp8": 0.55, "nvfp4": 0.3,
+              "hybrid-mxfp8-nvfp4": 0.55, "hybrid-current-block": 0.55}
 
 
 class Stack(nn.Sequential):
@@ -280,6 +290,10 @@ def nvfp4_1d(role):
 def test_other_weight_formats_are_refused_clearly():
     with pytest.raises(NotImplementedError, match="NVFP4Quantizer"):  # 1D (activation) NVFP4
         enable_low_precision_all_gather(build(), mf.CustomRecipe(nvfp4_1d))
+    with pytest.raises(NotImplementedError, match="delayed-scaling direction"):
+        enable_low_precision_all_gather(build(), mf.HybridRecipe(
+            fprop=mf.Float8CurrentScaling(), dgrad=mf.DelayedScaling(),
+            wgrad=mf.Float8CurrentScaling()))
     model = build()
     enable_low_precision_all_gather(model, mf.Float8CurrentScaling())
     with pytest.raises(TypeError, match="already"):

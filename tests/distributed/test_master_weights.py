@@ -289,3 +289,91 @@ def test_cast_master_weights_to_nvfp4_refuses_other_formats():
     modules = build("current")
     with pytest.raises(TypeError, match="not a 2D NVFP4 weight"):
         cast_master_weights_to_nvfp4([modules[0].weight], [None], [0])
+
+
+# hybrid weights (seed 000): the rowwise copy in the fprop format, the columnwise copy in the
+# dgrad format; each sub-storage is cast in its own format
+HYBRIDS = {
+    "mxfp8-nvfp4": lambda: mf.HybridRecipe(fprop=mf.MXFP8BlockScaling(),
+                                           dgrad=mf.NVFP4BlockScaling(),
+                                           wgrad=mf.NVFP4BlockScaling()),
+    "current-block": lambda: mf.HybridRecipe(fprop=mf.Float8CurrentScaling(),
+                                             dgrad=mf.Float8BlockScaling(),
+                                             wgrad=mf.Float8CurrentScaling()),
+}
+SUB_KINDS = {mf.Float8CurrentScalingQuantizer: "current", mf.Float8BlockQuantizer: "block",
+             mf.MXFP8Quantizer: "mxfp8", mf.NVFP4Quantizer: "nvfp4"}
+
+
+def build_hybrid(which: str) -> list[mf.Linear]:
+    torch.manual_seed(0)
+    with mf.quantized_model_init(recipe=HYBRIDS[which]()):
+        return [mf.Linear(k, n, bias=False, name=f"fc{i}")
+                for i, (n, k) in enumerate(SHAPES[:2])]
+
+
+def sub_buffers(weight, keep: dict | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """Each sub-storage's buffers (restricted to the fields `keep` names, when given)."""
+    result = {}
+    for direction in ("rowwise", "columnwise"):
+        sub = getattr(weight.quantized_storage, f"{direction}_storage")
+        fields = keep[direction].keys() if keep is not None else sub.tensor_fields()
+        result[direction] = {field: getattr(sub, field).clone() for field in fields
+                             if getattr(sub, field) is not None}
+    return result
+
+
+def hybrid_worker(rank: int, world_size: int, which: str) -> list[dict]:
+    """quantize_master_weights on hybrid weights over gloo: random flat ranges, the range
+    fields of both sub-storages gathered by a SUM all-reduce, then post-processing."""
+    master_list = [torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 3
+                   for shape in SHAPES[:2]]
+    modules = build_hybrid(which)
+    generator = torch.Generator().manual_seed(7)
+    boundaries = [cuts(m.numel(), world_size, generator) for m in master_list]
+    shards = [m.reshape(-1)[b[rank]:b[rank + 1]] if b[rank + 1] > b[rank] else None
+              for m, b in zip(master_list, boundaries, strict=True)]
+    quantize_master_weights([m.weight for m in modules], shards,
+                            [b[rank] for b in boundaries], group=dist.group.WORLD)
+    for module, bounds in zip(modules, boundaries, strict=True):
+        storage = module.weight.quantized_storage
+        for sub in (storage.rowwise_storage, storage.columnwise_storage):
+            kind = SUB_KINDS[type(sub.quantizer)]
+            for field in RANGE_FIELDS[kind]:
+                buffer = getattr(sub, field)
+                if buffer is None:
+                    continue
+                codes = elements(kind, buffer)
+                mine = torch.zeros(codes.numel(), dtype=torch.int32)
+                start, end = bounds[rank], bounds[rank + 1]
+                mine[start:end] = codes[start:end].to(torch.int32)
+                dist.all_reduce(mine)
+                store_elements(kind, buffer, mine)
+    post_all_gather_processing([m.weight for m in modules])
+    return [module.weight for module in modules], master_list
+
+
+def hybrid_result_worker(rank: int, world_size: int, which: str) -> list[dict]:
+    weights, master_list = hybrid_worker(rank, world_size, which)
+    expected = []
+    for weight, master in zip(weights, master_list, strict=True):
+        quantizer = weight.quantized_storage.quantizer.copy()
+        quantizer.internal = True
+        fresh = quantizer.quantize(master)
+        want = {direction: {field: getattr(getattr(fresh, f"{direction}_storage"), field)
+                            for field in getattr(fresh, f"{direction}_storage").tensor_fields()
+                            if getattr(getattr(fresh, f"{direction}_storage"), field)
+                            is not None}
+                for direction in ("rowwise", "columnwise")}
+        expected.append((sub_buffers(weight, want), want))
+    return expected
+
+
+@pytest.mark.parametrize("which", list(HYBRIDS))
+def test_hybrid_weights_partial_casts_equal_the_full_cast(which):
+    """Both sub-storages of every rank equal the full hybrid cast of the master weight."""
+    for rank, result in enumerate(run_ranks(hybrid_result_worker, 3, which, timeout=120)):
+        for index, (got, want) in enumerate(result):
+            for direction in ("rowwise", "columnwise"):
+                assert_same(got[direction], want[direction],
+                            f"{which} rank {rank} weight {index} {direction}")

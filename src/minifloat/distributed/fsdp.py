@@ -20,7 +20,9 @@ scaling, with delayed scaling (the recipe state's scale; each rank records its s
 backward records nothing, backward reads the copies forward kept), 128x128 block FP8 and 2D
 NVFP4. Where shard boundaries cut scale tiles, the tiles' maxima are reduced across the ranks
 that hold them (cut_tiles.py). MXFP8 gathers its rowwise copy for forward and its columnwise
-copy for backward (neither derives the other). FSDP2 must shard evenly (padding would be
+copy for backward (neither derives the other). Hybrid weights (a format per direction) gather
+each direction in its own format, packed into one blob per rank (hybrid_gather.py). FSDP2 must
+shard evenly (padding would be
 gathered as data). Wrapped modules keep no weight copy from forward to backward (except under
 delayed scaling): backward reads the re-gathered weight, so the weights stay sharded between the
 two. The optimizer updates the high-precision shards; the next forward quantizes them again.
@@ -43,6 +45,8 @@ from ..quantizers import (
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
     Float8Storage,
+    HybridQuantizer,
+    HybridStorage,
     MXFP8Quantizer,
     MXFP8Storage,
     NVFP4Quantizer,
@@ -122,29 +126,12 @@ class LowPrecisionGatherWeight(torch.Tensor):
         return packed_for_one_rank(*self._rank_gather_inputs(mesh, outer_size), mesh)
 
     def _rank_gather_inputs(self, mesh, outer_size) -> tuple[tuple[torch.Tensor, ...], tuple]:
-        quantizer = self._quantizer.copy()  # throwaway: the group lives for this call only
-        quantizer.amax_reduction_group = mesh.get_group()
-        quantizer.set_usage(rowwise=True, columnwise=False)
-        quantizer.internal = True
-        rows, shards = self._inner.shape[0], mesh.size()
-        if outer_size[0] % shards:
-            raise ValueError(
-                f"low-precision all-gather needs FSDP2 to shard a weight evenly: "
-                f"{outer_size[0]} rows over {shards} ranks leaves padding, which FSDP2 would "
-                "gather as data; use a row count divisible by the shard count, or gather "
-                "high-precision weights (FSDP2 without enable_low_precision_all_gather)")
-        tile = tile_rows_of(quantizer)
-        if tile and rows % tile:  # scale tiles cut by shard boundaries: reduce their maxima
-            return cut_tile_gather_inputs(self._inner, quantizer, mesh.get_local_rank() * rows,
-                                          outer_size[0], mesh.get_group())
-        if isinstance(quantizer, MXFP8Quantizer):
-            return _mxfp8_gather_inputs(self._inner, quantizer, rows, mesh, outer_size[0])
-        if isinstance(quantizer, Float8Quantizer) and in_backward():
-            # delayed scaling, re-gathered for backward: backward reads the copies forward kept,
-            # so this gather must not record the weight's amax into the next round's slot
-            quantizer.amax = torch.zeros_like(quantizer.amax)
-        storage = quantizer.quantize(self._inner)
-        return _gather_inputs(storage)
+        if isinstance(self._quantizer, HybridQuantizer):
+            from .hybrid_gather import hybrid_gather_inputs
+
+            return hybrid_gather_inputs(self._inner, self._quantizer, mesh, outer_size)
+        return format_gather_inputs(self._inner, self._quantizer, mesh, outer_size,
+                                    in_backward())
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The gathered rows as a QuantizedTensor weight (FSDP2 frees the outputs after use)."""
@@ -156,10 +143,18 @@ def refill_or_wrap(all_gather_outputs, metadata, columns: int, param_dtype: torc
     """fsdp_post_all_gather's answer: the gathered storage as a new QuantizedTensor weight, or
     refilled into `out`, the unsharded weight of an earlier gather (in place, not through .data:
     that is a detached alias with a storage object of its own)."""
-    storage = _gathered_storage(*unpacked(all_gather_outputs, metadata), columns, param_dtype)
+    outputs, metadata = unpacked(all_gather_outputs, metadata)
+    if metadata[0] == "hybrid":
+        from .hybrid_gather import hybrid_gathered_storage
+
+        storage = hybrid_gathered_storage(outputs, metadata, columns, param_dtype)
+    else:
+        storage = _gathered_storage(outputs, metadata, columns, param_dtype)
     if out is not None:
         target = out.quantized_storage
-        for name in (*target.tensor_fields(), "quantizer"):
+        names = (("rowwise_storage", "columnwise_storage") if isinstance(target, HybridStorage)
+                 else target.tensor_fields())
+        for name in (*names, "quantizer"):
             setattr(target, name, getattr(storage, name))
         return None
     return QuantizedTensor(storage), tuple(all_gather_outputs)
@@ -198,19 +193,47 @@ def unpacked(outputs: tuple[torch.Tensor, ...], metadata: tuple
                  for offset, size, dtype, shape in layout), inner
 
 
+def format_gather_inputs(shard: torch.Tensor, weight_quantizer: Quantizer, mesh, outer_size,
+                         backward: bool) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """(all-gather inputs, metadata) of this rank's rows quantized with one weight format."""
+    quantizer = weight_quantizer.copy()  # throwaway: the group lives for this call only
+    quantizer.amax_reduction_group = mesh.get_group()
+    quantizer.set_usage(rowwise=True, columnwise=False)
+    quantizer.internal = True
+    rows, shards = shard.shape[0], mesh.size()
+    if outer_size[0] % shards:
+        raise ValueError(
+            f"low-precision all-gather needs FSDP2 to shard a weight evenly: "
+            f"{outer_size[0]} rows over {shards} ranks leaves padding, which FSDP2 would "
+            "gather as data; use a row count divisible by the shard count, or gather "
+            "high-precision weights (FSDP2 without enable_low_precision_all_gather)")
+    tile = tile_rows_of(quantizer)
+    if tile and rows % tile:  # scale tiles cut by shard boundaries: reduce their maxima
+        return cut_tile_gather_inputs(shard, quantizer, mesh.get_local_rank() * rows,
+                                      outer_size[0], mesh.get_group())
+    if isinstance(quantizer, MXFP8Quantizer):
+        return _mxfp8_gather_inputs(shard, quantizer, rows, mesh, outer_size[0], backward)
+    if isinstance(quantizer, Float8Quantizer) and backward:
+        # delayed scaling, re-gathered for backward: backward reads the copies forward kept,
+        # so this gather must not record the weight's amax into the next round's slot
+        quantizer.amax = torch.zeros_like(quantizer.amax)
+    storage = quantizer.quantize(shard)
+    return _gather_inputs(storage)
+
+
 def in_backward() -> bool:
     """Whether this gather runs inside backward (FSDP2's re-gather before a module's backward)."""
     return torch._C._current_graph_task_id() != -1
 
 
 def _mxfp8_gather_inputs(shard: torch.Tensor, quantizer: MXFP8Quantizer, rows: int, mesh,
-                         total_rows: int) -> tuple[tuple[torch.Tensor, ...], tuple]:
+                         total_rows: int, backward: bool
+                         ) -> tuple[tuple[torch.Tensor, ...], tuple]:
     """MXFP8 keeps two copies with scales of their own (32-element blocks along K for the
     rowwise one, along M for the columnwise one); neither derives the other. Forward gathers
     the rowwise copy only, the backward re-gather the columnwise copy only, so each gather
     moves one byte per element plus a scale per 32 (the modules keep no weight copy from
     forward: rebuild_weight_copy_in_backward)."""
-    backward = in_backward()
     if backward and rows % 32:  # columnwise blocks cut by the shard boundary
         return cut_mxfp8_columnwise_gather_inputs(shard, quantizer, mesh.get_local_rank() * rows,
                                                   total_rows, mesh.get_group())
@@ -292,6 +315,9 @@ def _gathered_storage(outputs, metadata, columns: int, param_dtype: torch.dtype)
 
 
 def _supported(quantizer: Quantizer) -> bool:
+    if isinstance(quantizer, HybridQuantizer):  # each direction in a format gathered alone
+        return (_supported(quantizer.rowwise_quantizer)
+                and _supported(quantizer.columnwise_quantizer))
     if isinstance(quantizer, Float8CurrentScalingQuantizer | Float8Quantizer | MXFP8Quantizer):
         return True
     if isinstance(quantizer, Float8BlockQuantizer):
@@ -338,8 +364,16 @@ def enable_low_precision_all_gather(model: nn.Module, recipe) -> nn.Module:
                 raise NotImplementedError(
                     f"low-precision all-gather of {type(quantizer).__name__} weights is not "
                     "written; per-tensor FP8 (current, delayed), 128x128 block FP8, MXFP8 and "
-                    "2D NVFP4 without stochastic rounding are supported (gather high-precision "
-                    "weights otherwise: FSDP2 without this call)")
+                    "2D NVFP4 without stochastic rounding are supported, and hybrids of them "
+                    "(gather high-precision weights otherwise: FSDP2 without this call)")
+            if isinstance(quantizer, HybridQuantizer) and any(
+                    isinstance(child, Float8Quantizer)
+                    for child in (quantizer.rowwise_quantizer, quantizer.columnwise_quantizer)):
+                raise NotImplementedError(
+                    "low-precision all-gather of a hybrid weight with a delayed-scaling "
+                    "direction is not written: forward gathers only the rowwise copy, and "
+                    "delayed scaling needs backward's copy from forward's scale; use current "
+                    "scaling in the hybrid, or gather high-precision weights")
             wrapped = LowPrecisionGatherWeight(weight.detach(), quantizer.copy())
             setattr(module, name, nn.Parameter(wrapped, requires_grad=weight.requires_grad))
             # backward reads the re-gathered weight instead of a full-size copy kept from

@@ -24,6 +24,10 @@ byte), and the columnwise copy is the nibble transpose of the gathered bytes. A 
 two ranks holds each rank's nibble only on that rank: gather such bytes by OR-ing the ranks'
 nibbles (each rank's other nibble is left as it was).
 
+Hybrid weights (HybridRecipe: one format per direction) cast each sub-storage in its own
+format; a columnwise sub-storage of a format that derives its transposed copy keeps a rowwise
+copy for the ranges and the gather (_cast_targets).
+
 This is the reference implementation (pure torch, any device): a block format rebuilds a zero
 weight-sized fp32 buffer per weight to find the tile maxima of its range.
 """
@@ -42,6 +46,7 @@ from ..quantizers import (
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
     Float8Storage,
+    HybridStorage,
     MXFP8Storage,
     NVFP4Storage,
     QuantizedTensor,
@@ -316,21 +321,24 @@ def quantize_master_weights(
     casts: list[_Cast] = []
     pieces: list[torch.Tensor] = []
     offset = 0
+    shapes: list[tuple[int, int]] = []
     for index, (weight, master, start) in enumerate(
             zip(model_weights, master_weights, start_offsets, strict=True)):
         storage, base = _check(weight, master, int(start), index)
-        cast = _Cast(storage, None if master is None else master.detach(), int(start),
-                     _kind(storage), base=base)
-        maxima = _partial_maxima(cast, _shape(weight))
-        cast.offset, cast.count = offset, maxima.numel()
-        offset += maxima.numel()
-        casts.append(cast)
-        pieces.append(maxima)
+        for sub in _cast_targets(storage):
+            cast = _Cast(sub, None if master is None else master.detach(), int(start),
+                         _kind(sub), base=base)
+            maxima = _partial_maxima(cast, _shape(weight))
+            cast.offset, cast.count = offset, maxima.numel()
+            offset += maxima.numel()
+            casts.append(cast)
+            shapes.append(_shape(weight))
+            pieces.append(maxima)
     if not casts:
         return
     reduced = all_reduce_max_keep_nan(torch.cat(pieces).float(), group)
-    for cast, weight in zip(casts, model_weights, strict=True):
-        _cast(cast, reduced[cast.offset:cast.offset + cast.count], _shape(weight))
+    for cast, shape in zip(casts, shapes, strict=True):
+        _cast(cast, reduced[cast.offset:cast.offset + cast.count], shape)
         if not manual_post_all_gather_processing:
             _drop_derived_copies(cast.storage)
 
@@ -359,6 +367,29 @@ def cast_master_weights_to_nvfp4(
                             fsdp_shard_model_weights=fsdp_shard_model_weights)
 
 
+def _cast_targets(storage) -> list:
+    """The storages a weight's cast writes: the weight's own, or a hybrid weight's two
+    sub-storages, each in its own format (seed 000).
+
+    A hybrid's columnwise sub-storage holds only the transposed copy, whose layout does not
+    follow the flat element ranges the ranks own. Where the format derives that copy from a
+    rowwise one (per-tensor FP8, 128x128 blocks, 2D NVFP4), the sub-storage gets a rowwise
+    copy (derived once, here) that the ranks write by range and the all-gather fills;
+    post_all_gather_processing then rebuilds the transposed copy from it. The price: that
+    sub-storage keeps both copies. MXFP8 writes its columnwise copy by range directly."""
+    if not isinstance(storage, HybridStorage):
+        return [storage]
+    targets = []
+    for columnwise, sub in ((False, storage.rowwise_storage),
+                            (True, storage.columnwise_storage)):
+        if sub is None:
+            continue
+        if columnwise and _derives_columnwise(sub) and not sub.has_rowwise():
+            sub.update_usage(rowwise=True)
+        targets.append(sub)
+    return targets
+
+
 def _shape(weight: torch.Tensor) -> tuple[int, int]:
     return tuple(as_2d(torch.empty(weight.shape, device="meta")).shape)
 
@@ -375,8 +406,12 @@ def post_all_gather_processing(model_weights: Sequence[torch.Tensor]) -> None:
     repacked). MXFP8 writes both copies in the cast itself."""
     for weight in model_weights:
         storage = weight.quantized_storage if isinstance(weight, QuantizedTensor) else weight
-        if _derives_columnwise(storage) and storage.has_columnwise() and storage.has_rowwise():
-            storage._derive_columnwise()
+        subs = ([storage.columnwise_storage] if isinstance(storage, HybridStorage)
+                else [storage])  # a hybrid's rowwise sub-storage has no transposed copy
+        for sub in subs:
+            if (sub is not None and _derives_columnwise(sub) and sub.has_columnwise()
+                    and sub.has_rowwise()):
+                sub._derive_columnwise()
 
 
 def _derives_columnwise(storage) -> bool:

@@ -13,6 +13,7 @@ import contextlib
 import math
 import warnings
 import weakref
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -278,8 +279,13 @@ class QuantizedModule(nn.Module):
         biases: list[torch.Tensor | None],
         gemms: list[int],
         is_first_microbatch: bool | None = None,
+        amax_reduction: tuple[Any, frozenset[str]] | None = None,
     ) -> torch.Tensor:
         """cat_i(x_i W_i^T + b_i) over the row splits, GEMM i using the slots of `gemms[i]`.
+
+        `amax_reduction` (group, slot names): tensor-parallel layers quantize those operands
+        (e.g. {"weight", "grad_output"}) with their amax all-reduced over the group, through
+        quantizer copies that hold it for this call only (seed 003).
 
         `is_first_microbatch` (TransformerEngine's flag): None quantizes the weights afresh;
         True quantizes them and keeps the copies; False reuses the kept copies (the weights have
@@ -299,6 +305,11 @@ class QuantizedModule(nn.Module):
         need_dgrad = grad_enabled and x.requires_grad
         need_wgrad = grad_enabled and any(w.requires_grad for w in weights)
         if torch.compiler.is_compiling():
+            if amax_reduction is not None:
+                raise NotImplementedError(
+                    "tensor-parallel amax reduction under torch.compile is not written; build "
+                    "the TP module with tp_amax_reduction=False to compile it (per-tensor "
+                    "formats then scale each rank's shard by its own amax), or run eagerly")
             if is_first_microbatch is not None:
                 raise ValueError(
                     "is_first_microbatch keeps quantized weights between calls, which a "
@@ -312,7 +323,12 @@ class QuantizedModule(nn.Module):
         if self._built_with_quantized_weights and not isinstance(weights[0], QuantizedTensor):
             self._report_dequantized_weights(weights[0])
         rebuild = self.rebuild_weight_copy_in_backward
-        if is_first_microbatch is None and len(weights) == 1:
+        forward_quantizers = binding.forward_quantizers
+        backward_quantizers = binding.backward_quantizers
+        if amax_reduction is not None:
+            forward_quantizers, backward_quantizers = _with_amax_group(
+                forward_quantizers, backward_quantizers, *amax_reduction)
+        elif is_first_microbatch is None and len(weights) == 1:
             lean = binding.lean_plans[gemms[0]]
             if lean is not None and lean_applies(x, weights[0]):
                 if binding.delayed_pair is None:
@@ -324,7 +340,7 @@ class QuantizedModule(nn.Module):
                                              need_wgrad, rebuild)
         weight_cache, reuse_weights = weight_cache_for(self._weight_cache, is_first_microbatch)
         call = GemmCall.from_slots(
-            binding.forward_quantizers, binding.backward_quantizers, gemms, m_splits,
+            forward_quantizers, backward_quantizers, gemms, m_splits,
             need_dgrad=need_dgrad, need_wgrad=need_wgrad, weight_cache=weight_cache,
             reuse_weights=reuse_weights, rebuild_weights=rebuild)
         if binding.delayed_pair is not None:
@@ -333,6 +349,22 @@ class QuantizedModule(nn.Module):
                     return LinearGemms.apply(x, call, *weights, *biases)
             note_delayed_use(binding.delayed_pair)
         return LinearGemms.apply(x, call, *weights, *biases)
+
+
+def _with_amax_group(forward: list[Quantizer], backward: list[Quantizer], group: Any,
+                     slots: frozenset[str]) -> tuple[list[Quantizer], list[Quantizer]]:
+    """Copies of the named slots' quantizers holding `group` (for this call only)."""
+
+    def with_group(quantizers: list[Quantizer], names: tuple[str, ...]) -> list[Quantizer]:
+        result = []
+        for index, quantizer in enumerate(quantizers):
+            if names[index % len(names)] in slots:
+                quantizer = quantizer.copy()
+                quantizer.amax_reduction_group = group
+            result.append(quantizer)
+        return result
+
+    return with_group(forward, FORWARD_SLOTS), with_group(backward, BACKWARD_SLOTS)
 
 
 def plain_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,17 @@ GroupedLinear.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from ..distributed.tensor_parallel import (
+    TensorParallelConfig,
+    copy_to_tensor_parallel,
+    gather_along_sequence,
+    reduce_from_tensor_parallel,
+    reduce_scatter_along_sequence,
+)
 from .base import QuantizedModule
 
 
@@ -20,6 +29,15 @@ class Linear(QuantizedModule):
     Outside autocast it is an ordinary linear layer (a quantized weight is dequantized).
     With `weight.main_grad` (an fp32 tensor set by a distributed optimizer) wgrad accumulates
     into it and `weight.grad` stays None.
+
+    Tensor parallelism (TransformerEngine's arguments, distributed/tensor_parallel.py):
+    `parallel_mode` "column" splits the output features over the `tp_group` (or `tp_size`
+    ranks, the group set later with set_tensor_parallel_group), "row" the input features;
+    in_features and out_features stay the global sizes and the weight is this rank's shard.
+    `sequence_parallel` gathers a column-parallel layer's input along dim 0 (and
+    reduce-scatters a row-parallel layer's output). `tp_amax_reduction` reduces the amax of
+    the split operands of per-tensor formats over the group, so that the bytes are the
+    single-rank run's; without it each shard is scaled by its own amax.
     """
 
     def __init__(
@@ -30,19 +48,66 @@ class Linear(QuantizedModule):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         name: str | None = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        parallel_mode: str | None = None,
+        sequence_parallel: bool = False,
+        tp_amax_reduction: bool = True,
     ) -> None:
         super().__init__(name)
         self.in_features, self.out_features = in_features, out_features
+        self.tp = TensorParallelConfig(tp_group, tp_size, parallel_mode, sequence_parallel,
+                                       tp_amax_reduction)
+        local_out, local_in = out_features, in_features
+        if self.tp.mode == "column":
+            local_out = self.tp.shard(out_features, "out_features")
+        elif self.tp.mode == "row":
+            local_in = self.tp.shard(in_features, "in_features")
         dtype = params_dtype or torch.get_default_dtype()
-        self.weight = self.new_weight(out_features, in_features, dtype, device)
-        self.bias = self.new_bias(out_features, in_features, dtype, device) if bias else None
+        self.weight = self.new_weight(local_out, local_in, dtype, device)
+        # row-parallel: the whole bias, added once after the reduction
+        self.bias = self.new_bias(local_out if self.tp.mode == "column" else out_features,
+                                  in_features, dtype, device) if bias else None
+
+    def set_tensor_parallel_group(self, tp_group: Any) -> None:
+        """Set (or set again, after unpickling) the tensor-parallel process group."""
+        self.tp.set_group(tp_group)
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """y = x W^T + b; `is_first_microbatch` as in TransformerEngine (see run_gemms)."""
+        if not self.tp.active:
+            rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+            return self.run_gemms(x, [rows], [self.weight], [self.bias], gemms=[0],
+                                  is_first_microbatch=is_first_microbatch)
+        return self._forward_tensor_parallel(x, is_first_microbatch)
+
+    def _forward_tensor_parallel(self, x: torch.Tensor, is_first_microbatch: bool | None
+                                 ) -> torch.Tensor:
+        tp = self.tp
+        group = tp.require_group(self.name or type(self).__name__)
+        if tp.mode == "column":
+            x = gather_along_sequence(x, group) if tp.sequence_parallel else (
+                copy_to_tensor_parallel(x, group))
+            split = frozenset({"weight", "grad_output"})
+            bias = self.bias
+        else:
+            split = frozenset({"input", "weight"})
+            bias = None
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-        return self.run_gemms(x, [rows], [self.weight], [self.bias], gemms=[0],
-                              is_first_microbatch=is_first_microbatch)
+        y = self.run_gemms(x, [rows], [self.weight], [bias], gemms=[0],
+                           is_first_microbatch=is_first_microbatch,
+                           amax_reduction=(group, split) if tp.amax_reduction else None)
+        if tp.mode == "column":
+            return y
+        if not tp.sequence_parallel:
+            y = reduce_from_tensor_parallel(y, group)
+            return y if self.bias is None else y + self.bias
+        y = reduce_scatter_along_sequence(y, group)
+        # each rank adds the bias to its own rows: the bias gradient sums over the group
+        return y if self.bias is None else y + copy_to_tensor_parallel(self.bias, group)
 
     def extra_repr(self) -> str:
+        tp = (f", parallel_mode={self.tp.mode!r}, tp_size={self.tp.size}, "
+              f"sequence_parallel={self.tp.sequence_parallel}" if self.tp.active else "")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, name={self.name!r}")
+                f"bias={self.bias is not None}, name={self.name!r}{tp}")
