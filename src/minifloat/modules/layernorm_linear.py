@@ -12,11 +12,15 @@ The norm helpers here are shared with LayerNormMLP.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed.tensor_parallel import TensorParallelConfig
 from .base import QuantizedModule
+from .parallel_gemm import parallel_gemm, sequence_parallel_norm_params
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -80,6 +84,10 @@ class LayerNormLinear(QuantizedModule):
     Outside autocast this is nn.LayerNorm / RMSNorm followed by F.linear (a quantized weight is
     dequantized). With `return_layernorm_output` the forward returns (y, norm(x)), for a
     residual taken after the norm.
+
+    Tensor parallelism as Linear's (TE's arguments), column-parallel only: the norm needs the
+    whole feature dimension. Under sequence parallelism the norm runs on the rank's sequence
+    shard (its parameters' gradients all-reduced over the group) and its output is gathered.
     """
 
     def __init__(
@@ -94,17 +102,34 @@ class LayerNormLinear(QuantizedModule):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         name: str | None = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        parallel_mode: str | None = None,
+        sequence_parallel: bool = False,
+        tp_amax_reduction: bool = True,
     ) -> None:
         check_normalization(normalization)
         super().__init__(name)
+        if parallel_mode == "row":
+            raise ValueError("LayerNormLinear is column-parallel or not parallel: a row-parallel "
+                             "input is split along the features the norm needs whole; use "
+                             "parallel_mode='column', or a norm then a row-parallel Linear")
+        self.tp = TensorParallelConfig(tp_group, tp_size, parallel_mode, sequence_parallel,
+                                       tp_amax_reduction)
+        local_out = (self.tp.shard(out_features, "out_features") if self.tp.active
+                     else out_features)
         self.in_features, self.out_features = in_features, out_features
         self.normalization, self.eps = normalization, eps
         self.zero_centered_gamma = zero_centered_gamma
         self.return_layernorm_output = return_layernorm_output
         dtype = params_dtype or torch.get_default_dtype()
         new_norm_parameters(self, in_features, normalization, zero_centered_gamma, dtype, device)
-        self.weight = self.new_weight(out_features, in_features, dtype, device)
-        self.bias = self.new_bias(out_features, in_features, dtype, device) if bias else None
+        self.weight = self.new_weight(local_out, in_features, dtype, device)
+        self.bias = self.new_bias(local_out, in_features, dtype, device) if bias else None
+
+    def set_tensor_parallel_group(self, tp_group: Any) -> None:
+        """Set (or set again, after unpickling) the tensor-parallel process group."""
+        self.tp.set_group(tp_group)
 
     def _state_device(self) -> torch.device:
         return self.layer_norm_weight.device
@@ -115,6 +140,14 @@ class LayerNormLinear(QuantizedModule):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"LayerNormLinear expects inputs with last dim {self.in_features}, "
                              f"got shape {tuple(x.shape)}")
+        if self.tp.active:
+            norm_weight, norm_bias = sequence_parallel_norm_params(
+                self.tp, self.layer_norm_weight, self.layer_norm_bias)
+            normed = apply_norm(x, norm_weight, norm_bias, self.normalization, self.eps,
+                                self.zero_centered_gamma)
+            y = parallel_gemm(self, self.tp, "column", normed, self.weight, self.bias, 0,
+                              is_first_microbatch)
+            return (y, normed) if self.return_layernorm_output else y
         normed = apply_norm(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization,
                             self.eps, self.zero_centered_gamma)
         y = self.run_gemms(normed, [rows_of(normed)], [self.weight], [self.bias], gemms=[0],

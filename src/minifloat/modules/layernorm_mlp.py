@@ -21,13 +21,16 @@ Engine's convention, so its checkpoints map row for row onto fc1_weight.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..distributed.tensor_parallel import TensorParallelConfig
 from ..recipes import QuantizerRole
 from .base import QuantizedModule
 from .layernorm_linear import apply_norm, check_normalization, new_norm_parameters, rows_of
+from .parallel_gemm import parallel_gemm, sequence_parallel_norm_params
 
 
 def gelu(x: torch.Tensor) -> torch.Tensor:
@@ -79,12 +82,23 @@ class LayerNormMLP(QuantizedModule):
         fc1_name: str | None = None,
         fc2_name: str | None = None,
         zero_centered_gamma: bool = False,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        set_parallel_mode: bool = False,
+        sequence_parallel: bool = False,
+        tp_amax_reduction: bool = True,
     ) -> None:
         check_normalization(normalization)
         if activation not in ACTIVATIONS:
             raise ValueError(
                 f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
         super().__init__(name)
+        # TE's set_parallel_mode: fc1 column-parallel, fc2 row-parallel over the group
+        self.tp = TensorParallelConfig(tp_group, tp_size,
+                                       "column" if set_parallel_mode else None,
+                                       sequence_parallel, tp_amax_reduction)
+        local_ffn = (self.tp.shard(ffn_hidden_size, "ffn_hidden_size") if self.tp.active
+                     else ffn_hidden_size)
         prefix = f"{self.name}." if self.name else ""
         # set before any weight: quantized_model_init builds quantizers from the roles
         self.fc1_name = fc1_name if fc1_name is not None else f"{prefix}fc1"
@@ -94,12 +108,12 @@ class LayerNormMLP(QuantizedModule):
         self.zero_centered_gamma = zero_centered_gamma
         self.use_bias = bias
         gated = ACTIVATIONS[activation][1]
-        fc1_out = 2 * ffn_hidden_size if gated else ffn_hidden_size
+        fc1_out = 2 * local_ffn if gated else local_ffn
         dtype = params_dtype or torch.get_default_dtype()
         new_norm_parameters(self, hidden_size, normalization, zero_centered_gamma, dtype, device)
         self.fc1_weight = self.new_weight(fc1_out, hidden_size, dtype, device, gemm=0)
         self.fc1_bias = self.new_bias(fc1_out, hidden_size, dtype, device) if bias else None
-        self.fc2_weight = self.new_weight(hidden_size, ffn_hidden_size, dtype, device, gemm=1)
+        self.fc2_weight = self.new_weight(hidden_size, local_ffn, dtype, device, gemm=1)
         self.fc2_bias = (self.new_bias(hidden_size, ffn_hidden_size, dtype, device)
                          if bias else None)
         # keep_high_precision_copy: base names the copies by GEMM index; name them by parameter
@@ -107,6 +121,10 @@ class LayerNormMLP(QuantizedModule):
             copy = self.__dict__.pop(f"weight{gemm}_hp_init", None)
             if copy is not None:
                 setattr(self, f"{layer}_weight_hp_init", copy)
+
+    def set_tensor_parallel_group(self, tp_group: Any) -> None:
+        """Set (or set again, after unpickling) the tensor-parallel process group."""
+        self.tp.set_group(tp_group)
 
     # ---- roles ----
 
@@ -135,6 +153,8 @@ class LayerNormMLP(QuantizedModule):
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"LayerNormMLP expects inputs with last dim {self.hidden_size}, "
                              f"got shape {tuple(x.shape)}")
+        if self.tp.active:
+            return self._forward_tensor_parallel(x, is_first_microbatch)
         normed = apply_norm(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization,
                             self.eps, self.zero_centered_gamma)
         rows = rows_of(normed)
@@ -143,6 +163,20 @@ class LayerNormMLP(QuantizedModule):
         a = apply_activation(h, self.activation)
         return self.run_gemms(a, [rows], [self.fc2_weight], [self.fc2_bias], gemms=[1],
                               is_first_microbatch=is_first_microbatch)
+
+    def _forward_tensor_parallel(self, x: torch.Tensor, is_first_microbatch: bool | None
+                                 ) -> torch.Tensor:
+        """fc1 column-parallel (a gated fc1 holds this rank's slice of each half), the
+        activation on the local features, fc2 row-parallel (distributed/tensor_parallel.py)."""
+        norm_weight, norm_bias = sequence_parallel_norm_params(
+            self.tp, self.layer_norm_weight, self.layer_norm_bias)
+        normed = apply_norm(x, norm_weight, norm_bias, self.normalization, self.eps,
+                            self.zero_centered_gamma)
+        h = parallel_gemm(self, self.tp, "column", normed, self.fc1_weight, self.fc1_bias, 0,
+                          is_first_microbatch)
+        a = apply_activation(h, self.activation)
+        return parallel_gemm(self, self.tp, "row", a, self.fc2_weight, self.fc2_bias, 1,
+                             is_first_microbatch)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "

@@ -13,14 +13,9 @@ from typing import Any
 
 import torch
 
-from ..distributed.tensor_parallel import (
-    TensorParallelConfig,
-    copy_to_tensor_parallel,
-    gather_along_sequence,
-    reduce_from_tensor_parallel,
-    reduce_scatter_along_sequence,
-)
+from ..distributed.tensor_parallel import TensorParallelConfig
 from .base import QuantizedModule
+from .parallel_gemm import parallel_gemm
 
 
 class Linear(QuantizedModule):
@@ -79,32 +74,8 @@ class Linear(QuantizedModule):
             rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
             return self.run_gemms(x, [rows], [self.weight], [self.bias], gemms=[0],
                                   is_first_microbatch=is_first_microbatch)
-        return self._forward_tensor_parallel(x, is_first_microbatch)
-
-    def _forward_tensor_parallel(self, x: torch.Tensor, is_first_microbatch: bool | None
-                                 ) -> torch.Tensor:
-        tp = self.tp
-        group = tp.require_group(self.name or type(self).__name__)
-        if tp.mode == "column":
-            x = gather_along_sequence(x, group) if tp.sequence_parallel else (
-                copy_to_tensor_parallel(x, group))
-            split = frozenset({"weight", "grad_output"})
-            bias = self.bias
-        else:
-            split = frozenset({"input", "weight"})
-            bias = None
-        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-        y = self.run_gemms(x, [rows], [self.weight], [bias], gemms=[0],
-                           is_first_microbatch=is_first_microbatch,
-                           amax_reduction=(group, split) if tp.amax_reduction else None)
-        if tp.mode == "column":
-            return y
-        if not tp.sequence_parallel:
-            y = reduce_from_tensor_parallel(y, group)
-            return y if self.bias is None else y + self.bias
-        y = reduce_scatter_along_sequence(y, group)
-        # each rank adds the bias to its own rows: the bias gradient sums over the group
-        return y if self.bias is None else y + copy_to_tensor_parallel(self.bias, group)
+        return parallel_gemm(self, self.tp, self.tp.mode, x, self.weight, self.bias, 0,
+                             is_first_microbatch)
 
     def extra_repr(self) -> str:
         tp = (f", parallel_mode={self.tp.mode!r}, tp_size={self.tp.size}, "
