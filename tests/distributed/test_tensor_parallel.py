@@ -185,3 +185,38 @@ def test_bad_arguments_name_the_problem():
         mf.Linear(8, 8, parallel_mode="column", tp_size=3)
     with pytest.raises(ValueError, match="sequence_parallel needs"):
         mf.Linear(8, 8, sequence_parallel=True, tp_size=2)
+
+
+def two_groups_worker(rank: int, world: int) -> list[bool]:
+    """Two column-parallel layers over two different TP groups of a 2x2 mesh (seed 003's
+    bug: the groups must never override each other); each rank's output and weight-gradient
+    slices of both equal the single-rank layers' bitwise."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    recipe = mf.Float8CurrentScaling()
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(TOKENS, FEATURES, generator=generator)
+    same = []
+    for dim, scale in (("a", 10.0), ("b", 30.0)):
+        group = mesh[dim].get_group()
+        local = mesh[dim].get_local_rank()
+        torch.manual_seed(0)
+        single = mf.Linear(FEATURES, FEATURES, name=dim)
+        with torch.no_grad():  # the amax sits in the second shard, different per layer
+            single.weight[FEATURES // 2:] *= scale
+        tp = mf.Linear(FEATURES, FEATURES, name=dim, tp_group=group, parallel_mode="column")
+        mine = slice(local * FEATURES // 2, (local + 1) * FEATURES // 2)
+        with torch.no_grad():
+            tp.weight.copy_(single.weight[mine])
+            tp.bias.copy_(single.bias[mine])
+        dy = torch.randn(TOKENS, FEATURES, generator=generator)
+        y, _, dw, _ = _run(single, x, dy, recipe, None)
+        ty, _, tdw, _ = _run(tp, x, dy[:, mine], recipe, group)
+        same += [torch.equal(ty, y[:, mine]), torch.equal(tdw, dw[mine])]
+    return same
+
+
+def test_two_tensor_parallel_groups_never_override_each_other():
+    for rank, same in enumerate(run_ranks(two_groups_worker, 4, timeout=180)):
+        assert all(same), f"rank {rank}: {same}"

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..autocast import (
     active_token,
@@ -338,6 +339,14 @@ class QuantizedModule(nn.Module):
                     note_delayed_use(binding.delayed_pair)
                     return LeanFP8Gemm.apply(x, weights[0], biases[0], lean, need_dgrad,
                                              need_wgrad, rebuild)
+        if isinstance(x, DTensor) or isinstance(weights[0], DTensor):
+            raise TypeError(
+                f"{self.name or type(self).__name__}: a DTensor operand (torch's "
+                "parallelize_module with ColwiseParallel / RowwiseParallel, or another DTensor "
+                "layout) is not quantized by minifloat modules: build the module with "
+                "TransformerEngine's arguments instead, e.g. Linear(in_features, out_features, "
+                "tp_group=group, parallel_mode='column' or 'row', sequence_parallel=...); "
+                "FSDP2 (fully_shard) works as is")
         weight_cache, reuse_weights = weight_cache_for(self._weight_cache, is_first_microbatch)
         call = GemmCall.from_slots(
             forward_quantizers, backward_quantizers, gemms, m_splits,
