@@ -126,3 +126,59 @@ def test_layernorm_linear_two_ranks_equal_one_rank(name):
 def test_layernorm_linear_refuses_row_parallel():
     with pytest.raises(ValueError, match="column-parallel"):
         mf.LayerNormLinear(8, 8, parallel_mode="row", tp_size=2)
+
+
+EXPERTS, SPLITS = 3, [32, 0, 96]  # uneven (MXFP8: multiples of 32), one without tokens
+
+
+def grouped_worker(rank: int, world: int, name: str) -> dict:
+    group = dist.group.WORLD
+    mine = slice(rank * FFN // world, (rank + 1) * FFN // world)
+    results = {}
+    for mode in ("column", "row"):
+        torch.manual_seed(0)
+        single = mf.GroupedLinear(EXPERTS, HIDDEN, FFN)
+        tp = mf.GroupedLinear(EXPERTS, HIDDEN, FFN, tp_group=group, parallel_mode=mode)
+        with torch.no_grad():
+            for expert in range(EXPERTS):
+                weight, bias = getattr(single, f"weight{expert}"), getattr(single, f"bias{expert}")
+                getattr(tp, f"weight{expert}").copy_(weight[mine] if mode == "column"
+                                                     else weight[:, slice(
+                                                         rank * HIDDEN // world,
+                                                         (rank + 1) * HIDDEN // world)])
+                getattr(tp, f"bias{expert}").copy_(bias[mine] if mode == "column" else bias)
+        generator = torch.Generator().manual_seed(1)
+        x = torch.randn(TOKENS, HIDDEN, generator=generator) * 3
+        dy = torch.randn(TOKENS, FFN, generator=generator)
+        features = slice(rank * HIDDEN // world, (rank + 1) * HIDDEN // world)
+        outs = []
+        for module, xs, dys, grp in ((single, x, dy, None),
+                                     (tp, x if mode == "column" else x[:, features],
+                                      dy[:, mine] if mode == "column" else dy, group)):
+            xs = xs.clone().requires_grad_(True)
+            with mf.autocast(recipe=RECIPES[name](), amax_reduction_group=grp):
+                y = module(xs, SPLITS)
+            y.backward(dys)
+            outs.append({"y": y.detach(), "dx": xs.grad,
+                         **{n: p.grad for n, p in module.named_parameters()}})
+        results[mode] = (outs, mine, features)
+    return results
+
+
+@pytest.mark.parametrize("name", ["current", "mxfp8"])
+def test_grouped_linear_experts_sharded_equal_one_rank(name):
+    for rank, result in enumerate(run_ranks(grouped_worker, 2, name, timeout=180)):
+        for mode, ((one, tp), mine, features) in result.items():
+            where = f"{name} {mode} rank {rank}"
+            for expert in range(EXPERTS):
+                weight = one[f"weight{expert}"]
+                want = weight[mine] if mode == "column" else weight[:, features]
+                assert torch.equal(tp[f"weight{expert}"], want), f"{where} expert {expert}"
+            if mode == "column":
+                assert torch.equal(tp["y"], one["y"][:, mine]), f"{where}: output"
+                assert close(tp["dx"], one["dx"]), f"{where}: dx"
+            else:
+                assert torch.equal(tp["dx"], one["dx"][:, features]), f"{where}: dx"
+                assert close(tp["y"], one["y"]), f"{where}: output"
+                for expert in range(EXPERTS):
+                    assert torch.equal(tp[f"bias{expert}"], one[f"bias{expert}"]), where

@@ -9,11 +9,14 @@ call, with a quantizer per expert (its own scale), and the GEMMs run per expert.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from ..distributed.tensor_parallel import TensorParallelConfig
 from ..quantizers.split import check_splits
 from .base import QuantizedModule
+from .parallel_gemm import parallel_gemms
 
 
 def init_expert_parameters(
@@ -59,6 +62,10 @@ class GroupedLinear(ExpertParameters, QuantizedModule):
 
     Parameters are weight0..weight{G-1} and bias0..bias{G-1}. Roles have module_type
     "grouped_linear" and the module's name for every expert.
+
+    Tensor parallelism as Linear's (TE's arguments), each expert's weight split alike
+    ("column": output features, "row": input features); no sequence parallelism (the row
+    splits count a rank's tokens per expert; experts shard over ranks by expert parallelism).
     """
 
     module_type = "grouped_linear"
@@ -72,20 +79,47 @@ class GroupedLinear(ExpertParameters, QuantizedModule):
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         name: str | None = None,
+        tp_group: Any = None,
+        tp_size: int = 1,
+        parallel_mode: str | None = None,
+        tp_amax_reduction: bool = True,
     ) -> None:
         super().__init__(name)
-        init_expert_parameters(self, num_gemms, in_features, out_features, bias, params_dtype,
+        self.tp = TensorParallelConfig(tp_group, tp_size, parallel_mode, False,
+                                       tp_amax_reduction)
+        local_out, local_in = out_features, in_features
+        if self.tp.mode == "column":
+            local_out = self.tp.shard(out_features, "out_features")
+        elif self.tp.mode == "row":
+            local_in = self.tp.shard(in_features, "in_features")
+        init_expert_parameters(self, num_gemms, local_in, local_out, bias, params_dtype,
                                device)
+        if self.tp.mode == "row" and bias:  # whole biases, added once after the reduction
+            dtype = params_dtype or torch.get_default_dtype()
+            for gemm in range(num_gemms):
+                setattr(self, f"bias{gemm}",
+                        self.new_bias(out_features, in_features, dtype, device))
+        self.in_features, self.out_features = in_features, out_features
+
+    def set_tensor_parallel_group(self, tp_group: Any) -> None:
+        """Set (or set again, after unpickling) the tensor-parallel process group."""
+        self.tp.set_group(tp_group)
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int],
                 is_first_microbatch: bool | None = None) -> torch.Tensor:
         """y[rows of expert i] = x[rows of expert i] W_i^T + b_i; `is_first_microbatch` as in
         TransformerEngine (see QuantizedModule.run_gemms)."""
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"GroupedLinear expects inputs with last dim {self.in_features}, got "
+        features = self.in_features // self.tp.size if self.tp.mode == "row" else (
+            self.in_features)
+        if x.shape[-1] != features:
+            raise ValueError(f"GroupedLinear expects inputs with last dim {features}, got "
                              f"shape {tuple(x.shape)}")
-        splits = check_splits(x.numel() // self.in_features if self.in_features else 0,
-                              m_splits, self.num_gemms)
+        splits = check_splits(x.numel() // features if features else 0, m_splits,
+                              self.num_gemms)
+        if self.tp.active:
+            return parallel_gemms(self, self.tp, self.tp.mode, x, splits, self.weights,
+                                  self.biases, list(range(self.num_gemms)),
+                                  is_first_microbatch)
         return self.run_gemms(x, splits, self.weights, self.biases,
                               gemms=list(range(self.num_gemms)),
                               is_first_microbatch=is_first_microbatch)

@@ -22,33 +22,53 @@ _SPLIT_OPERANDS = {"column": frozenset({"weight", "grad_output"}),
 
 def parallel_gemm(module: QuantizedModule, tp: TensorParallelConfig, mode: str,
                   x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: int,
-                  is_first_microbatch: bool | None, *, gather_input: bool = True,
-                  reduce_output: bool = True) -> torch.Tensor:
+                  is_first_microbatch: bool | None) -> torch.Tensor:
     """x W^T + b for this rank's shard of W, split by `mode` ("column" or "row").
 
     Column: the input is replicated (identity forward, all-reduced gradient) or, under
-    sequence parallelism, gathered along dim 0 (`gather_input=False`: the caller gathered it);
-    the local bias is added in the GEMM. Row: the partial products are all-reduced, or
-    reduce-scattered along dim 0 under sequence parallelism (`reduce_output=False`: left
-    partial for the caller), then the whole bias is added once.
+    sequence parallelism, gathered along dim 0; the local bias is added in the GEMM. Row: the
+    partial products are all-reduced, or reduce-scattered along dim 0 under sequence
+    parallelism, then the whole bias is added once.
     """
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    return parallel_gemms(module, tp, mode, x, [rows], [weight], [bias], [gemm],
+                          is_first_microbatch)
+
+
+def parallel_gemms(module: QuantizedModule, tp: TensorParallelConfig, mode: str,
+                   x: torch.Tensor, m_splits: list[int], weights: list[torch.Tensor],
+                   biases: list[torch.Tensor | None], gemms: list[int],
+                   is_first_microbatch: bool | None) -> torch.Tensor:
+    """parallel_gemm over row splits, GEMM i on rows split i (GroupedLinear's experts, each
+    weight this rank's shard of that expert's)."""
     group = tp.require_group(module.name or type(module).__name__)
-    if mode == "column" and gather_input:
+    if mode == "column":
         x = gather_along_sequence(x, group) if tp.sequence_parallel else (
             copy_to_tensor_parallel(x, group))
+        if tp.sequence_parallel:  # the gathered rows: the whole sequence
+            m_splits = [x.numel() // x.shape[-1] if x.shape[-1] else 0]
     reduction = (group, _SPLIT_OPERANDS[mode]) if tp.amax_reduction else None
-    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    y = module.run_gemms(x, [rows], [weight], [bias if mode == "column" else None],
-                         gemms=[gemm], is_first_microbatch=is_first_microbatch,
-                         amax_reduction=reduction)
-    if mode == "column" or not reduce_output:
+    y = module.run_gemms(x, m_splits, weights,
+                         biases if mode == "column" else [None] * len(weights), gemms=gemms,
+                         is_first_microbatch=is_first_microbatch, amax_reduction=reduction)
+    if mode == "column":
         return y
     if not tp.sequence_parallel:
         y = reduce_from_tensor_parallel(y, group)
-        return y if bias is None else y + bias
+        return y if biases[0] is None else y + _row_biases(biases, m_splits, y)
     y = reduce_scatter_along_sequence(y, group)
     # each rank adds the bias to its own rows: the bias gradient sums over the group
-    return y if bias is None else y + copy_to_tensor_parallel(bias, group)
+    return y if biases[0] is None else y + copy_to_tensor_parallel(biases[0], group)
+
+
+def _row_biases(biases: list[torch.Tensor], m_splits: list[int], y: torch.Tensor
+                ) -> torch.Tensor:
+    """Each split's bias broadcast over its rows (one bias: itself)."""
+    if len(biases) == 1:
+        return biases[0]
+    rows = torch.cat([bias.expand(count, -1) for bias, count in zip(biases, m_splits,
+                                                                     strict=True)])
+    return rows.reshape(y.shape)
 
 
 def sequence_parallel_norm_params(tp: TensorParallelConfig, *params: torch.Tensor | None
