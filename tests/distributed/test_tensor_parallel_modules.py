@@ -182,3 +182,38 @@ def test_grouped_linear_experts_sharded_equal_one_rank(name):
                 assert close(tp["y"], one["y"]), f"{where}: output"
                 for expert in range(EXPERTS):
                     assert torch.equal(tp[f"bias{expert}"], one[f"bias{expert}"]), where
+
+
+def integrations_worker(rank: int, world: int, name: str) -> dict:
+    """A sequence-parallel LayerNormMLP run plainly, under minifloat.checkpoint (its forward,
+    collectives included, recomputed in backward) and with saved tensors offloaded to the CPU
+    (save_on_cpu, here a copy on the same device): the same outputs and gradients bitwise."""
+    group = dist.group.WORLD
+    generator = torch.Generator().manual_seed(1)
+    x = (torch.randn(TOKENS, HIDDEN, generator=generator) * 3).chunk(world)[rank]
+    dy = torch.randn(TOKENS, HIDDEN, generator=generator).chunk(world)[rank]
+    runs = {}
+    for how in ("plain", "checkpoint", "offload"):
+        torch.manual_seed(0)
+        module = mf.LayerNormMLP(HIDDEN, FFN, normalization="RMSNorm", tp_group=group,
+                                 set_parallel_mode=True, sequence_parallel=True)
+        xs = x.clone().requires_grad_(True)
+        with mf.autocast(recipe=RECIPES[name]()):
+            if how == "checkpoint":
+                y = mf.checkpoint(module, xs)
+            elif how == "offload":
+                with torch.autograd.graph.save_on_cpu():
+                    y = module(xs)
+            else:
+                y = module(xs)
+        y.backward(dy)
+        runs[how] = [y.detach(), xs.grad, *(p.grad for p in module.parameters())]
+    return runs
+
+
+@pytest.mark.parametrize("name", ["current", "hybrid"])
+def test_recompute_and_offload_under_sequence_parallelism(name):
+    for rank, runs in enumerate(run_ranks(integrations_worker, 2, name, timeout=180)):
+        for how in ("checkpoint", "offload"):
+            for index, (a, b) in enumerate(zip(runs[how], runs["plain"], strict=True)):
+                assert torch.equal(a, b), f"{name} {how} rank {rank} tensor {index}"
