@@ -1,6 +1,7 @@
 """Train the lab GPT with FSDP2 on N processes under a recipe: the distributed example.
 
     torchrun --nproc-per-node 2 -m minifloat.lab.train --preset tiny --recipe fp8-current
+    torchrun --nproc-per-node 4 -m minifloat.lab.train --preset tiny --tp 2   # 2 x 2: FSDP2 x TP
 
 gloo on a CPU machine, NCCL on GPUs (one per process, LOCAL_RANK). Run without torchrun it
 trains on one process. Every rank draws the same global batch from the same seed and trains
@@ -8,8 +9,10 @@ on its share of the rows; FSDP2 (`fully_shard` per block, then the root) shards 
 gathers them in high precision and minifloat quantizes after the gather (`--mode hp`), or
 gathers them quantized (`--mode lp`: FP8 current or delayed, block FP8, MXFP8, NVFP4); either
 way no full-size weight copy is kept from forward to backward. Delayed
-scaling reduces its amaxes over the data-parallel group. Rank 0 prints the loss averaged over
-ranks each step.
+scaling reduces its amaxes over all ranks. With `--tp N` the ranks form a (world / N) x N
+mesh: tensor parallelism over each group of N (heads and MLP features split, the model built
+from the one-rank model's weights: models/gpt_parallel.py) inside FSDP2 over the other
+dimension. Rank 0 prints the loss averaged over ranks each step.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ..distributed import (
 )
 from ..distributed.fsdp import gemm_weights
 from ..models.gpt import GPT, PRESETS
+from ..models.gpt_parallel import tensor_parallel_gpt
 from .data import load_corpus, sample_batch
 from .recipe_specs import parse_recipe, recipes_help
 
@@ -49,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                              "quantized (quantized_model_init), sharded and gathered as bytes, "
                              "and AdamW steps fp32 master rows cast back with "
                              "quantize_master_weights")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel size: ranks per TP group (FSDP2 shards over the "
+                             "world / tp groups); --mode hp or lp")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -73,15 +80,26 @@ def _init_process_group() -> torch.device:
     return torch.device("cuda", local_rank) if cuda else torch.device("cpu")
 
 
-def _shard(model: GPT, device: torch.device) -> None:
+def _mesh(device: torch.device, tp: int):
+    """(data-parallel mesh, tensor-parallel group or None): a (world / tp) x tp mesh."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if tp == 1:
+        return init_device_mesh(device.type, (world,)), None
+    if world % tp:
+        raise ValueError(f"--tp {tp} does not divide the {world} processes")
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    return mesh["dp"], mesh["tp"].get_group()
+
+
+def _shard(model: GPT, device: torch.device, mesh) -> None:
     from torch.distributed.fsdp import (
         MixedPrecisionPolicy,
         fully_shard,
         register_fsdp_forward_method,
     )
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # on GPUs the compute copies are bf16 (fp32 master shards); on the CPU everything is fp32
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if device.type == "cuda" else MixedPrecisionPolicy())
@@ -127,22 +145,29 @@ class MasterWeights:
 def train(args: argparse.Namespace) -> list[float]:
     """The training loop; returns the rank-averaged loss of every step (on every rank)."""
     device = _init_process_group()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     config = PRESETS[args.preset]
-    if config.batch_size % world:
-        raise ValueError(f"--nproc-per-node {world} does not divide the preset's batch of "
-                         f"{config.batch_size} sequences; choose a divisor")
+    if args.tp > 1 and args.mode == "qw":
+        raise ValueError("--tp with --mode qw is not written (the master rows of TP shards); "
+                         "use --mode hp or lp")
+    dp_mesh, tp_group = _mesh(device, args.tp)
+    rank, shards = dp_mesh.get_local_rank(), dp_mesh.size()
+    if config.batch_size % shards:
+        raise ValueError(f"the {shards} data-parallel ranks do not divide the preset's batch "
+                         f"of {config.batch_size} sequences; choose a divisor")
     recipe = parse_recipe(args.recipe, config.n_layers)
     torch.manual_seed(args.seed)
     with quantized_model_init(enabled=args.mode == "qw", recipe=recipe,
                               keep_high_precision_copy=True):
         model = GPT(config, device=device)
+    if tp_group is not None:  # every rank built the one-rank model: keep its slices
+        model = tensor_parallel_gpt(model, tp_group)
     if args.mode in ("lp", "qw"):
         enable_low_precision_all_gather(model, recipe)
     else:  # keep no full-size weight copy from forward to backward: weights stay sharded
         rebuild_weight_copies_in_backward(model)
-    _shard(model, device)
-    masters = MasterWeights(model, rank, world) if args.mode == "qw" else None
+    _shard(model, device, dp_mesh)
+    masters = MasterWeights(model, rank, shards) if args.mode == "qw" else None
     optimizer = torch.optim.AdamW(masters.parameters() if masters else model.parameters(),
                                   lr=args.lr)
     corpus = load_corpus(args.data)
@@ -151,7 +176,7 @@ def train(args: argparse.Namespace) -> list[float]:
     start = time.perf_counter()
     for step in range(args.steps):
         batch = sample_batch(corpus.train, config.batch_size, config.seq_len, generator)
-        tokens = batch.chunk(world)[rank].to(device)
+        tokens = batch.chunk(shards)[rank].to(device)  # TP ranks of a group: the same rows
         with autocast(enabled=recipe is not None, recipe=recipe,
                       amax_reduction_group=dist.group.WORLD):
             loss = model.loss(tokens)
@@ -165,12 +190,12 @@ def train(args: argparse.Namespace) -> list[float]:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
-        if rank == 0:
+        if dist.get_rank() == 0:
             print(f"step {step:4d}  loss {losses[-1]:.6f}", flush=True)
     # the last step's backward amaxes (delayed scaling) are reduced at the next autocast entry;
     # there is none, so reduce them now, while the process group exists
     update_delayed_backward_scales()
-    if rank == 0:
+    if dist.get_rank() == 0:
         elapsed = time.perf_counter() - start
         tokens_per_step = config.batch_size * config.seq_len
         print(f"{args.steps} steps of {args.preset} under {args.recipe} on {world} "

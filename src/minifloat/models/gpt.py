@@ -17,6 +17,7 @@ Every dimension of the presets is a multiple of 128 and the token count of a bat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -90,17 +91,27 @@ def causal_attention(qkv: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Pre-norm causal self-attention: RMSNorm + QKV in one LayerNormLinear, SDPA, projection."""
+    """Pre-norm causal self-attention: RMSNorm + QKV in one LayerNormLinear, SDPA, projection.
+
+    Under tensor parallelism (`tp_group`) the heads are split: qkv is column-parallel, each
+    rank's output [q | k | v] of its own heads (models/gpt_parallel.py lays the weights out so),
+    and proj row-parallel."""
 
     def __init__(self, config: GPTConfig, name: str, dtype: torch.dtype | None,
-                 device: torch.device | str | None) -> None:
+                 device: torch.device | str | None, tp_group: Any = None) -> None:
         super().__init__()
-        self.n_heads = config.n_heads
+        tp = {} if tp_group is None else {"tp_group": tp_group}
+        tp_size = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+        if config.n_heads % tp_size:
+            raise ValueError(f"n_heads={config.n_heads} does not split over {tp_size} ranks")
+        self.n_heads = config.n_heads // tp_size
         self.qkv = LayerNormLinear(config.d_model, 3 * config.d_model, bias=False,
                                    normalization="RMSNorm", params_dtype=dtype, device=device,
-                                   name=f"{name}.qkv")
+                                   name=f"{name}.qkv",
+                                   parallel_mode="column" if tp else None, **tp)
         self.proj = Linear(config.d_model, config.d_model, bias=False, params_dtype=dtype,
-                           device=device, name=f"{name}.proj")
+                           device=device, name=f"{name}.proj",
+                           parallel_mode="row" if tp else None, **tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(causal_attention(self.qkv(x), self.n_heads))
@@ -108,13 +119,14 @@ class Attention(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, index: int, dtype: torch.dtype | None,
-                 device: torch.device | str | None) -> None:
+                 device: torch.device | str | None, tp_group: Any = None) -> None:
         super().__init__()
         name = f"blocks.{index}"
-        self.attn = Attention(config, f"{name}.attn", dtype, device)
+        self.attn = Attention(config, f"{name}.attn", dtype, device, tp_group)
+        tp = {} if tp_group is None else {"tp_group": tp_group, "set_parallel_mode": True}
         self.mlp = LayerNormMLP(config.d_model, config.ffn_hidden, bias=False,
                                 normalization="RMSNorm", activation=config.activation,
-                                params_dtype=dtype, device=device, name=f"{name}.mlp")
+                                params_dtype=dtype, device=device, name=f"{name}.mlp", **tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(x)
@@ -149,14 +161,18 @@ class GPT(CausalLM):
     """Byte-level decoder: tokens [B, T] (uint8 values as int64) -> logits [B, T, 256]."""
 
     def __init__(self, config: GPTConfig, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, tp_group: Any = None) -> None:
+        """`tp_group`: tensor parallelism over the blocks (heads and MLP features split);
+        the embeddings, the final norm and the head stay whole on every rank. Build it from a
+        one-rank model with models.gpt_parallel.tensor_parallel_gpt to start from its
+        weights."""
         super().__init__()
         self.config = config
         self.token_embedding = nn.Embedding(VOCAB_SIZE, config.d_model, dtype=dtype,
                                             device=device)
         self.position_embedding = nn.Embedding(config.seq_len, config.d_model, dtype=dtype,
                                                device=device)
-        self.blocks = nn.ModuleList(Block(config, i, dtype, device)
+        self.blocks = nn.ModuleList(Block(config, i, dtype, device, tp_group)
                                     for i in range(config.n_layers))
         self.final_norm = nn.RMSNorm(config.d_model, dtype=dtype, device=device)
         self.head = Linear(config.d_model, VOCAB_SIZE, bias=False, params_dtype=dtype,
