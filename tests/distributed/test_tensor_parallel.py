@@ -220,3 +220,59 @@ def two_groups_worker(rank: int, world: int) -> list[bool]:
 def test_two_tensor_parallel_groups_never_override_each_other():
     for rank, same in enumerate(run_ranks(two_groups_worker, 4, timeout=180)):
         assert all(same), f"rank {rank}: {same}"
+
+
+def gather_dtype_worker(rank: int, world: int, name: str) -> dict:
+    """Which dtypes the sequence-parallel all-gathers moved, and the TP results (checked
+    against one rank like the other tests)."""
+    from minifloat.distributed import sequence_gather, tensor_parallel
+
+    seen = []
+
+    def spy(original):
+        def gather(x, group):
+            seen.append(str(x.dtype))
+            return original(x, group)
+        return gather
+
+    sequence_gather._all_gather_dim0 = spy(sequence_gather._all_gather_dim0)
+    tensor_parallel._all_gather_dim0 = spy(tensor_parallel._all_gather_dim0)
+    result = run_pair(rank, world, name, "column", True, FEATURES)
+    return {"result": result, "dtypes": seen}
+
+
+@pytest.mark.parametrize("name,dtype", [("current", "torch.uint8"), ("delayed", "torch.uint8"),
+                                        ("block", "torch.float32")])
+def test_sequence_parallel_gathers_fp8_bytes_for_per_tensor_formats(name, dtype):
+    """Per-tensor FP8 inputs travel as one-byte codes (each rank quantizes its rows with the
+    amax reduced over the group, or delayed scaling's scale), and the results stay the single
+    rank's bit for bit; block formats gather high precision (their columnwise copies cannot be
+    made from rowwise codes)."""
+    results = run_ranks(gather_dtype_worker, 2, name, timeout=120)
+    check([r["result"] for r in results], "column", True, f"{name} gather")
+    for result in results:
+        assert result["dtypes"] and set(result["dtypes"]) == {dtype}, result["dtypes"]
+
+
+def row_gather_dtype_worker(rank: int, world: int, name: str) -> dict:
+    """A sequence-parallel row-parallel layer: backward gathers the output gradient's rows."""
+    from minifloat.distributed import sequence_gather
+
+    seen = []
+    original = sequence_gather._all_gather_dim0
+
+    def gather(x, group):
+        seen.append(str(x.dtype))
+        return original(x, group)
+
+    sequence_gather._all_gather_dim0 = gather
+    result = run_pair(rank, world, name, "row", True, FEATURES)
+    return {"result": result, "dtypes": seen}
+
+
+@pytest.mark.parametrize("name,dtype", [("current", "torch.uint8"), ("mxfp8", "torch.float32")])
+def test_sequence_parallel_gathers_the_output_gradient_as_fp8_bytes(name, dtype):
+    results = run_ranks(row_gather_dtype_worker, 2, name, timeout=120)
+    check([r["result"] for r in results], "row", True, f"{name} row gather")
+    for result in results:
+        assert result["dtypes"] and set(result["dtypes"]) == {dtype}, result["dtypes"]

@@ -272,6 +272,18 @@ class QuantizedModule(nn.Module):
 
     # ---- running GEMMs ----
 
+    def gather_input_quantized(self, gemm: int) -> bool:
+        """Whether GEMM `gemm`'s input, under the active recipe, is per-tensor FP8, whose
+        sequence-parallel gather can move FP8 bytes (distributed/sequence_gather.py); eager
+        only (a compiled graph gathers in high precision)."""
+        token = active_token()
+        if token == 0 or torch.compiler.is_compiling():
+            return False
+        from ..distributed.sequence_gather import gathers_quantized
+
+        binding = self._bindings.get(token) or self.binding(token)
+        return gathers_quantized(binding.forward_quantizers[len(FORWARD_SLOTS) * gemm])
+
     def run_gemms(
         self,
         x: torch.Tensor,
@@ -281,12 +293,19 @@ class QuantizedModule(nn.Module):
         gemms: list[int],
         is_first_microbatch: bool | None = None,
         amax_reduction: tuple[Any, frozenset[str]] | None = None,
+        input_gather_group: Any = None,
+        output_scatter_group: Any = None,
     ) -> torch.Tensor:
         """cat_i(x_i W_i^T + b_i) over the row splits, GEMM i using the slots of `gemms[i]`.
 
         `amax_reduction` (group, slot names): tensor-parallel layers quantize those operands
         (e.g. {"weight", "grad_output"}) with their amax all-reduced over the group, through
-        quantizer copies that hold it for this call only (seed 003).
+        quantizer copies that hold it for this call only (seed 003). `input_gather_group`:
+        x is this rank's rows of a sequence-parallel input, quantized here and all-gathered
+        as FP8 bytes (per-tensor FP8 input quantizers only: gather_input_quantized).
+        `output_scatter_group`: the output's rows are reduce-scattered over it (a
+        sequence-parallel row-parallel layer) and backward gathers the gradient's rows, as FP8
+        bytes where the format allows.
 
         `is_first_microbatch` (TransformerEngine's flag): None quantizes the weights afresh;
         True quantizes them and keeps the copies; False reuses the kept copies (the weights have
@@ -329,7 +348,8 @@ class QuantizedModule(nn.Module):
         if amax_reduction is not None:
             forward_quantizers, backward_quantizers = _with_amax_group(
                 forward_quantizers, backward_quantizers, *amax_reduction)
-        elif is_first_microbatch is None and len(weights) == 1:
+        elif (is_first_microbatch is None and len(weights) == 1 and input_gather_group is None
+              and output_scatter_group is None):
             lean = binding.lean_plans[gemms[0]]
             if lean is not None and lean_applies(x, weights[0]):
                 if binding.delayed_pair is None:
@@ -351,7 +371,9 @@ class QuantizedModule(nn.Module):
         call = GemmCall.from_slots(
             forward_quantizers, backward_quantizers, gemms, m_splits,
             need_dgrad=need_dgrad, need_wgrad=need_wgrad, weight_cache=weight_cache,
-            reuse_weights=reuse_weights, rebuild_weights=rebuild)
+            reuse_weights=reuse_weights, rebuild_weights=rebuild,
+            input_gather_group=input_gather_group,
+            output_scatter_group=output_scatter_group)
         if binding.delayed_pair is not None:
             if get_autocast_state().recompute_record is not None:
                 with self.delayed_scaling_scope(recipe_for_token(token)):

@@ -17,6 +17,7 @@ decided in the module's forward from torch.is_grad_enabled(), not from ctx.needs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,13 +52,20 @@ class GemmCall:
     # keep no weight copy for dgrad: backward quantizes the weight again (or reads the copy an
     # FSDP2 re-gather brought); see rebuild_weight_copy
     rebuild_weights: bool = False
+    # sequence parallelism: the TP group to all-gather the input's rows over as FP8 bytes
+    # (distributed/sequence_gather.py); backward reduce-scatters the input gradient
+    input_gather_group: Any = None
+    # sequence parallelism, row-parallel: reduce-scatter the output's rows over this group;
+    # backward gathers the output gradient's rows (as FP8 bytes where the format allows)
+    output_scatter_group: Any = None
 
     @classmethod
     def from_slots(
         cls, forward_quantizers: list[Quantizer], backward_quantizers: list[Quantizer],
         gemms: list[int], m_splits: list[int], *, need_dgrad: bool, need_wgrad: bool,
         weight_cache: dict | None = None, reuse_weights: bool = False,
-        rebuild_weights: bool = False,
+        rebuild_weights: bool = False, input_gather_group: Any = None,
+        output_scatter_group: Any = None,
     ) -> GemmCall:
         """The call of GEMMs `gemms`, picking each one's quantizers from a module's slot lists
         (forward: input, weight, output per GEMM; backward: grad_output, grad_input)."""
@@ -73,6 +81,8 @@ class GemmCall:
             need_wgrad=need_wgrad,
             rebuild_weights=rebuild_weights and need_dgrad and all(
                 can_rebuild(forward_quantizers[per_forward * g + 1]) for g in gemms),
+            input_gather_group=input_gather_group,
+            output_scatter_group=output_scatter_group,
         )
 
 
@@ -229,16 +239,31 @@ def gemms_forward(
             f"expected inputs with last dim {in_features}, got shape {tuple(x.shape)}"
         )
     x2d = x.reshape(-1, in_features)
-    splits = check_splits(x2d.shape[0], call.m_splits, len(weights))
-    x_qs = quantize_for_gemms(x2d, splits, call.input_quantizers, rowwise=True,
-                              columnwise=call.need_wgrad)
+    lead = tuple(x.shape[:-1])
+    if call.input_gather_group is not None:  # sequence parallelism, the rows gathered as FP8
+        from ..distributed.sequence_gather import gather_quantized_rows
+
+        x_q = gather_quantized_rows(x2d, call.input_quantizers[0], call.input_gather_group,
+                                    columnwise=call.need_wgrad)
+        x_qs, splits = [x_q], [x_q.shape[0]]
+        lead = (lead[0] * (x_q.shape[0] // max(x2d.shape[0], 1)), *lead[1:])  # along dim 0
+    else:
+        splits = check_splits(x2d.shape[0], call.m_splits, len(weights))
+        x_qs = quantize_for_gemms(x2d, splits, call.input_quantizers, rowwise=True,
+                                  columnwise=call.need_wgrad)
     keep_weights = call.need_dgrad and not call.rebuild_weights
     y, w_qs = fprop_gemms(x_qs, weights, biases, call.weight_quantizers, call.weight_cache,
                           need_dgrad=keep_weights, out_dtype=x.dtype,
                           reuse_weights=call.reuse_weights)
     saved = keep_for_backward(x_qs, w_qs, need_dgrad=keep_weights,
                               need_wgrad=call.need_wgrad)
-    return as_output(y, (*x.shape[:-1], weights[0].shape[0])), splits, saved
+    if call.output_scatter_group is not None:  # sequence parallelism: this rank's rows
+        from ..distributed.sequence_gather import scatter_rows
+
+        rows = y.shape[0]
+        y = scatter_rows(y, call.output_scatter_group)
+        lead = (lead[0] * y.shape[0] // max(rows, 1), *lead[1:])
+    return as_output(y, (*lead, weights[0].shape[0])), splits, saved
 
 
 def gemms_backward(
@@ -250,9 +275,18 @@ def gemms_backward(
     of the compiled op alike."""
     dy2d = grad_output.reshape(-1, grad_output.shape[-1])
     dy_qs = [None] * len(splits)
-    grad_biases = [dy.sum(dim=0) if bias else None
-                   for dy, bias in zip(torch.split(dy2d, splits), has_bias, strict=True)]
-    if call.need_dgrad or call.need_wgrad:
+    if call.output_scatter_group is not None:  # row-parallel: the bias is added after
+        grad_biases = [None] * len(splits)
+    else:
+        grad_biases = [dy.sum(dim=0) if bias else None
+                       for dy, bias in zip(torch.split(dy2d, splits), has_bias, strict=True)]
+    if call.output_scatter_group is not None and (call.need_dgrad or call.need_wgrad):
+        from ..distributed.sequence_gather import gather_grad_output
+
+        dy_qs = [gather_grad_output(dy2d, call.grad_output_quantizers[0],
+                                    call.output_scatter_group, rowwise=call.need_dgrad,
+                                    columnwise=call.need_wgrad)]
+    elif call.need_dgrad or call.need_wgrad:
         dy_qs = quantize_for_gemms(dy2d, splits, call.grad_output_quantizers,
                                    rowwise=call.need_dgrad, columnwise=call.need_wgrad)
     grad_x, grad_weights = dgrad_wgrad_gemms(
@@ -322,6 +356,10 @@ class LinearGemms(torch.autograd.Function):
         grad_x2d, grad_weights, grad_biases = gemms_backward(
             grad_output, ctx.call, ctx.splits, x_qs, w_qs, ctx.weights, ctx.has_bias,
             ctx.out_dtype)
+        if grad_x2d is not None and ctx.call.input_gather_group is not None:
+            from ..distributed.tensor_parallel import _reduce_scatter_dim0
+
+            grad_x2d = _reduce_scatter_dim0(grad_x2d, ctx.call.input_gather_group)
         grad_x = None if grad_x2d is None else as_output(grad_x2d, ctx.x_shape)
         return (grad_x, None, *grad_weights, *grad_biases)
 

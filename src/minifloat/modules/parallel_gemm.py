@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..autocast import active_token
 from ..distributed.tensor_parallel import (
     TensorParallelConfig,
     copy_to_tensor_parallel,
@@ -42,21 +43,31 @@ def parallel_gemms(module: QuantizedModule, tp: TensorParallelConfig, mode: str,
     """parallel_gemm over row splits, GEMM i on rows split i (GroupedLinear's experts, each
     weight this rank's shard of that expert's)."""
     group = tp.require_group(module.name or type(module).__name__)
-    if mode == "column":
+    gather_group = None
+    if mode == "column" and tp.sequence_parallel and len(weights) == 1 and (
+            module.gather_input_quantized(gemms[0])):
+        gather_group = group  # the rows gathered as FP8 bytes inside the GEMM call
+    elif mode == "column":
         x = gather_along_sequence(x, group) if tp.sequence_parallel else (
             copy_to_tensor_parallel(x, group))
         if tp.sequence_parallel:  # the gathered rows: the whole sequence
             m_splits = [x.numel() // x.shape[-1] if x.shape[-1] else 0]
+    # a sequence-parallel row layer scatters inside the GEMM call, so that backward can
+    # gather the output gradient as FP8 bytes (eager; the compiled path maps in autograd)
+    scatter_group = (group if mode == "row" and tp.sequence_parallel and len(weights) == 1
+                     and active_token() != 0 and not torch.compiler.is_compiling() else None)
     reduction = (group, _SPLIT_OPERANDS[mode]) if tp.amax_reduction else None
     y = module.run_gemms(x, m_splits, weights,
                          biases if mode == "column" else [None] * len(weights), gemms=gemms,
-                         is_first_microbatch=is_first_microbatch, amax_reduction=reduction)
+                         is_first_microbatch=is_first_microbatch, amax_reduction=reduction,
+                         input_gather_group=gather_group, output_scatter_group=scatter_group)
     if mode == "column":
         return y
     if not tp.sequence_parallel:
         y = reduce_from_tensor_parallel(y, group)
         return y if biases[0] is None else y + _row_biases(biases, m_splits, y)
-    y = reduce_scatter_along_sequence(y, group)
+    if scatter_group is None:
+        y = reduce_scatter_along_sequence(y, group)
     # each rank adds the bias to its own rows: the bias gradient sums over the group
     return y if biases[0] is None else y + copy_to_tensor_parallel(biases[0], group)
 
