@@ -112,33 +112,48 @@ def train_worker(rank: int, world_size: int, name: str, low_precision: bool) -> 
             "pickled": pickle.dumps(kept)}
 
 
+def modes_worker(rank: int, world_size: int, name: str) -> dict:
+    """Both gathers (high and low precision) of one recipe in one launch of the ranks
+    (spawning is the slow part of these tests): training, and the bytes of one step."""
+    return {"train": {low: train_worker(rank, world_size, name, low) for low in (False, True)},
+            "bytes": {low: bytes_worker(rank, world_size, name, low) for low in (False, True)}}
+
+
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_low_precision_gather_trains_like_high_precision_bitwise(name):
-    high = run_ranks(train_worker, WORLD, name, False, timeout=180)
-    low = run_ranks(train_worker, WORLD, name, True, timeout=180)
+def test_low_precision_gather_trains_like_high_precision_and_moves_fewer_bytes(name):
+    results = run_ranks(modes_worker, WORLD, name, timeout=240)
     for rank in range(WORLD):
-        for step, (a, b) in enumerate(zip(low[rank]["losses"], high[rank]["losses"],
-                                          strict=True)):
+        high, low = results[rank]["train"][False], results[rank]["train"][True]
+        for step, (a, b) in enumerate(zip(low["losses"], high["losses"], strict=True)):
             assert torch.equal(a, b), f"rank {rank} step {step}"
-        for key, value in high[rank]["params"].items():
-            assert torch.equal(low[rank]["params"][key], value), f"rank {rank} {key}"
-        for a, b in zip(low[rank]["pending"], high[rank]["pending"], strict=True):
+        for key, value in high["params"].items():
+            assert torch.equal(low["params"][key], value), f"rank {rank} {key}"
+        for a, b in zip(low["pending"], high["pending"], strict=True):
             assert torch.equal(a, b), f"rank {rank}: amaxes recorded between steps"
-        assert low[rank]["groups"] == [None] * 6  # seed 003: no group kept
-        assert len(pickle.loads(low[rank]["pickled"])) == 6
+        assert low["groups"] == [None] * 6  # seed 003: no group kept
+        assert len(pickle.loads(low["pickled"])) == 6
+    high_bytes, low_bytes = results[0]["bytes"][False], results[0]["bytes"][True]
+    assert high_bytes > 0
+    assert low_bytes <= BYTE_BOUND[name] * high_bytes, (low_bytes, high_bytes)
 
 
-@pytest.mark.parametrize("name", ["block", "mxfp8", "nvfp4"])
-def test_one_rank_gathers_the_scales_too(name):
+def one_rank_worker(rank: int, world_size: int, names: list[str]) -> dict:
+    return {name: {low: train_worker(rank, world_size, name, low) for low in (False, True)}
+            for name in names}
+
+
+def test_one_rank_gathers_the_scales_too():
     """At world size 1 FSDP2 copies only the first all-gather input (no all-gather runs), so
     the formats with scales pack theirs with the bytes (fsdp.packed_for_one_rank). Found on one
     GPU under NCCL; gloo takes the same FSDP2 path."""
-    high = run_ranks(train_worker, 1, name, False, timeout=180)[0]
-    low = run_ranks(train_worker, 1, name, True, timeout=180)[0]
-    for step, (a, b) in enumerate(zip(low["losses"], high["losses"], strict=True)):
-        assert torch.equal(a, b), f"step {step}"
-    for key, value in high["params"].items():
-        assert torch.equal(low["params"][key], value), key
+    names = ["block", "mxfp8", "nvfp4"]
+    results = run_ranks(one_rank_worker, 1, names, timeout=240)[0]
+    for name in names:
+        high, low = results[name][False], results[name][True]
+        for step, (a, b) in enumerate(zip(low["losses"], high["losses"], strict=True)):
+            assert torch.equal(a, b), f"{name} step {step}"
+        for key, value in high["params"].items():
+            assert torch.equal(low["params"][key], value), f"{name} {key}"
 
 
 def bytes_worker(rank: int, world_size: int, name: str, low_precision: bool) -> int:
@@ -163,14 +178,6 @@ def bytes_worker(rank: int, world_size: int, name: str, low_precision: bool) -> 
     finally:
         dist.all_gather_single = original
     return sum(sent)
-
-
-@pytest.mark.parametrize("name", list(RECIPES))
-def test_low_precision_gather_moves_fewer_bytes_than_bf16(name):
-    high = run_ranks(bytes_worker, WORLD, name, False, timeout=120)[0]
-    low = run_ranks(bytes_worker, WORLD, name, True, timeout=120)[0]
-    assert high > 0
-    assert low <= BYTE_BOUND[name] * high, (low, high)
 
 
 CUT_TILE_CASES = {  # out_features over 2 ranks: each shard ends inside a scale tile

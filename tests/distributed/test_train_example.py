@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -15,6 +16,7 @@ def _losses(output: str) -> list[float]:
                                                  flags=re.MULTILINE)]
 
 
+@functools.cache  # tests that need the same run share it (each takes ~10 s)
 def _run(*args: str, recipe: str = "fp8-delayed", mode: str = "hp", tp: int = 1) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", *args, "-m",
                "minifloat.lab.train", "--preset", "tiny", "--recipe", recipe, "--mode", mode,
