@@ -22,8 +22,10 @@ so with `tp_amax_reduction` (the default) the operands split across ranks (colum
 and the output gradient; row: the input and the weight) get the amax all-reduced over the TP
 group for that one quantize call (seed 003: a throwaway quantizer copy holds the group), which
 gives every rank the bytes of the single-rank run. Block formats need no reduction when the
-split falls on block boundaries. Under sequence parallelism the gather runs in high precision
-and the gathered input is quantized whole (the same bytes on every rank and as on one rank).
+split falls on block boundaries. Under sequence parallelism a per-tensor FP8 input is gathered
+as its one-byte codes (and a row-parallel layer's output gradient likewise in backward:
+sequence_gather.py); other formats gather in high precision and quantize the gathered tensor
+whole. Either way the bytes are those of one rank.
 """
 
 from __future__ import annotations

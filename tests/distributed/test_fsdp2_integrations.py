@@ -1,0 +1,76 @@
+"""The seeds' integrations under FSDP2 (issue 17, item 7): activation recompute
+(minifloat.checkpoint), CPU offload of saved tensors (save_on_cpu), GroupedLinear experts and
+a hybrid recipe (MXFP8 forward, NVFP4 backward), on 2 gloo ranks.
+
+Each way trains the same sharded model (both FSDP2 modes: high-precision gather, and the
+low-precision gather of enable_low_precision_all_gather) for two AdamW steps; recompute and
+offload must give the plain run's losses and parameters bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minifloat as mf
+from minifloat.distributed import enable_low_precision_all_gather
+
+from .launch import run_ranks
+from .test_fsdp2_low_precision import HIDDEN, build, shard
+
+RECIPES = {
+    "hybrid": lambda: mf.HybridRecipe(
+        fprop=mf.MXFP8BlockScaling(),
+        dgrad=mf.NVFP4BlockScaling(disable_stochastic_rounding=True),
+        wgrad=mf.NVFP4BlockScaling(disable_stochastic_rounding=True)),
+    "current": lambda: mf.Float8CurrentScaling(),
+}
+
+
+def run(rank: int, world: int, name: str, how: str, low_precision: bool) -> dict:
+    recipe = RECIPES[name]()
+    model = build()
+    if low_precision:
+        enable_low_precision_all_gather(model, recipe)
+    shard(model, world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(2):
+        x = torch.randn(world * 64, HIDDEN, generator=generator).chunk(world)[rank]
+        with mf.autocast(recipe=recipe):
+            if how == "checkpoint":
+                y = mf.checkpoint(model, x)
+            elif how == "offload":
+                with torch.autograd.graph.save_on_cpu():
+                    y = model(x)
+            else:
+                y = model(x)
+            loss = y.float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    params = {}
+    for key, value in model.state_dict().items():
+        full = value.full_tensor()
+        params[key] = getattr(full, "_inner", full).clone()
+    return {"losses": losses, "params": params}
+
+
+def worker(rank: int, world: int, name: str, low_precision: bool) -> dict:
+    return {how: run(rank, world, name, how, low_precision)
+            for how in ("plain", "checkpoint", "offload")}
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("low_precision", [False, True], ids=["hp-gather", "lp-gather"])
+def test_recompute_and_offload_under_fsdp2_equal_the_plain_run(name, low_precision):
+    for rank, result in enumerate(run_ranks(worker, 2, name, low_precision, timeout=240)):
+        plain = result["plain"]
+        for how in ("checkpoint", "offload"):
+            for step, (a, b) in enumerate(zip(result[how]["losses"], plain["losses"],
+                                              strict=True)):
+                assert torch.equal(a, b), f"{name} {how} rank {rank} step {step}"
+            for key, value in plain["params"].items():
+                assert torch.equal(result[how]["params"][key], value), f"{name} {how} {key}"
