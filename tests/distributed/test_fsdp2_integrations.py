@@ -4,7 +4,10 @@ a hybrid recipe (MXFP8 forward, NVFP4 backward), on 2 gloo ranks.
 
 Each way trains the same sharded model (both FSDP2 modes: high-precision gather, and the
 low-precision gather of enable_low_precision_all_gather) for two AdamW steps; recompute and
-offload must give the plain run's losses and parameters bit for bit.
+offload must give the plain run's losses and parameters bit for bit. One combination is refused
+with a message: recompute of modules whose hybrid (or MXFP8) weights FSDP2 gathers in low
+precision, since FSDP2's backward re-gather brings only the backward direction before the
+recompute needs the forward one.
 """
 
 from __future__ import annotations
@@ -59,8 +62,13 @@ def run(rank: int, world: int, name: str, how: str, low_precision: bool) -> dict
 
 
 def worker(rank: int, world: int, name: str, low_precision: bool) -> dict:
-    return {how: run(rank, world, name, how, low_precision)
-            for how in ("plain", "checkpoint", "offload")}
+    results = {}
+    for how in ("plain", "checkpoint", "offload"):
+        try:
+            results[how] = run(rank, world, name, how, low_precision)
+        except ValueError as error:  # the one refused combination (see the test)
+            results[how] = str(error)
+    return results
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -69,6 +77,11 @@ def test_recompute_and_offload_under_fsdp2_equal_the_plain_run(name, low_precisi
     for rank, result in enumerate(run_ranks(worker, 2, name, low_precision, timeout=240)):
         plain = result["plain"]
         for how in ("checkpoint", "offload"):
+            if low_precision and name == "hybrid" and how == "checkpoint":
+                # FSDP2 re-gathers a hybrid (or MXFP8) weight for backward in its backward
+                # direction only, before the recompute runs the forward: refused, clearly
+                assert "recompute" in result[how] and "high precision" in result[how]
+                continue
             for step, (a, b) in enumerate(zip(result[how]["losses"], plain["losses"],
                                               strict=True)):
                 assert torch.equal(a, b), f"{name} {how} rank {rank} step {step}"

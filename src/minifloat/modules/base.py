@@ -342,6 +342,15 @@ class QuantizedModule(nn.Module):
         binding = self._bindings.get(token) or self.binding(token)
         if self._built_with_quantized_weights and not isinstance(weights[0], QuantizedTensor):
             self._report_dequantized_weights(weights[0])
+        elif (isinstance(weights[0], QuantizedTensor)
+              and not weights[0].quantized_storage.has_rowwise()):
+            raise ValueError(
+                f"{self.name or type(self).__name__}: the weight holds only its columnwise "
+                "copy, the one an FSDP2 low-precision re-gather brings for backward (MXFP8 and "
+                "hybrid weights gather one direction per gather), but a forward is running: a "
+                "recompute (minifloat.checkpoint) of a module whose weights FSDP2 re-gathered "
+                "for backward first. Gather these weights in high precision (fully_shard "
+                "without enable_low_precision_all_gather) or do not checkpoint these modules")
         rebuild = self.rebuild_weight_copy_in_backward
         forward_quantizers = binding.forward_quantizers
         backward_quantizers = binding.backward_quantizers
