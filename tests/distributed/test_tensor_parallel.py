@@ -242,12 +242,13 @@ def gather_dtype_worker(rank: int, world: int, name: str) -> dict:
 
 
 @pytest.mark.parametrize("name,dtype", [("current", "torch.uint8"), ("delayed", "torch.uint8"),
-                                        ("block", "torch.float32")])
-def test_sequence_parallel_gathers_fp8_bytes_for_per_tensor_formats(name, dtype):
+                                        ("mxfp8", "torch.uint8"), ("block", "torch.float32"),
+                                        ("nvfp4", "torch.float32")])
+def test_sequence_parallel_gathers_quantized_bytes_where_the_format_allows(name, dtype):
     """Per-tensor FP8 inputs travel as one-byte codes (each rank quantizes its rows with the
-    amax reduced over the group, or delayed scaling's scale), and the results stay the single
-    rank's bit for bit; block formats gather high precision (their columnwise copies cannot be
-    made from rowwise codes)."""
+    amax reduced over the group, or delayed scaling's scale), MXFP8 as the codes and E8M0
+    scales of both copies (whole 32-row blocks per rank), and the results stay the single
+    rank's bit for bit; 1x128 blocks and NVFP4 gather high precision."""
     results = run_ranks(gather_dtype_worker, 2, name, timeout=120)
     check([r["result"] for r in results], "column", True, f"{name} gather")
     for result in results:
@@ -270,7 +271,8 @@ def row_gather_dtype_worker(rank: int, world: int, name: str) -> dict:
     return {"result": result, "dtypes": seen}
 
 
-@pytest.mark.parametrize("name,dtype", [("current", "torch.uint8"), ("mxfp8", "torch.float32")])
+@pytest.mark.parametrize("name,dtype", [("current", "torch.uint8"), ("mxfp8", "torch.uint8"),
+                                        ("block", "torch.float32")])
 def test_sequence_parallel_gathers_the_output_gradient_as_fp8_bytes(name, dtype):
     results = run_ranks(row_gather_dtype_worker, 2, name, timeout=120)
     check([r["result"] for r in results], "row", True, f"{name} row gather")

@@ -23,9 +23,10 @@ and the output gradient; row: the input and the weight) get the amax all-reduced
 group for that one quantize call (seed 003: a throwaway quantizer copy holds the group), which
 gives every rank the bytes of the single-rank run. Block formats need no reduction when the
 split falls on block boundaries. Under sequence parallelism a per-tensor FP8 input is gathered
-as its one-byte codes (and a row-parallel layer's output gradient likewise in backward:
-sequence_gather.py); other formats gather in high precision and quantize the gathered tensor
-whole. Either way the bytes are those of one rank.
+as its one-byte codes, MXFP8 as the codes and scales of its copies where no block crosses a
+rank (and a row-parallel layer's output gradient likewise in backward: sequence_gather.py);
+other formats gather in high precision and quantize the gathered tensor whole. Either way the
+bytes are those of one rank.
 """
 
 from __future__ import annotations

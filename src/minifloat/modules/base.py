@@ -272,17 +272,18 @@ class QuantizedModule(nn.Module):
 
     # ---- running GEMMs ----
 
-    def gather_input_quantized(self, gemm: int) -> bool:
-        """Whether GEMM `gemm`'s input, under the active recipe, is per-tensor FP8, whose
-        sequence-parallel gather can move FP8 bytes (distributed/sequence_gather.py); eager
-        only (a compiled graph gathers in high precision)."""
+    def gather_input_quantized(self, gemm: int, rows: int) -> bool:
+        """Whether GEMM `gemm`'s input (`rows` rows on this rank), under the active recipe,
+        can be gathered for sequence parallelism as its quantized bytes (per-tensor FP8, MXFP8
+        on whole blocks: distributed/sequence_gather.py); eager only (a compiled graph
+        gathers in high precision)."""
         token = active_token()
         if token == 0 or torch.compiler.is_compiling():
             return False
         from ..distributed.sequence_gather import gathers_quantized
 
         binding = self._bindings.get(token) or self.binding(token)
-        return gathers_quantized(binding.forward_quantizers[len(FORWARD_SLOTS) * gemm])
+        return gathers_quantized(binding.forward_quantizers[len(FORWARD_SLOTS) * gemm], rows)
 
     def run_gemms(
         self,

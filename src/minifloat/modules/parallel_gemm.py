@@ -45,7 +45,7 @@ def parallel_gemms(module: QuantizedModule, tp: TensorParallelConfig, mode: str,
     group = tp.require_group(module.name or type(module).__name__)
     gather_group = None
     if mode == "column" and tp.sequence_parallel and len(weights) == 1 and (
-            module.gather_input_quantized(gemms[0])):
+            module.gather_input_quantized(gemms[0], x.numel() // x.shape[-1])):
         gather_group = group  # the rows gathered as FP8 bytes inside the GEMM call
     elif mode == "column":
         x = gather_along_sequence(x, group) if tp.sequence_parallel else (
