@@ -241,18 +241,22 @@ def gather_dtype_worker(rank: int, world: int, name: str) -> dict:
     return {"result": result, "dtypes": seen}
 
 
-@pytest.mark.parametrize("name,dtype", [("current", "torch.uint8"), ("delayed", "torch.uint8"),
-                                        ("mxfp8", "torch.uint8"), ("block", "torch.float32"),
-                                        ("nvfp4", "torch.float32")])
-def test_sequence_parallel_gathers_quantized_bytes_where_the_format_allows(name, dtype):
+BYTES, SCALES = "torch.uint8", "torch.float32"  # codes (and 8-bit scales), fp32 scale_inv
+
+
+@pytest.mark.parametrize("name,dtypes", [("current", {BYTES}), ("delayed", {BYTES}),
+                                         ("mxfp8", {BYTES}), ("block", {BYTES, SCALES}),
+                                         ("nvfp4", {BYTES}), ("hybrid", {SCALES})])
+def test_sequence_parallel_gathers_quantized_bytes_where_the_format_allows(name, dtypes):
     """Per-tensor FP8 inputs travel as one-byte codes (each rank quantizes its rows with the
-    amax reduced over the group, or delayed scaling's scale), MXFP8 as the codes and E8M0
-    scales of both copies (whole 32-row blocks per rank), and the results stay the single
-    rank's bit for bit; 1x128 blocks and NVFP4 gather high precision."""
+    amax reduced over the group, or delayed scaling's scale); block formats whose blocks do
+    not cross ranks as the codes and scales of both copies (1x128 blocks: fp32 scale_inv);
+    and the results stay the single rank's bit for bit. A hybrid input gathers in high
+    precision (fp32 here: the CPU runs in fp32)."""
     results = run_ranks(gather_dtype_worker, 2, name, timeout=120)
     check([r["result"] for r in results], "column", True, f"{name} gather")
     for result in results:
-        assert result["dtypes"] and set(result["dtypes"]) == {dtype}, result["dtypes"]
+        assert result["dtypes"] and set(result["dtypes"]) == dtypes, result["dtypes"]
 
 
 def row_gather_dtype_worker(rank: int, world: int, name: str) -> dict:
@@ -271,10 +275,10 @@ def row_gather_dtype_worker(rank: int, world: int, name: str) -> dict:
     return {"result": result, "dtypes": seen}
 
 
-@pytest.mark.parametrize("name,dtype", [("current", "torch.uint8"), ("mxfp8", "torch.uint8"),
-                                        ("block", "torch.float32")])
-def test_sequence_parallel_gathers_the_output_gradient_as_fp8_bytes(name, dtype):
+@pytest.mark.parametrize("name,dtypes", [("current", {BYTES}), ("mxfp8", {BYTES}),
+                                         ("block", {BYTES, SCALES})])
+def test_sequence_parallel_gathers_the_output_gradient_as_fp8_bytes(name, dtypes):
     results = run_ranks(row_gather_dtype_worker, 2, name, timeout=120)
     check([r["result"] for r in results], "row", True, f"{name} row gather")
     for result in results:
-        assert result["dtypes"] and set(result["dtypes"]) == {dtype}, result["dtypes"]
+        assert result["dtypes"] and set(result["dtypes"]) == dtypes, result["dtypes"]

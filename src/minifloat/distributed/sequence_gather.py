@@ -13,14 +13,14 @@ The same holds in backward for a row-parallel layer's output gradient (its forwa
 reduce-scatters the output along the rows; backward gathers the gradient's rows as FP8 codes:
 gather_grad_output).
 
-MXFP8 keeps both copies with scales of their own, each laid out [rows, ...]: when a rank's row
-count is a multiple of 32 (no block crosses a rank), each rank quantizes its rows in the
-copies asked for and the codes and E8M0 scales of each are gathered along the rows (about as
-many bytes as bf16 when both copies travel, but each rank quantizes only its own rows).
-
-Other formats gather in high precision and quantize the whole gathered tensor: their
-columnwise copies (blocks along the rows: 1x128 or 128x128 blocks, NVFP4's 16 with the
-Hadamard transform) cannot be made from rowwise codes here.
+Block formats keep both copies with scales of their own. When a rank's row count is a multiple
+of the format's block along the rows (MXFP8 32, 1x128 blocks 128, NVFP4 16: no block crosses a
+rank), each rank quantizes its rows in the copies asked for (NVFP4's global amaxes reduced over
+the group) and every code and scale tensor is gathered along the rows: dim 0 of the rowwise
+copies and of MXFP8's columnwise copy, dim 1 of the transposed columnwise copies of 1x128
+blocks and NVFP4. Each rank quantizes only its own rows; the gathered copies are the single
+rank's bytes (NVFP4 gradients with stochastic rounding draw their own random bits). Otherwise
+the rows gather in high precision and the gathered tensor is quantized whole.
 """
 
 from __future__ import annotations
@@ -30,35 +30,47 @@ from typing import Any
 import torch
 
 from ..quantizers import (
+    Float8BlockQuantizer,
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
     Float8Storage,
     MXFP8Quantizer,
-    MXFP8Storage,
+    NVFP4Quantizer,
+    QuantizedStorage,
     Quantizer,
 )
 from .tensor_parallel import _all_gather_dim0, _reduce_scatter_dim0
 
-_MX_BLOCK = 32
+
+def _row_block(quantizer: Quantizer) -> int | None:
+    """The block a format's copies span along the rows, or None where the rows cannot be
+    gathered as codes (2D tiles, other formats)."""
+    kind = type(quantizer)
+    if kind is MXFP8Quantizer:
+        return 32
+    if kind is Float8BlockQuantizer and quantizer.block_scaling_dim == 1:
+        return 128
+    if kind is NVFP4Quantizer and not quantizer.with_2d_quantization:
+        return 16
+    return None
 
 
 def gathers_quantized(quantizer: Quantizer, rows: int) -> bool:
     """Whether a tensor of this quantizer, `rows` rows on this rank, can be gathered as its
-    quantized bytes: per-tensor FP8, or MXFP8 on whole 32-row blocks."""
-    kind = type(quantizer)
-    if kind in (Float8CurrentScalingQuantizer, Float8Quantizer):
+    quantized bytes: per-tensor FP8, or a block format on whole blocks."""
+    if type(quantizer) in (Float8CurrentScalingQuantizer, Float8Quantizer):
         return True
-    return kind is MXFP8Quantizer and rows % _MX_BLOCK == 0
+    block = _row_block(quantizer)
+    return block is not None and rows % block == 0
 
 
 def gather_quantized_rows(x2d: torch.Tensor, quantizer: Quantizer, group: Any, *,
-                          columnwise: bool, rowwise: bool = True
-                          ) -> Float8Storage | MXFP8Storage:
+                          columnwise: bool, rowwise: bool = True) -> QuantizedStorage:
     """This rank's rows quantized (the amax reduced over `group` for current scaling), the
     codes all-gathered along the rows, the transposed copy derived when asked (per-tensor FP8:
-    the rowwise copy is always made; MXFP8: the copies asked for, gathered each)."""
-    if type(quantizer) is MXFP8Quantizer:
-        return _gather_mxfp8_rows(x2d, quantizer, group, rowwise=rowwise,
+    the rowwise copy is always made; block formats: the copies asked for, gathered each)."""
+    if _row_block(quantizer) is not None:
+        return _gather_block_rows(x2d, quantizer, group, rowwise=rowwise,
                                   columnwise=columnwise)
     local_quantizer = quantizer.copy()
     if isinstance(local_quantizer, Float8CurrentScalingQuantizer):
@@ -94,20 +106,34 @@ def scatter_rows(y2d: torch.Tensor, group: Any) -> torch.Tensor:
     return _reduce_scatter_dim0(y2d, group)
 
 
-def _gather_mxfp8_rows(x2d: torch.Tensor, quantizer: MXFP8Quantizer, group: Any, *,
-                       rowwise: bool, columnwise: bool) -> MXFP8Storage:
+def _gather_block_rows(x2d: torch.Tensor, quantizer: Quantizer, group: Any, *,
+                       rowwise: bool, columnwise: bool) -> QuantizedStorage:
     local_quantizer = quantizer.copy()
+    local_quantizer.amax_reduction_group = group  # NVFP4's global amaxes: the whole tensor's
     local_quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
     local_quantizer.internal = True
     local = local_quantizer.quantize(x2d)
     fields = {}
     for name in local.tensor_fields():
         tensor = getattr(local, name)
-        if tensor is None:
-            fields[name] = None
+        if tensor is None or name.startswith("amax"):  # absent, or equal on every rank
+            fields[name] = tensor
             continue
-        gathered = _all_gather_dim0(tensor.contiguous().view(torch.uint8), group)
-        fields[name] = gathered.view(tensor.dtype)
-    rows = (fields["rowwise_data"] if rowwise else fields["columnwise_data"]).shape[0]
-    return MXFP8Storage(shape=(rows, x2d.shape[1]), dtype=x2d.dtype,
-                        quantizer=local.quantizer, fp8_dtype=local.fp8_dtype, **fields)
+        along_columns = name.startswith("columnwise") and not isinstance(
+            local_quantizer, MXFP8Quantizer)  # transposed copies: the rows are dim 1
+        fields[name] = _gather_rows_of(tensor, group, along_columns)
+    settings = {key: value for key, value in vars(local).items()
+                if key not in ("shape", "dtype", "quantizer") and key not in fields}
+    rows = x2d.shape[0] * torch.distributed.get_world_size(group)
+    return type(local)(shape=(rows, x2d.shape[1]), dtype=x2d.dtype, quantizer=local.quantizer,
+                       **settings, **fields)
+
+
+def _gather_rows_of(tensor: torch.Tensor, group: Any, along_columns: bool) -> torch.Tensor:
+    """All-gather along dim 0, or along dim 1 (through a transpose), as bytes."""
+    wire = tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
+    if along_columns:
+        gathered = _all_gather_dim0(wire.t().contiguous(), group).t().contiguous()
+    else:
+        gathered = _all_gather_dim0(wire, group)
+    return gathered.view(tensor.dtype)

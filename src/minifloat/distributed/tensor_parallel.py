@@ -23,8 +23,9 @@ and the output gradient; row: the input and the weight) get the amax all-reduced
 group for that one quantize call (seed 003: a throwaway quantizer copy holds the group), which
 gives every rank the bytes of the single-rank run. Block formats need no reduction when the
 split falls on block boundaries. Under sequence parallelism a per-tensor FP8 input is gathered
-as its one-byte codes, MXFP8 as the codes and scales of its copies where no block crosses a
-rank (and a row-parallel layer's output gradient likewise in backward: sequence_gather.py);
+as its one-byte codes, a block format (MXFP8, 1x128 blocks, NVFP4) as the codes and scales of
+its copies where no block crosses a rank (and a row-parallel layer's output gradient likewise in
+backward: sequence_gather.py);
 other formats gather in high precision and quantize the gathered tensor whole. Either way the
 bytes are those of one rank.
 """
