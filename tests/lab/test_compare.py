@@ -196,3 +196,16 @@ def test_gap_column_without_bf16(tmp_path, data_file, capsys):
 def test_formats_command_still_there(capsys):
     assert cli.main(["formats", "--rows", "128", "--cols", "128"]) == 0
     assert "MXFP8" in capsys.readouterr().out
+
+
+def test_table_and_json_say_which_layers_ran_in_high_precision(tmp_path, data_file):
+    result = compare.run_comparison("bf16,fp8-current,fp8-current@quantize-head", steps=1,
+                                    out_dir=tmp_path, data_path=data_file, device="cpu",
+                                    progress=False, val_batches=1)
+    from minifloat.lab import report
+
+    results = report.results_dict(result)
+    kept = {run["label"]: run["high_precision"] for run in results["runs"]}
+    assert kept == {"bf16": [], "fp8-current": ["head"], "fp8-current@quantize-head": []}
+    table = report.format_table(result)
+    assert "high precision" in table and "head" in table

@@ -143,3 +143,23 @@ def test_help_lists_names_and_syntax():
     for fragment in (*NAMED_RECIPES, "hybrid:FWD/BWD", "hybrid:FPROP/DGRAD/WGRAD", "@lastN",
                      "@hp=", "module:function", "path/to/file.py:function"):
         assert fragment in text
+
+
+def test_the_comparison_keeps_the_head_in_high_precision_unless_asked():
+    """Issue 19: with head_in_high_precision (what compare asks for) every named or hybrid
+    spec keeps the layer "head" out of quantization; @quantize-head opts back in; the bf16
+    baseline and a user's factory are left as they are."""
+    mx, nv = mf.MXFP8BlockScaling(), mf.NVFP4BlockScaling()
+    assert parse_recipe("mxfp8", N_LAYERS, True) == mf.HybridRecipe(mx, mx, mx, ("head",))
+    assert parse_recipe("mxfp8@quantize-head", N_LAYERS, True) == mx
+    assert parse_recipe("hybrid:mxfp8/nvfp4", N_LAYERS, True) == mf.HybridRecipe(
+        mx, nv, nv, ("head",))
+    assert parse_recipe("nvfp4@last1", N_LAYERS, True).high_precision == (
+        f"blocks.{N_LAYERS - 1}.*", "head")
+    assert parse_recipe("bf16", N_LAYERS, True) is None
+    assert isinstance(parse_recipe("minifloat.factories:mxfp8_like", N_LAYERS, True),
+                      mf.CustomRecipe)
+    assert parse_recipe("mxfp8", N_LAYERS) == mx  # the library's own default: as written
+    labels = [label for label, _ in parse_recipes("bf16,fp8-current,fp8-current@quantize-head",
+                                                  N_LAYERS, True)]
+    assert labels == ["bf16", "fp8-current", "fp8-current@quantize-head"]

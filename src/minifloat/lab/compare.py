@@ -100,6 +100,9 @@ class Plan:
             "params_dtype": str(self.params_dtype).removeprefix("torch."),
             "data": self.corpus.source,
             "recipes": {label: repr(recipe) for label, recipe in self.recipes},
+            # the layer globs each recipe keeps out of quantization (the head by default)
+            "high_precision": {label: list(getattr(recipe, "high_precision", ()))
+                               for label, recipe in self.recipes},
             "torch": torch.__version__,
             "python": platform.python_version(),
             "platform": platform.platform(),
@@ -207,7 +210,7 @@ def prepare_comparison(recipes: str | Iterable[tuple[str, Recipe | None]], steps
     resolved_device = _resolve_device(device)
     if isinstance(recipes, str):
         try:
-            parsed = parse_recipes(recipes, model.n_layers)
+            parsed = parse_recipes(recipes, model.n_layers, head_in_high_precision=True)
         except ValueError as error:
             raise ComparisonError(str(error)) from error
     else:

@@ -10,6 +10,8 @@ comma-separated list. The grammar (also printed by `--recipes help`, see `recipe
     SUFFIX   := @lastN | @firstN         the last / first N transformer blocks in high precision
               | @hp=GLOB+GLOB...         HybridRecipe.high_precision patterns (layer-name globs,
                                          optionally GLOB:tensor_type)
+              | @quantize-head           quantize the LM head too (the comparison keeps it in
+                                         high precision by default)
     FACTORY  := module:function | path/to/file.py:function
 
 A suffix turns the recipe into a HybridRecipe whose high_precision patterns keep the chosen
@@ -24,6 +26,11 @@ with one probe call, so a broken factory fails before any training starts.
 
 "bf16" is the high-precision baseline: autocast disabled, no quantization (bf16 parameters on
 a GPU, fp32 on the CPU, where the comparison runs in fp32).
+
+The LM head: `parse_recipe(..., head_in_high_precision=True)` (what `compare` asks for) keeps
+the layer named "head" in high precision in every named or hybrid spec, as Megatron-LM and
+torchtitan do by default: quantizing it decided the FP8 result of the lab's comparisons
+(issue 19), and it is a small share of the FLOPs. `@quantize-head` opts back in.
 """
 
 from __future__ import annotations
@@ -67,6 +74,8 @@ NAMED_RECIPES: dict[str, tuple[Callable[[], Recipe | None], str]] = {
 }
 
 HYBRID_PREFIX = "hybrid:"
+HEAD_LAYER = "head"
+QUANTIZE_HEAD = "quantize-head"
 _BLOCK_SUFFIX = re.compile(r"(first|last)(\d+)")
 
 
@@ -200,12 +209,21 @@ def _factory_recipe(target: str, token: str) -> Recipe:
                      "or fn(role) -> Quantizer")
 
 
-def parse_recipe(token: str, n_layers: int) -> Recipe | None:
-    """One spec (no commas) -> its Recipe, or None for the bf16 baseline."""
+def parse_recipe(token: str, n_layers: int, head_in_high_precision: bool = False
+                 ) -> Recipe | None:
+    """One spec (no commas) -> its Recipe, or None for the bf16 baseline.
+
+    head_in_high_precision: a named or hybrid spec keeps the "head" layer in high precision
+    unless it carries @quantize-head (a user's factory decides for itself)."""
     token = token.strip()
     if not token:
         raise ValueError(f"empty recipe name; {_valid_hint()}")
     body, *suffixes = token.split("@")
+    quantize_head = QUANTIZE_HEAD in suffixes
+    suffixes = [suffix for suffix in suffixes if suffix != QUANTIZE_HEAD]
+    if head_in_high_precision and not quantize_head and ":" not in body.removeprefix(
+            HYBRID_PREFIX) and body != BASELINE:
+        suffixes.append(f"hp={HEAD_LAYER}")
     if body.startswith(HYBRID_PREFIX) or ":" not in body:
         if body.startswith(HYBRID_PREFIX):
             recipe: Recipe | None = _hybrid(body[len(HYBRID_PREFIX):], token)
@@ -226,7 +244,8 @@ def parse_recipe(token: str, n_layers: int) -> Recipe | None:
     return _factory_recipe(token, token)
 
 
-def parse_recipes(text: str, n_layers: int) -> list[tuple[str, Recipe | None]]:
+def parse_recipes(text: str, n_layers: int, head_in_high_precision: bool = False
+                  ) -> list[tuple[str, Recipe | None]]:
     """"bf16,mxfp8,hybrid:mxfp8/nvfp4@last2" -> [(label, Recipe or None), ...].
 
     The label is the spec as written. Raises ValueError naming the bad spec (and listing the
@@ -239,7 +258,7 @@ def parse_recipes(text: str, n_layers: int) -> list[tuple[str, Recipe | None]]:
     for token in tokens:
         if any(label == token for label, _ in result):
             raise ValueError(f"recipe {token!r} is listed twice")
-        result.append((token, parse_recipe(token, n_layers)))
+        result.append((token, parse_recipe(token, n_layers, head_in_high_precision)))
     return result
 
 
@@ -257,6 +276,8 @@ def recipes_help() -> str:
         "",
         "Suffixes (any quantized recipe; they combine: mxfp8@first1@last1):",
         "  @lastN / @firstN            the last / first N transformer blocks in high precision",
+        "  @quantize-head              quantize the LM head too (compare keeps it in high",
+        "                              precision by default, as large frameworks do)",
         "  @hp=GLOB+GLOB               layer globs kept in high precision; layer names are",
         "                              blocks.{i}.attn.qkv, blocks.{i}.attn.proj,",
         "                              blocks.{i}.mlp.fc1, blocks.{i}.mlp.fc2 and head;",

@@ -59,10 +59,13 @@ def format_table(comparison: Comparison) -> str:
     """The aligned plain-text table, with a header line saying what was run where."""
     plan = comparison.plan
     baseline = baseline_run(comparison)
-    header = ("recipe", "train loss", "val loss", "gap to bf16", "tokens/s", "peak MiB")
+    header = ("recipe", "train loss", "val loss", "gap to bf16", "tokens/s", "peak MiB",
+              "high precision")
+    kept = plan.describe()["high_precision"]
     rows = [(run.label, _number(run.final_train_loss, 3), _number(run.final_val_loss, 3),
              _gap_cell(run, baseline), _number(run.tokens_per_second, 0),
-             _number(run.peak_memory_mib, 0)) for run in comparison.runs]
+             _number(run.peak_memory_mib, 0), "+".join(kept.get(run.label, [])) or "-")
+            for run in comparison.runs]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
 
     def line(cells: tuple[str, ...]) -> str:
@@ -113,6 +116,7 @@ def results_dict(comparison: Comparison) -> dict[str, Any]:
         "runs": [{
             "label": run.label,
             "recipe": config["recipes"].get(run.label, ""),
+            "high_precision": config["high_precision"].get(run.label, []),
             "summary": _summary(run, baseline),
             "train_loss": [_finite(v) for v in run.train_loss],
             "val_loss": [[step, _finite(v)] for step, v in run.val_loss],
