@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .compare import Comparison, RunResult
+from .health import loss_flags
 from .recipe_specs import BASELINE
 
 MATPLOTLIB_FIX = "pip install 'minifloat[lab]' (or pip install matplotlib==3.11.2)"
@@ -86,7 +87,10 @@ def format_table(comparison: Comparison) -> str:
              "gap to bf16: val loss relative to the bf16 run (+ = worse); "
              f"peak MiB: {memory}"]
     rule = "-" * len(line(header))
-    return "\n".join([title, "", line(header), rule, *map(line, rows), "", *notes])
+    flags = [f"warning: {flag}" for run in comparison.runs
+             for flag in loss_flags(run.label, run.train_loss)]
+    return "\n".join([title, "", line(header), rule, *map(line, rows), "", *notes,
+                      *([""] + flags if flags else [])])
 
 
 def _finite(value: float) -> float | None:
@@ -103,6 +107,7 @@ def _summary(run: RunResult, baseline: RunResult | None) -> dict[str, Any]:
         "memory_kind": run.memory_kind,
         "seconds": run.seconds,
         "diverged_at": run.diverged_at,
+        "flags": loss_flags(run.label, run.train_loss),
     }
 
 

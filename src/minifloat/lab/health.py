@@ -1,0 +1,79 @@
+"""Training-curve health checks for the lab's comparison table (issue 19): a run whose loss
+turned NaN, spiked, or stalled on a plateau is flagged by name and step.
+
+Why: a gap to bf16 measured on a stalled baseline, or on a run that spiked, misleads (the
+`small` preset at lr 3e-3 sat on a plateau near 2.3 from step 200, where NVFP4 came out 3.5%
+"better" than bf16). The checks read the per-step training losses only:
+
+- NaN: the first step whose loss is not finite.
+- spike: the first step (after SPIKE_WARMUP steps) whose loss exceeds SPIKE_FACTOR times the
+  median of the SPIKE_WINDOW steps before it.
+- stall: the earliest step t after the first 10% of the run from which the moving-average loss
+  falls by less than STALL_DROP (relative) until the end, over at least STALL_SPAN of the run:
+  a plateau the run never left.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+SPIKE_WINDOW = 20
+SPIKE_WARMUP = 20
+SPIKE_FACTOR = 1.5
+STALL_DROP = 0.01
+STALL_SPAN = 0.25
+MIN_STEPS_FOR_STALL = 40
+
+
+def loss_flags(label: str, losses: list[float]) -> list[str]:
+    """Human-readable flags for one run's training losses (empty when healthy)."""
+    flags = []
+    bad = next((step for step, loss in enumerate(losses) if not math.isfinite(loss)), None)
+    if bad is not None:
+        flags.append(f"{label}: the loss turned {losses[bad]} at step {bad}")
+        losses = losses[:bad]
+    spike = _first_spike(losses)
+    if spike is not None:
+        step, loss, median = spike
+        flags.append(f"{label}: the loss spiked at step {step} ({loss:.3f} against a median of "
+                     f"{median:.3f} over the {SPIKE_WINDOW} steps before)")
+    stall = _stall(losses)
+    if stall is not None:
+        step, start, end = stall
+        flags.append(f"{label}: the loss stalled from step {step} on (moving average "
+                     f"{start:.3f} -> {end:.3f}, less than {STALL_DROP:.0%} lower by the end)")
+    return flags
+
+
+def _first_spike(losses: list[float]) -> tuple[int, float, float] | None:
+    for step in range(max(SPIKE_WARMUP, SPIKE_WINDOW), len(losses)):
+        median = statistics.median(losses[step - SPIKE_WINDOW:step])
+        if median > 0 and losses[step] > SPIKE_FACTOR * median:
+            return step, losses[step], median
+    return None
+
+
+def _moving_average(losses: list[float], window: int) -> list[float]:
+    averaged, total = [], 0.0
+    for index, loss in enumerate(losses):
+        total += loss
+        if index >= window:
+            total -= losses[index - window]
+        averaged.append(total / min(index + 1, window))
+    return averaged
+
+
+def _stall(losses: list[float]) -> tuple[int, float, float] | None:
+    steps = len(losses)
+    if steps < MIN_STEPS_FOR_STALL:
+        return None
+    smooth = _moving_average(losses, max(5, steps // 20))
+    end = smooth[-1]
+    last_start = int(steps * (1 - STALL_SPAN))
+    for step in range(steps // 10, last_start + 1):
+        start = smooth[step]
+        if start > 0 and (start - end) < STALL_DROP * start and min(smooth[step:]) > (
+                1 - STALL_DROP) * start:
+            return step, start, end
+    return None
