@@ -209,3 +209,35 @@ def test_table_and_json_say_which_layers_ran_in_high_precision(tmp_path, data_fi
     assert kept == {"bf16": [], "fp8-current": ["head"], "fp8-current@quantize-head": []}
     table = report.format_table(result)
     assert "high precision" in table and "head" in table
+
+
+def test_seeds_give_mean_spread_and_noise_marks(tmp_path, data_file, capsys):
+    """--seeds 0,1: a comparison per seed in its folder, then the summary: per recipe the mean
+    and spread of the final val loss over the seeds, the gap of means to bf16, and the mark
+    "within noise" exactly when the gap is below bf16's own spread."""
+    code = cli.main(["compare", "--recipes", "bf16,fp8-current", "--steps", "2", "--seeds",
+                     "0,1", "--out", str(tmp_path), "--data", str(data_file), "--device", "cpu",
+                     "--no-progress", "--val-batches", "1"])
+    assert code == 0
+    for seed in (0, 1):
+        assert (tmp_path / f"seed{seed}" / "results.json").exists()
+    summary = json.loads((tmp_path / "seeds.json").read_text())
+    assert summary["seeds"] == [0, 1]
+    per_seed = [json.loads((tmp_path / f"seed{seed}" / "results.json").read_text())
+                for seed in (0, 1)]
+    finals = {run["label"]: [r["runs"][i]["summary"]["final_val_loss"] for r in per_seed]
+              for i, run in enumerate(per_seed[0]["runs"])}
+    for label, values in finals.items():
+        row = summary["recipes"][label]
+        assert row["mean"] == pytest.approx(sum(values) / 2)
+        assert (row["min"], row["max"]) == (min(values), max(values))
+    spread = (max(finals["bf16"]) - min(finals["bf16"])) / (sum(finals["bf16"]) / 2) * 100
+    gap = summary["recipes"]["fp8-current"]["gap_percent"]
+    assert summary["recipes"]["fp8-current"]["within_noise"] == (abs(gap) < spread)
+    assert "within noise" in capsys.readouterr().out or abs(gap) >= spread
+
+
+def test_seeds_reject_bad_lists(tmp_path, capsys, no_training):
+    for text in ("1", "0,0", "a,b"):
+        assert cli.main(["compare", "--seeds", text, "--out", str(tmp_path)]) == 2
+        assert "--seeds" in capsys.readouterr().err

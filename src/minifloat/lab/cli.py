@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Any
 
 DEMO_STEPS = 200
 
@@ -45,6 +47,10 @@ def _add_compare_arguments(parser: argparse.ArgumentParser, default_steps: int,
                         help=f"folder for table.txt, results.json/csv, curves.csv and "
                              f"loss_curves.png (default {default_out})")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and batches")
+    parser.add_argument("--seeds", default=None,
+                        help="comma list of seeds, e.g. 0,1,2: a comparison per seed (in "
+                             "OUT/seed{N}), then each recipe's mean and spread, and gaps within "
+                             "the bf16 runs' spread marked as noise (seeds.txt, seeds.json)")
     parser.add_argument("--data", default=None,
                         help="a text file or folder to train on (default: the Python "
                              "standard library's sources)")
@@ -83,20 +89,48 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from .compare import ComparisonError, prepare_comparison, run_plan
+    from .compare import ComparisonError, prepare_comparison
     from .recipe_specs import recipes_help
-    from .report import format_table
 
     if args.recipes.strip().lower() == "help":
         print(recipes_help())
         return 0
     try:
-        plan = prepare_comparison(args.recipes, args.steps, args.preset, args.out, args.seed,
-                                  args.data, args.device, args.lr, args.eval_every,
-                                  args.val_batches)
+        seeds = _seeds(args.seeds) if args.seeds is not None else None
+        plans = [prepare_comparison(args.recipes, args.steps, args.preset,
+                                    Path(args.out) / f"seed{seed}" if seeds else args.out,
+                                    seed, args.data, args.device, args.lr, args.eval_every,
+                                    args.val_batches) for seed in (seeds or [args.seed])]
     except ComparisonError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    comparisons = [_run_one(plan, args) for plan in plans]
+    if seeds:
+        from .seeds import format_summary, summarise, write_summary
+
+        written = write_summary(comparisons, Path(args.out))
+        print("\n" + format_summary(summarise(comparisons)))
+        print("\nwrote " + ", ".join(str(path) for path in written))
+    return 0
+
+
+def _seeds(text: str) -> list[int]:
+    from .compare import ComparisonError
+
+    try:
+        seeds = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ComparisonError(f"--seeds takes a comma list of integers, got {text!r}") from None
+    if len(seeds) < 2 or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ComparisonError(f"--seeds needs at least two distinct seeds >= 0, got {text!r}")
+    return seeds
+
+
+def _run_one(plan: Any, args: argparse.Namespace) -> Any:
+    """Train one plan (one seed), print its table; the Comparison."""
+    from .compare import run_plan
+    from .report import format_table
+
     labels = ", ".join(label for label, _ in plan.recipes)
     print(f"comparing {labels}: {plan.steps} steps each on {plan.device.type}, "
           f"writing to {plan.out_dir}", file=sys.stderr, flush=True)
@@ -105,7 +139,7 @@ def _compare(args: argparse.Namespace) -> int:
     for warning in comparison.warnings:
         print(warning, file=sys.stderr)
     print("\nwrote " + ", ".join(str(path) for path in comparison.written))
-    return 0
+    return comparison
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,115 @@
+"""Several seeds per recipe (issue 19): each recipe's mean and spread, and gaps marked as within
+noise when the bf16 runs themselves spread more.
+
+Why: one bf16 run per seed is not one number. Three bf16 runs of the `small` preset with one
+seed gave 2.286, 2.304 and 2.309 (issue 19), a 1% spread as large as most recipe gaps. With
+`--seeds 0,1,2` every seed is a full comparison of its own (its folder seed{N} holds that
+seed's table, JSON, CSVs and plot), and this module summarises them: per recipe the mean, the
+sample standard deviation and the min..max of the final validation loss over the seeds, the
+gap of the means to bf16's mean, and "within noise" when that gap is smaller than bf16's
+spread (max - min, relative to its mean). seeds.txt and seeds.json hold the summary, and
+seeds.png the training curves as min..max bands across seeds (with matplotlib).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from .compare import Comparison
+from .recipe_specs import BASELINE
+
+
+def summarise(comparisons: list[Comparison]) -> dict[str, Any]:
+    """{recipe label: mean, std, min, max, seeds, gap_percent, within_noise} over the seeds."""
+    labels = [run.label for run in comparisons[0].runs]
+    finals = {label: [next(run.final_val_loss for run in c.runs if run.label == label)
+                      for c in comparisons] for label in labels}
+    seeds = [c.plan.seed for c in comparisons]
+    baseline = finals.get(BASELINE)
+    base_mean = statistics.fmean(baseline) if baseline else math.nan
+    noise = ((max(baseline) - min(baseline)) / base_mean * 100.0
+             if baseline and base_mean > 0 and all(map(math.isfinite, baseline)) else math.nan)
+    summary: dict[str, Any] = {"seeds": seeds, "bf16_spread_percent": _finite(noise),
+                               "recipes": {}}
+    for label, values in finals.items():
+        finite = [v for v in values if math.isfinite(v)]
+        mean = statistics.fmean(finite) if len(finite) == len(values) else math.nan
+        gap = (mean / base_mean - 1.0) * 100.0 if baseline and label != BASELINE else math.nan
+        summary["recipes"][label] = {
+            "val_losses": [_finite(v) for v in values],
+            "mean": _finite(mean),
+            "std": _finite(statistics.stdev(finite)) if len(finite) > 1 else None,
+            "min": _finite(min(values)), "max": _finite(max(values)),
+            "gap_percent": _finite(gap),
+            "within_noise": (abs(gap) < noise) if math.isfinite(gap) and math.isfinite(noise)
+            else None,
+        }
+    return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    noise = summary["bf16_spread_percent"]
+    header = ("recipe", "val loss mean", "std", "min..max", "gap to bf16", "")
+    rows = []
+    for label, row in summary["recipes"].items():
+        gap = row["gap_percent"]
+        rows.append((label, _cell(row["mean"], 4), _cell(row["std"], 4),
+                     f"{_cell(row['min'], 3)}..{_cell(row['max'], 3)}",
+                     "baseline" if label == BASELINE else (f"{gap:+.2f}%" if gap is not None
+                                                           else "—"),
+                     "within noise" if row["within_noise"] else ""))
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    lines = [f"{len(summary['seeds'])} seeds {summary['seeds']}; bf16 spread (max - min over "
+             f"its mean): {_cell(noise, 2)}%; a gap smaller than that is within noise", "",
+             "  ".join(cell.ljust(width) for cell, width in zip(header, widths, strict=True))]
+    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+              .rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def write_summary(comparisons: list[Comparison], out_dir: Path) -> list[Path]:
+    summary = summarise(comparisons)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text, data = out_dir / "seeds.txt", out_dir / "seeds.json"
+    text.write_text(format_summary(summary) + "\n")
+    data.write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
+    written = [text, data]
+    with contextlib.suppress(ImportError):  # the per-seed folders say how to install it
+        written.append(_plot_bands(comparisons, out_dir / "seeds.png"))
+    return written
+
+
+def _plot_bands(comparisons: list[Comparison], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for run in comparisons[0].runs:
+        curves = [next(r.train_loss for r in c.runs if r.label == run.label)
+                  for c in comparisons]
+        steps = min(len(curve) for curve in curves)
+        low = [min(curve[s] for curve in curves) for s in range(steps)]
+        high = [max(curve[s] for curve in curves) for s in range(steps)]
+        mean = [statistics.fmean(curve[s] for curve in curves) for s in range(steps)]
+        (line,) = axes.plot(range(1, steps + 1), mean, label=run.label)
+        axes.fill_between(range(1, steps + 1), low, high, color=line.get_color(), alpha=0.25)
+    axes.set(xlabel="step", ylabel="training loss (mean, min..max band over seeds)")
+    axes.legend()
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+    return path
+
+
+def _finite(value: float) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _cell(value: float | None, digits: int) -> str:
+    return "nan" if value is None else f"{value:.{digits}f}"
