@@ -241,3 +241,20 @@ def test_seeds_reject_bad_lists(tmp_path, capsys, no_training):
     for text in ("1", "0,0", "a,b"):
         assert cli.main(["compare", "--seeds", text, "--out", str(tmp_path)]) == 2
         assert "--seeds" in capsys.readouterr().err
+
+
+def test_deterministic_runs_say_what_they_cost(tmp_path, data_file):
+    """--deterministic turns torch's deterministic algorithms on for the comparison only, and
+    the table and results.json give the measured cost (bf16 step time with over without)."""
+    from minifloat.lab import report
+
+    before = torch.are_deterministic_algorithms_enabled()
+    result = compare.run_comparison("bf16,fp8-current", steps=2, out_dir=tmp_path,
+                                    data_path=data_file, device="cpu", progress=False,
+                                    val_batches=1, deterministic=True)
+    assert torch.are_deterministic_algorithms_enabled() == before
+    assert result.deterministic_cost is not None and result.deterministic_cost > 0
+    assert "deterministic algorithms on" in report.format_table(result)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["config"]["deterministic"] is True
+    assert saved["deterministic_cost"] == pytest.approx(result.deterministic_cost)

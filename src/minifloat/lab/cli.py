@@ -12,6 +12,7 @@ SystemExit, so tests and other Python callers can call it directly.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,9 @@ def _add_compare_arguments(parser: argparse.ArgumentParser, default_steps: int,
                         help=f"folder for table.txt, results.json/csv, curves.csv and "
                              f"loss_curves.png (default {default_out})")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and batches")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch's deterministic algorithms where they exist; the report "
+                             "says what they cost in speed (measured on the bf16 model)")
     parser.add_argument("--seeds", default=None,
                         help="comma list of seeds, e.g. 0,1,2: a comparison per seed (in "
                              "OUT/seed{N}), then each recipe's mean and spread, and gaps within "
@@ -92,6 +96,8 @@ def _compare(args: argparse.Namespace) -> int:
     from .compare import ComparisonError, prepare_comparison
     from .recipe_specs import recipes_help
 
+    if args.deterministic:  # cuBLAS reads it when its first handle is made: set it early
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if args.recipes.strip().lower() == "help":
         print(recipes_help())
         return 0
@@ -100,7 +106,8 @@ def _compare(args: argparse.Namespace) -> int:
         plans = [prepare_comparison(args.recipes, args.steps, args.preset,
                                     Path(args.out) / f"seed{seed}" if seeds else args.out,
                                     seed, args.data, args.device, args.lr, args.eval_every,
-                                    args.val_batches) for seed in (seeds or [args.seed])]
+                                    args.val_batches, args.deterministic)
+                 for seed in (seeds or [args.seed])]
     except ComparisonError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

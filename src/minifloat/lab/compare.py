@@ -27,7 +27,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ class Plan:
     eval_every: int | None  # None: AUTO_EVALUATIONS evenly spaced; 0: only after the last step
     val_batches: int
     corpus: Corpus
+    deterministic: bool = False  # torch's deterministic algorithms for the whole comparison
 
     def eval_steps(self) -> list[int]:
         """The steps after which the validation batches are evaluated (always the last)."""
@@ -96,6 +97,7 @@ class Plan:
                          f"grad-norm clip {GRAD_CLIP}",
             "eval_steps": self.eval_steps(),
             "val_batches": self.val_batches,
+            "deterministic": self.deterministic,
             "device": _device_name(self.device),
             "params_dtype": str(self.params_dtype).removeprefix("torch."),
             "data": self.corpus.source,
@@ -142,6 +144,8 @@ class Comparison:
     runs: list[RunResult] = field(default_factory=list)
     written: list[Path] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    # --deterministic: bf16 step time with deterministic algorithms over without (measured)
+    deterministic_cost: float | None = None
 
 
 def _device_name(device: torch.device) -> str:
@@ -187,7 +191,8 @@ def prepare_comparison(recipes: str | Iterable[tuple[str, Recipe | None]], steps
                        seed: int = 0, data_path: str | Path | None = None,
                        device: str = "auto", lr: float = DEFAULT_LR,
                        eval_every: int | None = None,
-                       val_batches: int = DEFAULT_VAL_BATCHES) -> Plan:
+                       val_batches: int = DEFAULT_VAL_BATCHES,
+                       deterministic: bool = False) -> Plan:
     """Check every argument and load the data; raises ComparisonError before any training.
 
     eval_every=None evaluates AUTO_EVALUATIONS times, evenly spaced, the last after the last
@@ -227,7 +232,7 @@ def prepare_comparison(recipes: str | Iterable[tuple[str, Recipe | None]], steps
         raise ComparisonError(f"the data at {corpus.source} is too small for the model's "
                               f"sequence length: each split needs more than {window} bytes")
     return Plan(parsed, steps, preset_name, model, path, seed, float(lr), resolved_device,
-                eval_every, val_batches, corpus)
+                eval_every, val_batches, corpus, bool(deterministic))
 
 
 def learning_rate(step: int, steps: int, peak: float) -> float:
@@ -385,15 +390,43 @@ def run_plan(plan: Plan, progress: bool = True) -> Comparison:
     from .report import write_reports
 
     comparison = Comparison(plan)
-    for index, (label, recipe) in enumerate(plan.recipes, start=1):
-        bar = _Progress(f"[{index}/{len(plan.recipes)}] {label}", plan.steps, progress)
-        try:
-            comparison.runs.append(train_recipe(plan, label, recipe, on_step=bar))
-        finally:
-            bar.close()
-        write_reports(comparison, plot=False)  # a partial record if a later recipe is stopped
+    previous = torch.are_deterministic_algorithms_enabled()
+    if plan.deterministic:
+        comparison.deterministic_cost = deterministic_cost(plan)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        for index, (label, recipe) in enumerate(plan.recipes, start=1):
+            bar = _Progress(f"[{index}/{len(plan.recipes)}] {label}", plan.steps, progress)
+            try:
+                comparison.runs.append(train_recipe(plan, label, recipe, on_step=bar))
+            finally:
+                bar.close()
+            write_reports(comparison, plot=False)  # a partial record if a later one stops
+    finally:
+        torch.use_deterministic_algorithms(previous)
     write_reports(comparison)
     return comparison
+
+
+COST_STEPS = 6
+
+
+def deterministic_cost(plan: Plan) -> float:
+    """What --deterministic costs: the bf16 model's step time over COST_STEPS steps (the
+    first untimed) with torch's deterministic algorithms, over the same without. Why measured
+    here: the cost depends on the device and the kernels each recipe reaches, so a constant
+    would mislead. On CUDA, cuBLAS also needs CUBLAS_WORKSPACE_CONFIG (set by the CLI)."""
+    probe = replace(plan, steps=COST_STEPS, eval_every=0, val_batches=1)
+    previous = torch.are_deterministic_algorithms_enabled()
+    times = []
+    try:
+        for enabled in (False, True):
+            torch.use_deterministic_algorithms(enabled, warn_only=True)
+            run = train_recipe(probe, "cost probe", None)
+            times.append(1.0 / run.tokens_per_second)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    return times[1] / times[0]
 
 
 def run_comparison(recipes: str | Iterable[tuple[str, Recipe | None]], steps: int,
@@ -401,10 +434,11 @@ def run_comparison(recipes: str | Iterable[tuple[str, Recipe | None]], steps: in
                    seed: int = 0, data_path: str | Path | None = None, device: str = "auto",
                    lr: float = DEFAULT_LR, eval_every: int | None = None,
                    progress: bool = True,
-                   val_batches: int = DEFAULT_VAL_BATCHES) -> Comparison:
+                   val_batches: int = DEFAULT_VAL_BATCHES,
+                   deterministic: bool = False) -> Comparison:
     """Validate everything (ComparisonError before any training), train each recipe from the
     same seed, and write table.txt, results.json, results.csv, curves.csv and loss_curves.png
     into out_dir."""
     plan = prepare_comparison(recipes, steps, preset, out_dir, seed, data_path, device, lr,
-                              eval_every, val_batches)
+                              eval_every, val_batches, deterministic)
     return run_plan(plan, progress)

@@ -23,7 +23,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .compare import Comparison, RunResult
+from .compare import COST_STEPS, Comparison, RunResult
 from .health import loss_flags
 from .recipe_specs import BASELINE
 
@@ -86,6 +86,10 @@ def format_table(comparison: Comparison) -> str:
              f"{plan.val_batches} fixed validation batches after the last step",
              "gap to bf16: val loss relative to the bf16 run (+ = worse); "
              f"peak MiB: {memory}"]
+    if comparison.deterministic_cost is not None:
+        notes.append(f"deterministic algorithms on: the bf16 step took "
+                     f"{comparison.deterministic_cost:.2f}x its time without them "
+                     f"({COST_STEPS} steps measured before the comparison)")
     rule = "-" * len(line(header))
     flags = [f"warning: {flag}" for run in comparison.runs
              for flag in loss_flags(run.label, run.train_loss)]
@@ -117,6 +121,7 @@ def results_dict(comparison: Comparison) -> dict[str, Any]:
     config = comparison.plan.describe()
     return {
         "config": config,
+        "deterministic_cost": comparison.deterministic_cost,
         "baseline": baseline.label if baseline else None,
         "runs": [{
             "label": run.label,
