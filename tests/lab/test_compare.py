@@ -258,3 +258,41 @@ def test_deterministic_runs_say_what_they_cost(tmp_path, data_file):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["config"]["deterministic"] is True
     assert saved["deterministic_cost"] == pytest.approx(result.deterministic_cost)
+
+
+def test_an_interrupted_comparison_resumes_bitwise(tmp_path, data_file, monkeypatch):
+    """Each run checkpoints after every evaluation; started again over the same folder, an
+    interrupted comparison picks its runs up at their last checkpoint and ends with the
+    uninterrupted curves bit for bit (delayed scaling's histories and NVFP4's stochastic
+    rounding, which draws from the global RNG, included)."""
+    recipes = "bf16,fp8-delayed@quantize-head,nvfp4"
+    options = dict(steps=6, eval_every=2, data_path=data_file, device="cpu", progress=False,
+                   val_batches=1)
+    whole = compare.run_comparison(recipes, out_dir=tmp_path / "whole", **options)
+
+    calls = {"count": 0}
+    original = compare._Progress.__call__
+
+    def interrupt(self, step, loss):  # stop inside the second recipe, after its step 4
+        calls["count"] += 1
+        if calls["count"] == 6 + 5:
+            raise KeyboardInterrupt
+        return original(self, step, loss)
+
+    monkeypatch.setattr(compare._Progress, "__call__", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        compare.run_comparison(recipes, out_dir=tmp_path / "resumed", **options)
+    trained = []
+
+    def count(self, step, loss):
+        trained.append(step)
+        return original(self, step, loss)
+
+    monkeypatch.setattr(compare._Progress, "__call__", count)
+    resumed = compare.run_comparison(recipes, out_dir=tmp_path / "resumed", **options)
+    # bf16 had finished (nothing to train), fp8-delayed resumed after step 4, nvfp4 ran whole
+    assert trained == [5, 6, 1, 2, 3, 4, 5, 6]
+    for a, b in zip(whole.runs, resumed.runs, strict=True):
+        assert a.label == b.label
+        assert a.train_loss == b.train_loss, a.label
+        assert a.val_loss == b.val_loss, a.label

@@ -36,6 +36,7 @@ import torch
 from ..autocast import autocast
 from ..models.gpt import GPT, PRESETS, GPTConfig
 from ..recipes import Recipe
+from . import resume
 from .data import Corpus, load_corpus, sample_batch
 from .recipe_specs import parse_recipes
 
@@ -68,6 +69,7 @@ class Plan:
     val_batches: int
     corpus: Corpus
     deterministic: bool = False  # torch's deterministic algorithms for the whole comparison
+    resume: bool = True  # checkpoint each run after every evaluation; resume from the last
 
     def eval_steps(self) -> list[int]:
         """The steps after which the validation batches are evaluated (always the last)."""
@@ -288,11 +290,19 @@ def _evaluate(model: GPT, batches: list[torch.Tensor], recipe: Recipe | None) ->
     return sum(losses) / len(losses)
 
 
-def _batches(plan: Plan, data: torch.Tensor, seed: int) -> Iterator[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
+def _batches(plan: Plan, data: torch.Tensor, generator: torch.Generator
+             ) -> Iterator[torch.Tensor]:
     while True:
         batch = sample_batch(data, plan.model.batch_size, plan.model.seq_len, generator)
         yield batch.to(plan.device, non_blocking=True)
+
+
+def _fingerprint(plan: Plan, label: str, recipe: Recipe | None) -> str:
+    """What a checkpoint must have been made under to be resumed (resume.py)."""
+    settings = {key: value for key, value in plan.describe().items()
+                if key not in ("torch", "python", "platform", "cpu_threads", "recipes",
+                               "high_precision", "deterministic")}
+    return repr((label, repr(recipe), sorted(settings.items())))
 
 
 def train_recipe(plan: Plan, label: str, recipe: Recipe | None,
@@ -305,17 +315,31 @@ def train_recipe(plan: Plan, label: str, recipe: Recipe | None,
     model = GPT(plan.model, dtype=plan.params_dtype, device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=plan.lr, betas=BETAS,
                                   weight_decay=WEIGHT_DECAY)
-    val_batches = list(itertools.islice(_batches(plan, plan.corpus.validation, plan.seed + 1),
-                                        plan.val_batches))
-    train_batches = _batches(plan, plan.corpus.train, plan.seed)
+    val_batches = list(itertools.islice(
+        _batches(plan, plan.corpus.validation, torch.Generator().manual_seed(plan.seed + 1)),
+        plan.val_batches))
+    generator = torch.Generator().manual_seed(plan.seed)
+    train_batches = _batches(plan, plan.corpus.train, generator)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     eval_steps = set(plan.eval_steps())
     train_loss: list[float] = []
     val_loss: list[tuple[int, float]] = []
     timed_seconds, timed_steps, diverged_at = 0.0, 0, None
+    first_step = 0
+    path = resume.checkpoint_path(plan.out_dir, label)
+    fingerprint = _fingerprint(plan, label, recipe)
+    saved = resume.load(path, fingerprint, label) if plan.resume else None
+    if saved is not None:  # pick the run up where its last checkpoint left it
+        print(f"{label}: resuming from {path} at step {saved['step']} of {plan.steps} (delete "
+              "the folder's checkpoints/ to train afresh)", file=sys.stderr, flush=True)
+        resume.restore(saved, model, optimizer, generator, recipe)
+        first_step, train_loss = saved["step"], list(saved["train_loss"])
+        val_loss = [(int(step), float(value)) for step, value in saved["val_loss"]]
+        timed_seconds, timed_steps = saved["timed_seconds"], saved["timed_steps"]
+        train_batches = _batches(plan, plan.corpus.train, generator)
     started = time.perf_counter()
-    for step in range(plan.steps):
+    for step in range(first_step, plan.steps):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, plan.steps, plan.lr)
         batch = next(train_batches)
@@ -340,6 +364,10 @@ def train_recipe(plan: Plan, label: str, recipe: Recipe | None,
             break
         if step + 1 in eval_steps:
             val_loss.append((step + 1, _evaluate(model, val_batches, recipe)))
+            if plan.resume:
+                resume.save(path, fingerprint, step + 1, model, optimizer, generator, recipe,
+                            {"train_loss": train_loss, "val_loss": [list(v) for v in val_loss],
+                             "timed_seconds": timed_seconds, "timed_steps": timed_steps})
     if diverged_at is not None:
         val_loss.append((diverged_at, math.nan))
     tokens = plan.model.tokens_per_step * timed_steps
@@ -416,7 +444,7 @@ def deterministic_cost(plan: Plan) -> float:
     first untimed) with torch's deterministic algorithms, over the same without. Why measured
     here: the cost depends on the device and the kernels each recipe reaches, so a constant
     would mislead. On CUDA, cuBLAS also needs CUBLAS_WORKSPACE_CONFIG (set by the CLI)."""
-    probe = replace(plan, steps=COST_STEPS, eval_every=0, val_batches=1)
+    probe = replace(plan, steps=COST_STEPS, eval_every=0, val_batches=1, resume=False)
     previous = torch.are_deterministic_algorithms_enabled()
     times = []
     try:
