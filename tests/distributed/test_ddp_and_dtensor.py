@@ -10,7 +10,7 @@ from torch import nn
 
 import minifloat as mf
 
-from .launch import run_ranks
+from .launch import cpu_randn, device_mesh, run_ranks
 
 HIDDEN, TOKENS = 64, 32
 
@@ -23,7 +23,7 @@ def build() -> nn.Module:
 
 def batches(world: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(2)
-    return [torch.randn(world * TOKENS, HIDDEN, generator=generator) for _ in range(3)]
+    return [cpu_randn(world * TOKENS, HIDDEN, generator=generator) for _ in range(3)]
 
 
 def scales(model: nn.Module, recipe) -> list[torch.Tensor]:
@@ -90,10 +90,9 @@ def test_ddp_with_delayed_scaling_reduces_amaxes_over_the_data_parallel_group():
 
 
 def dtensor_worker(rank: int, world: int) -> str:
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = device_mesh((world,))
     # torch's styles take only nn.Linear: a user shards a plain model, then converts it
     model = nn.Sequential(nn.Linear(HIDDEN, HIDDEN))
     parallelize_module(model, mesh, {"0": ColwiseParallel()})

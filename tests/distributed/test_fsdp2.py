@@ -28,7 +28,7 @@ from torch import nn
 import minifloat as mf
 from minifloat.distributed import rebuild_weight_copies_in_backward
 
-from .launch import run_ranks
+from .launch import cpu_randn, device_mesh, run_ranks
 
 WORLD = 2
 STEPS = 3
@@ -67,7 +67,7 @@ def build(kind: str) -> nn.Module:
 
 def batches() -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
-    return [torch.randn(WORLD * ROWS, HIDDEN, generator=generator) for _ in range(STEPS)]
+    return [cpu_randn(WORLD * ROWS, HIDDEN, generator=generator) for _ in range(STEPS)]
 
 
 def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -84,9 +84,7 @@ def shard(model: nn.Module, mesh) -> nn.Module:
 
 def fsdp_worker(rank: int, world_size: int, kind: str) -> dict:
     """Every recipe in turn on this rank's half of each batch; full parameters at the end."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = device_mesh((world_size,))
     results = {}
     for name, make_recipe in RECIPES.items():
         recipe = make_recipe()
@@ -165,12 +163,10 @@ def quantized_init_worker(rank: int, world_size: int) -> list[str]:
     QuantizedTensor answers in high precision. Not supported yet; it must not pass unnoticed."""
     import warnings
 
-    from torch.distributed.device_mesh import init_device_mesh
-
     recipe = mf.Float8CurrentScaling()
     with mf.quantized_model_init(recipe=recipe):
         model = nn.Sequential(mf.Linear(HIDDEN, HIDDEN, name="q"))
-    shard(model, init_device_mesh("cpu", (world_size,)))
+    shard(model, device_mesh((world_size,)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):  # said once

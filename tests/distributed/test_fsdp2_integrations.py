@@ -18,7 +18,7 @@ import torch
 import minifloat as mf
 from minifloat.distributed import enable_low_precision_all_gather
 
-from .launch import run_ranks
+from .launch import cpu_randn, run_ranks
 from .test_fsdp2_low_precision import HIDDEN, build, shard
 
 RECIPES = {
@@ -40,7 +40,7 @@ def run(rank: int, world: int, name: str, how: str, low_precision: bool) -> dict
     generator = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(2):
-        x = torch.randn(world * 64, HIDDEN, generator=generator).chunk(world)[rank]
+        x = cpu_randn(world * 64, HIDDEN, generator=generator).chunk(world)[rank]
         with mf.autocast(recipe=recipe):
             if how == "checkpoint":
                 y = mf.checkpoint(model, x)

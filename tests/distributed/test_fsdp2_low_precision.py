@@ -21,7 +21,7 @@ from torch import nn
 import minifloat as mf
 from minifloat.distributed import enable_low_precision_all_gather
 
-from .launch import run_ranks
+from .launch import cpu_randn, device_mesh, run_ranks
 
 WORLD = 2
 HIDDEN = 256
@@ -69,10 +69,9 @@ def build(dtype: torch.dtype = torch.float32) -> nn.Module:
 
 
 def shard(model: nn.Module, world_size: int) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = device_mesh((world_size,))
     for child in model:
         fully_shard(child, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -88,7 +87,7 @@ def train_worker(rank: int, world_size: int, name: str, low_precision: bool) -> 
     generator = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(3):
-        x = torch.randn(world_size * 64, HIDDEN, generator=generator).chunk(world_size)[rank]
+        x = cpu_randn(world_size * 64, HIDDEN, generator=generator).chunk(world_size)[rank]
         # delayed scaling: both modes reduce their amax histories over the ranks, so the
         # gathered weight's scale comes from the whole weight's amax, as it does in mode a
         with mf.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
@@ -213,7 +212,7 @@ def cut_tile_worker(rank: int, world_size: int, name: str) -> list[bool]:
     same = []
     for step in range(2):
         with mf.autocast(recipe=recipe):
-            model(torch.randn(32, in_features, generator=torch.Generator().manual_seed(step))
+            model(cpu_randn(32, in_features, generator=torch.Generator().manual_seed(step))
                   ).float().pow(2).mean().backward()
         fields = gathered[-1]
         optimizer.zero_grad(set_to_none=True)
@@ -256,8 +255,7 @@ def cut_mxfp8_worker(rank: int, world_size: int, low_precision: bool) -> list[to
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     results = []
     for step in range(2):
-        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step),
-                        requires_grad=True)
+        x = cpu_randn(32, 64, generator=torch.Generator().manual_seed(step)).requires_grad_()
         with mf.autocast(recipe=recipe):
             model(x).float().pow(2).mean().backward()
         results.append(x.grad.clone())
@@ -310,10 +308,9 @@ def test_other_weight_formats_are_refused_clearly():
 def two_groups_worker(rank: int, world_size: int) -> list[bool]:
     """Two modules sharded over two different groups of a 2x2 mesh (as two TP groups would be):
     each one's gathered weight must be its full weight's quantization, with its own amax."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    mesh = device_mesh((2, 2), names=("a", "b"))
     torch.manual_seed(0)
     first, second = mf.Linear(HIDDEN, HIDDEN, name="a"), mf.Linear(HIDDEN, HIDDEN, name="b")
     with torch.no_grad():  # the amax sits in the second shard's rows, 3x apart between them

@@ -20,7 +20,7 @@ from minifloat import numerics
 from minifloat.distributed import master_weights as mw
 from minifloat.distributed import post_all_gather_processing, quantize_master_weights
 
-from .launch import run_ranks
+from .launch import cpu_randn, run_ranks
 
 RECIPES = {
     "current": lambda: mf.Float8CurrentScaling(),
@@ -52,7 +52,7 @@ def build(name: str) -> list[mf.Linear]:
 def masters(name: str, seed: int = 5) -> list[torch.Tensor]:
     """fp32 master weights (what the optimizer updated), wider than the first quantization."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=generator) * 3 for shape in shapes_for(name)]
+    return [cpu_randn(shape, generator=generator) * 3 for shape in shapes_for(name)]
 
 
 def buffers(weight) -> dict[str, torch.Tensor]:
@@ -92,7 +92,8 @@ def store_elements(name: str, buffer: torch.Tensor, codes: torch.Tensor) -> None
 
 def cuts(numel: int, parts: int, generator: torch.Generator) -> list[int]:
     """parts + 1 sorted boundaries in [0, numel], repeats allowed (a rank may own nothing)."""
-    inner = torch.randint(0, numel + 1, (parts - 1,), generator=generator).sort().values
+    inner = torch.randint(0, numel + 1, (parts - 1,), generator=generator, device="cpu")
+    inner = inner.sort().values
     return [0, *inner.tolist(), numel]
 
 
@@ -326,7 +327,7 @@ def sub_buffers(weight, keep: dict | None = None) -> dict[str, dict[str, torch.T
 def hybrid_worker(rank: int, world_size: int, which: str) -> list[dict]:
     """quantize_master_weights on hybrid weights over gloo: random flat ranges, the range
     fields of both sub-storages gathered by a SUM all-reduce, then post-processing."""
-    master_list = [torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 3
+    master_list = [cpu_randn(shape, generator=torch.Generator().manual_seed(3)) * 3
                    for shape in SHAPES[:2]]
     modules = build_hybrid(which)
     generator = torch.Generator().manual_seed(7)

@@ -25,7 +25,7 @@ from minifloat.distributed import (
     quantize_master_weights,
 )
 
-from .launch import run_ranks
+from .launch import cpu_randn, device_mesh, run_ranks
 
 WORLD, ROWS, STEPS = 2, 32, 3
 NVFP4 = mf.NVFP4BlockScaling(disable_stochastic_rounding=True)
@@ -65,7 +65,7 @@ def build(name: str) -> tuple[nn.Module, list[torch.Tensor]]:
 def batches(name: str) -> list[torch.Tensor]:
     hidden = CASES[name][1]
     generator = torch.Generator().manual_seed(1)
-    return [torch.randn(WORLD * ROWS, hidden, generator=generator) for _ in range(STEPS)]
+    return [cpu_randn(WORLD * ROWS, hidden, generator=generator) for _ in range(STEPS)]
 
 
 def kind_of(name: str) -> str:
@@ -79,14 +79,13 @@ def fields(storage, name: str) -> dict[str, torch.Tensor]:
 
 
 def sharded_worker(rank: int, world_size: int, name: str) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     recipe = CASES[name][0]()
     hidden = CASES[name][1]
     model, full_masters = build(name)
     enable_low_precision_all_gather(model, recipe)
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = device_mesh((world_size,))
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import minifloat as mf
 
-from .launch import run_ranks
+from .launch import cpu_randn, device_mesh, run_ranks
 
 RECIPES = {
     "current": lambda: mf.Float8CurrentScaling(),
@@ -75,8 +75,8 @@ def run_pair(rank: int, world: int, name: str, mode: str, sequence_parallel: boo
     generator = torch.Generator().manual_seed(1)
     steps = []
     for _ in range(2):
-        x = torch.randn(TOKENS, features, generator=generator) * 3
-        dy = torch.randn(TOKENS, features, generator=generator)
+        x = cpu_randn(TOKENS, features, generator=generator) * 3
+        dy = cpu_randn(TOKENS, features, generator=generator)
         want = _run(single, x, dy, RECIPES[name](), None)
         if mode == "column":
             tp_x, tp_dy = (x[rows] if sequence_parallel else x), dy[:, mine]
@@ -191,12 +191,10 @@ def two_groups_worker(rank: int, world: int) -> list[bool]:
     """Two column-parallel layers over two different TP groups of a 2x2 mesh (seed 003's
     bug: the groups must never override each other); each rank's output and weight-gradient
     slices of both equal the single-rank layers' bitwise."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    mesh = device_mesh((2, 2), names=("a", "b"))
     recipe = mf.Float8CurrentScaling()
     generator = torch.Generator().manual_seed(4)
-    x = torch.randn(TOKENS, FEATURES, generator=generator)
+    x = cpu_randn(TOKENS, FEATURES, generator=generator)
     same = []
     for dim, scale in (("a", 10.0), ("b", 30.0)):
         group = mesh[dim].get_group()
@@ -210,7 +208,7 @@ def two_groups_worker(rank: int, world: int) -> list[bool]:
         with torch.no_grad():
             tp.weight.copy_(single.weight[mine])
             tp.bias.copy_(single.bias[mine])
-        dy = torch.randn(TOKENS, FEATURES, generator=generator)
+        dy = cpu_randn(TOKENS, FEATURES, generator=generator)
         y, _, dw, _ = _run(single, x, dy, recipe, None)
         ty, _, tdw, _ = _run(tp, x, dy[:, mine], recipe, group)
         same += [torch.equal(ty, y[:, mine]), torch.equal(tdw, dw[mine])]

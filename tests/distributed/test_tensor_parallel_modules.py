@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import minifloat as mf
 
-from .launch import run_ranks
+from .launch import cpu_randn, run_ranks
 from .test_tensor_parallel import RECIPES, close
 
 TOKENS, HIDDEN, FFN = 128, 256, 256
@@ -44,8 +44,8 @@ def mlp_worker(rank: int, world: int, name: str, activation: str) -> dict:
             tp.fc2_weight.copy_(single.fc2_weight[:, mine])
             tp.fc2_bias.copy_(single.fc2_bias)
         generator = torch.Generator().manual_seed(1)
-        x = torch.randn(TOKENS, HIDDEN, generator=generator) * 3
-        dy = torch.randn(TOKENS, HIDDEN, generator=generator)
+        x = cpu_randn(TOKENS, HIDDEN, generator=generator) * 3
+        dy = cpu_randn(TOKENS, HIDDEN, generator=generator)
         rows = slice(rank * TOKENS // world, (rank + 1) * TOKENS // world)
         outs = []
         for module, xs, dys, grp in ((single, x, dy, None),
@@ -94,8 +94,8 @@ def ln_linear_worker(rank: int, world: int, name: str) -> dict:
             tp.weight.copy_(single.weight[mine])
             tp.bias.copy_(single.bias[mine])
         generator = torch.Generator().manual_seed(1)
-        x = torch.randn(TOKENS, HIDDEN, generator=generator) * 3
-        dy = torch.randn(TOKENS, FFN, generator=generator)
+        x = cpu_randn(TOKENS, HIDDEN, generator=generator) * 3
+        dy = cpu_randn(TOKENS, FFN, generator=generator)
         outs = []
         for module, xs, dys, grp in ((single, x, dy, None),
                                      (tp, x[rows] if sequence_parallel else x, dy[:, mine],
@@ -148,8 +148,8 @@ def grouped_worker(rank: int, world: int, name: str) -> dict:
                                                          (rank + 1) * HIDDEN // world)])
                 getattr(tp, f"bias{expert}").copy_(bias[mine] if mode == "column" else bias)
         generator = torch.Generator().manual_seed(1)
-        x = torch.randn(TOKENS, HIDDEN, generator=generator) * 3
-        dy = torch.randn(TOKENS, FFN, generator=generator)
+        x = cpu_randn(TOKENS, HIDDEN, generator=generator) * 3
+        dy = cpu_randn(TOKENS, FFN, generator=generator)
         features = slice(rank * HIDDEN // world, (rank + 1) * HIDDEN // world)
         outs = []
         for module, xs, dys, grp in ((single, x, dy, None),
@@ -190,8 +190,8 @@ def integrations_worker(rank: int, world: int, name: str) -> dict:
     (save_on_cpu, here a copy on the same device): the same outputs and gradients bitwise."""
     group = dist.group.WORLD
     generator = torch.Generator().manual_seed(1)
-    x = (torch.randn(TOKENS, HIDDEN, generator=generator) * 3).chunk(world)[rank]
-    dy = torch.randn(TOKENS, HIDDEN, generator=generator).chunk(world)[rank]
+    x = (cpu_randn(TOKENS, HIDDEN, generator=generator) * 3).chunk(world)[rank]
+    dy = cpu_randn(TOKENS, HIDDEN, generator=generator).chunk(world)[rank]
     runs = {}
     for how in ("plain", "checkpoint", "offload"):
         torch.manual_seed(0)

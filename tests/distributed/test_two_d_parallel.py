@@ -18,7 +18,7 @@ from torch import nn
 
 import minifloat as mf
 
-from .launch import run_ranks
+from .launch import cpu_randn, device_mesh, run_ranks
 
 HIDDEN, FFN, TOKENS = 64, 128, 64
 RECIPE = mf.Float8CurrentScaling
@@ -37,7 +37,7 @@ def build(tp_group=None) -> nn.Module:
 
 def batches() -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(3)
-    return [torch.randn(TOKENS, HIDDEN, generator=generator) for _ in range(3)]
+    return [cpu_randn(TOKENS, HIDDEN, generator=generator) for _ in range(3)]
 
 
 def copy_shards(tp_model: nn.Module, single: nn.Module, tp_rank: int, tp_size: int) -> None:
@@ -57,10 +57,9 @@ def copy_shards(tp_model: nn.Module, single: nn.Module, tp_rank: int, tp_size: i
 
 
 def two_d_worker(rank: int, world: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = device_mesh((2, 2), names=("dp", "tp"))
     dp, tp = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
     model = build(mesh["tp"].get_group())
     copy_shards(model, build(), tp, 2)

@@ -1,0 +1,357 @@
+"""FSDP2 training step on N GPUs: tokens/s per GPU against plain bf16 and torchao (issue 18).
+
+Why: a multi-GPU user shards the model with FSDP2 (torch.distributed.fsdp.fully_shard), and the
+weight all-gathers then cost time and memory that a one-GPU step does not show. Low-precision
+all-gather (minifloat.distributed.enable_low_precision_all_gather; torchao's
+enable_fsdp_float8_all_gather) moves one byte per weight element instead of two. Every row trains
+the same plain-PyTorch model (minifloat.models.torch_gpt, bf16 parameters, LM head kept in bf16,
+foreach AdamW over the sharded parameters), each block and then the root sharded over all ranks
+of one mesh, each rank on its own random token batches (data parallel):
+
+  bf16-eager, bf16-compiled                  plain PyTorch (compiled: each block compiled)
+  torchao-fp8-gather-compiled                torchao.float8 tensorwise with FP8 all-gather and
+                                             precompute_float8_dynamic_scale_for_fsdp after
+                                             each optimizer step, each block compiled
+  fp8-current-bf16-gather-eager              minifloat FP8 current scaling; FSDP2 gathers bf16
+  fp8-current-fp8-gather-eager / -compiled   the same with FP8 all-gather
+  mxfp8-lp-gather-eager, nvfp4-lp-gather-eager  MXFP8 / NVFP4 weights gathered quantized (on
+                                             Hopper their GEMMs are emulated: see BENCHMARKS.md)
+
+Measured per row (after --warmup steps), on every rank, reported for rank 0 with the slowest
+rank's median alongside:
+- ms_per_step: median of --steps steps, each timed by CUDA events around it;
+  tokens_per_s_per_gpu: the rank's batch tokens / that time.
+- peak_gib: max over ranks of torch.cuda.max_memory_allocated (reset before the row is built).
+- all_gather_bytes / reduce_scatter_bytes: the output bytes of every
+  torch.distributed.all_gather_into_tensor / input bytes of reduce_scatter_tensor call made in
+  one step (the functions are wrapped for that step).
+- all_gather_ms / reduce_scatter_ms: summed GPU time of NCCL AllGather / ReduceScatter kernels in
+  one step under torch.profiler (they overlap compute, so they are not step time).
+- speedup_vs_bf16_eager / _compiled; weak_scaling_efficiency: this row's tokens/s per GPU over the
+  same row's in a one-GPU result file of the same GPU and preset in --out (run the one-GPU case
+  first: scripts/gpu-multi does).
+
+Usage (one process per GPU):
+  torchrun --standalone --nproc-per-node N benchmarks/scale_step.py [--preset 1b]
+      [--rows bf16-eager,...] [--steps 10] [--warmup 3] [--out DIR]
+Writes DIR/scale_step_<gpu>_<preset>_n<N>.json (default DIR benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import model_step  # noqa: E402
+
+from minifloat.models.torch_gpt import PRESETS, TorchGPTConfig, not_head  # noqa: E402
+
+ROWS = {  # name: (kind, low-precision all-gather, compiled)
+    "bf16-eager": ("bf16", False, False),
+    "bf16-compiled": ("bf16", False, True),
+    "torchao-fp8-gather-compiled": ("torchao", True, True),
+    "fp8-current-bf16-gather-eager": ("fp8-current", False, False),
+    "fp8-current-fp8-gather-eager": ("fp8-current", True, False),
+    "fp8-current-fp8-gather-compiled": ("fp8-current", True, True),
+    "mxfp8-lp-gather-eager": ("mxfp8", True, False),
+    "nvfp4-lp-gather-eager": ("nvfp4", True, False),
+}
+
+
+@dataclasses.dataclass
+class ShardedStep:
+    """One data-parallel training step of an FSDP2-sharded model."""
+
+    model: torch.nn.Module
+    loss_fn: Callable[[torch.Tensor], torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    recipe: object | None = None
+    after_optimizer: Callable[[], None] | None = None
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        context = contextlib.nullcontext()
+        if self.recipe is not None:
+            import minifloat as mf
+
+            context = mf.autocast(recipe=self.recipe)
+        with context:
+            loss = self.loss_fn(tokens)
+        loss.backward()
+        self.optimizer.step()
+        if self.after_optimizer is not None:
+            self.after_optimizer()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+
+def build_row(name: str, config: TorchGPTConfig, device: str, mesh) -> ShardedStep:
+    """The row's model: converted, maybe compiled per block, sharded block by block."""
+    from torch.distributed.fsdp import fully_shard
+
+    kind, low_precision_gather, compiled = ROWS[name]
+    model = model_step.build_model(config, device)  # the same seed on every rank
+    recipe, after_optimizer = None, None
+    if kind == "torchao":
+        try:
+            from torchao.float8 import (
+                Float8LinearConfig,
+                convert_to_float8_training,
+                precompute_float8_dynamic_scale_for_fsdp,
+            )
+        except ImportError as error:
+            raise model_step.RowSkipped(f"torchao is not importable ({error})") from None
+        ao_config = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"),
+                                        enable_fsdp_float8_all_gather=True)
+        convert_to_float8_training(model, config=ao_config,
+                                   module_filter_fn=lambda module, fqn: not_head(fqn, module))
+
+        def after_optimizer() -> None:
+            precompute_float8_dynamic_scale_for_fsdp(model)
+    elif kind != "bf16":
+        import minifloat as mf
+        from minifloat.distributed import enable_low_precision_all_gather
+
+        recipe = model_step.minifloat_recipe(kind)
+        mf.convert_model(model, recipe=recipe, filter_fn=not_head)
+        if low_precision_gather:
+            enable_low_precision_all_gather(model, recipe)
+    for block in model.blocks:
+        if compiled:
+            block.compile()
+        fully_shard(block, mesh=mesh)
+    # The root's hooks gather the embeddings, final norm and head: FSDP2 runs them around a
+    # module call, so the loss (model.loss calls forward directly) is wrapped as one.
+    root = fully_shard(model_step.LossOf(model), mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    return ShardedStep(model, root, optimizer, recipe, after_optimizer)
+
+
+# FSDP2 calls all_gather_single / reduce_scatter_single in recent torch releases and the
+# *_into_tensor / *_tensor names in older ones; both are wrapped (one may call the other: only
+# the outermost call counts).
+COUNTED = {"all_gather_bytes": ("all_gather_single", "all_gather_into_tensor"),
+           "reduce_scatter_bytes": ("reduce_scatter_single", "reduce_scatter_tensor")}
+
+
+@contextlib.contextmanager
+def counted_collective_bytes(totals: dict[str, int]):
+    """Adds the bytes of FSDP2's all-gathers (output) and reduce-scatters (input) to totals."""
+    originals, depth = {}, [0]
+
+    def counting(key: str, function: Callable) -> Callable:
+        def call(*args, **kwargs):
+            if depth[0] == 0:
+                names = ("output_tensor", "output") if key == "all_gather_bytes" else (
+                    "input_tensor", "input")
+                index = 0 if key == "all_gather_bytes" else 1
+                tensor = args[index] if len(args) > index else next(
+                    kwargs[name] for name in names if name in kwargs)
+                totals[key] += tensor.numel() * tensor.element_size()
+            depth[0] += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
+
+    for key, names in COUNTED.items():
+        totals.setdefault(key, 0)
+        for name in names:
+            if hasattr(dist, name):
+                originals[name] = getattr(dist, name)
+                setattr(dist, name, counting(key, originals[name]))
+    try:
+        yield totals
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
+
+
+def collective_kernel_ms(step: ShardedStep, tokens: torch.Tensor) -> dict:
+    """GPU ms of NCCL all-gather / reduce-scatter kernels in one profiled step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(tokens)
+        torch.cuda.synchronize()
+    times = {"all_gather_ms": 0.0, "reduce_scatter_ms": 0.0, "kernels_per_step": 0}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        times["kernels_per_step"] += not event.name.startswith(("Memcpy", "Memset"))
+        if "AllGather" in event.name:
+            times["all_gather_ms"] += event.device_time / 1000
+        elif "ReduceScatter" in event.name:
+            times["reduce_scatter_ms"] += event.device_time / 1000
+    return times
+
+
+def measure(step: ShardedStep, batches: list[torch.Tensor], warmup: int, steps: int) -> dict:
+    result: dict = {}
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    result["first_loss"] = float(step(batches[0]).item())
+    result["first_step_s"] = time.perf_counter() - start
+    for tokens in batches[1:warmup]:
+        step(tokens)
+    ms, loss = model_step._timed_steps(step, batches[warmup:warmup + steps], "cuda")
+    result.update(ms_per_step=statistics.median(ms), ms_steps=ms, final_loss=float(loss.item()))
+    totals = {"all_gather_bytes": 0, "reduce_scatter_bytes": 0}
+    with counted_collective_bytes(totals):
+        step(batches[warmup + steps])
+    result.update(totals)
+    result.update(collective_kernel_ms(step, batches[warmup + steps + 1]))
+    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return result
+
+
+def run_row(name: str, config: TorchGPTConfig, batches: list[torch.Tensor], warmup: int,
+            steps: int, mesh) -> dict:
+    """One row on every rank; failures are recorded (the same on every rank, or the run hangs)."""
+    row: dict = {"row": name}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step = None
+    try:
+        step = build_row(name, config, "cuda", mesh)
+        row.update(measure(step, batches, warmup, steps))
+    except model_step.RowSkipped as skipped:
+        row["skipped"] = str(skipped)
+    except Exception as error:  # noqa: BLE001 - recorded in the row, the run goes on
+        row["error"] = model_step._error_text(error)
+        row["traceback"] = "".join(traceback.format_exception(error))[-6000:]
+        print(f"{name} failed on rank {dist.get_rank()}:\n{row['traceback']}", file=sys.stderr)
+        error.__traceback__ = None
+    step = None  # noqa: F841 - frees the model before the next row
+    model_step._free("cuda")
+    return row
+
+
+def across_ranks(row: dict) -> None:
+    """Slowest rank's median step time and the largest peak memory, into rank 0's row."""
+    values = torch.tensor([row.get("ms_per_step", float("nan")), row.get("peak_gib", 0.0)],
+                          device="cuda", dtype=torch.float64)
+    gathered = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, values)
+    stacked = torch.stack(gathered).cpu()
+    if "ms_per_step" in row:
+        row["ms_per_step_slowest_rank"] = float(stacked[:, 0].max())
+        row["peak_gib"] = float(stacked[:, 1].max())
+
+
+def add_ratios(rows: list[dict], tokens_per_step: int, one_gpu: dict[str, float]) -> None:
+    by_name = {row["row"]: row for row in rows}
+    for row in rows:
+        ms = row.get("ms_per_step")
+        if not ms:
+            continue
+        row["tokens_per_s_per_gpu"] = tokens_per_step / (ms / 1000)
+        for key in ("bf16-eager", "bf16-compiled"):
+            base = by_name.get(key, {}).get("ms_per_step")
+            row[f"speedup_vs_{key.replace('-', '_')}"] = base / ms if base else None
+        single = one_gpu.get(row["row"])
+        row["weak_scaling_efficiency"] = row["tokens_per_s_per_gpu"] / single if single else None
+
+
+def table(data: dict) -> str:
+    lines = [f"{data['world_size']} x {data['device']}, preset {data['preset']}, torch "
+             f"{data['versions']['torch']}", "",
+             "| row | ms/step | tokens/s/GPU | vs bf16 eager | vs bf16 compiled | weak scaling | "
+             "peak GiB | all-gather MB | all-gather ms | reduce-scatter ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def cell(value, fmt: str) -> str:
+        return "" if value is None else format(value, fmt)
+
+    for row in data["rows"]:
+        if "ms_per_step" not in row:
+            lines.append(f"| {row['row']} | {row.get('skipped') or 'failed: ' + row['error']} "
+                         "| | | | | | | | |")
+            continue
+        lines.append(
+            f"| {row['row']} | {row['ms_per_step']:.2f} | {row['tokens_per_s_per_gpu']:.0f} | "
+            f"{cell(row.get('speedup_vs_bf16_eager'), '.2f')} | "
+            f"{cell(row.get('speedup_vs_bf16_compiled'), '.2f')} | "
+            f"{cell(row.get('weak_scaling_efficiency'), '.2f')} | {row['peak_gib']:.1f} | "
+            f"{row['all_gather_bytes'] / 1e6:.0f} | {row['all_gather_ms']:.1f} | "
+            f"{row['reduce_scatter_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def one_gpu_rates(folder: Path, slug: str, preset: str) -> dict[str, float]:
+    path = folder / f"scale_step_{slug}_{preset}_n1.json"
+    if not path.exists():
+        return {}
+    return {row["row"]: row["tokens_per_s_per_gpu"]
+            for row in json.loads(path.read_text())["rows"] if "tokens_per_s_per_gpu" in row}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="1b", choices=list(PRESETS))
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma list of: " + ", ".join(ROWS))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=model_step.RESULTS)
+    args = parser.parse_args(argv)
+    names = [name for name in args.rows.split(",") if name]
+    unknown = [name for name in names if name not in ROWS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; rows: {', '.join(ROWS)}")
+    if "RANK" not in os.environ:
+        parser.error("run it under torchrun: torchrun --standalone --nproc-per-node N "
+                     "benchmarks/scale_step.py ...")
+    if not torch.cuda.is_available():
+        print("scale_step: no CUDA device; skipped", file=sys.stderr)
+        return 0
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    mesh = init_device_mesh("cuda", (world,))
+    config = PRESETS[args.preset]
+    batches = model_step.make_batches(config, args.warmup + args.steps + 2, "cuda",
+                                      seed=model_step.SEED + rank)
+    env = model_step.environment("cuda")
+    data = {"benchmark": "scale_step", **env, "world_size": world, "preset": args.preset,
+            "config": dataclasses.asdict(config), "steps": args.steps, "warmup": args.warmup,
+            "rows": []}
+    slug = model_step.device_slug(env)
+    out = args.out / f"scale_step_{slug}_{args.preset}_n{world}.json"
+    for name in names:
+        row = run_row(name, config, batches, args.warmup, args.steps, mesh)
+        across_ranks(row)
+        if rank == 0:
+            data["rows"].append(row)
+            add_ratios(data["rows"], config.batch_size * config.seq_len,
+                       one_gpu_rates(args.out, slug, args.preset))
+            args.out.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(data, indent=2))
+            print(f"{name}: {row.get('ms_per_step', row.get('error') or row.get('skipped'))}",
+                  flush=True)
+    if rank == 0:
+        print(table(data))
+        print(f"wrote {out}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
