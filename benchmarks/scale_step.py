@@ -201,35 +201,38 @@ def collective_kernel_ms(step: ShardedStep, tokens: torch.Tensor) -> dict:
     return times
 
 
-def measure(step: ShardedStep, batches: list[torch.Tensor], warmup: int, steps: int) -> dict:
+def measure(step: ShardedStep, batches: list[torch.Tensor], warmup: int, steps: int,
+            device: str) -> dict:
     result: dict = {}
-    torch.cuda.synchronize()
+    model_step._sync(device)
     start = time.perf_counter()
     result["first_loss"] = float(step(batches[0]).item())
     result["first_step_s"] = time.perf_counter() - start
     for tokens in batches[1:warmup]:
         step(tokens)
-    ms, loss = model_step._timed_steps(step, batches[warmup:warmup + steps], "cuda")
+    ms, loss = model_step._timed_steps(step, batches[warmup:warmup + steps], device)
     result.update(ms_per_step=statistics.median(ms), ms_steps=ms, final_loss=float(loss.item()))
     totals = {"all_gather_bytes": 0, "reduce_scatter_bytes": 0}
     with counted_collective_bytes(totals):
         step(batches[warmup + steps])
     result.update(totals)
-    result.update(collective_kernel_ms(step, batches[warmup + steps + 1]))
-    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if device == "cuda":
+        result.update(collective_kernel_ms(step, batches[warmup + steps + 1]))
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return result
 
 
 def run_row(name: str, config: TorchGPTConfig, batches: list[torch.Tensor], warmup: int,
-            steps: int, mesh) -> dict:
+            steps: int, mesh, device: str) -> dict:
     """One row on every rank; failures are recorded (the same on every rank, or the run hangs)."""
     row: dict = {"row": name}
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     step = None
     try:
-        step = build_row(name, config, "cuda", mesh)
-        row.update(measure(step, batches, warmup, steps))
+        step = build_row(name, config, device, mesh)
+        row.update(measure(step, batches, warmup, steps, device))
     except model_step.RowSkipped as skipped:
         row["skipped"] = str(skipped)
     except Exception as error:  # noqa: BLE001 - recorded in the row, the run goes on
@@ -238,20 +241,21 @@ def run_row(name: str, config: TorchGPTConfig, batches: list[torch.Tensor], warm
         print(f"{name} failed on rank {dist.get_rank()}:\n{row['traceback']}", file=sys.stderr)
         error.__traceback__ = None
     step = None  # noqa: F841 - frees the model before the next row
-    model_step._free("cuda")
+    model_step._free(device)
     return row
 
 
-def across_ranks(row: dict) -> None:
+def across_ranks(row: dict, device: str) -> None:
     """Slowest rank's median step time and the largest peak memory, into rank 0's row."""
-    values = torch.tensor([row.get("ms_per_step", float("nan")), row.get("peak_gib", 0.0)],
-                          device="cuda", dtype=torch.float64)
+    values = torch.tensor([row.get("ms_per_step", float("nan")), row.get("peak_gib") or 0.0],
+                          device=device, dtype=torch.float64)
     gathered = [torch.empty_like(values) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, values)
     stacked = torch.stack(gathered).cpu()
     if "ms_per_step" in row:
         row["ms_per_step_slowest_rank"] = float(stacked[:, 0].max())
-        row["peak_gib"] = float(stacked[:, 1].max())
+        if device == "cuda":
+            row["peak_gib"] = float(stacked[:, 1].max())
 
 
 def add_ratios(rows: list[dict], tokens_per_step: int, one_gpu: dict[str, float]) -> None:
@@ -287,9 +291,10 @@ def table(data: dict) -> str:
             f"| {row['row']} | {row['ms_per_step']:.2f} | {row['tokens_per_s_per_gpu']:.0f} | "
             f"{cell(row.get('speedup_vs_bf16_eager'), '.2f')} | "
             f"{cell(row.get('speedup_vs_bf16_compiled'), '.2f')} | "
-            f"{cell(row.get('weak_scaling_efficiency'), '.2f')} | {row['peak_gib']:.1f} | "
-            f"{row['all_gather_bytes'] / 1e6:.0f} | {row['all_gather_ms']:.1f} | "
-            f"{row['reduce_scatter_ms']:.1f} |")
+            f"{cell(row.get('weak_scaling_efficiency'), '.2f')} | "
+            f"{cell(row.get('peak_gib'), '.1f')} | {row['all_gather_bytes'] / 1e6:.1f} | "
+            f"{cell(row.get('all_gather_ms'), '.1f')} | "
+            f"{cell(row.get('reduce_scatter_ms'), '.1f')} |")
     return "\n".join(lines)
 
 
@@ -308,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=Path, default=model_step.RESULTS)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: gloo, for smoke tests of the script (times mean nothing)")
     args = parser.parse_args(argv)
     names = [name for name in args.rows.split(",") if name]
     unknown = [name for name in names if name not in ROWS]
@@ -316,28 +323,33 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" not in os.environ:
         parser.error("run it under torchrun: torchrun --standalone --nproc-per-node N "
                      "benchmarks/scale_step.py ...")
-    if not torch.cuda.is_available():
-        print("scale_step: no CUDA device; skipped", file=sys.stderr)
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("scale_step: no CUDA device; skipped (--device cpu runs a smoke test)",
+              file=sys.stderr)
         return 0
     from torch.distributed.device_mesh import init_device_mesh
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    mesh = init_device_mesh("cuda", (world,))
+    if device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("gloo")
+    mesh = init_device_mesh(device, (world,))
     config = PRESETS[args.preset]
-    batches = model_step.make_batches(config, args.warmup + args.steps + 2, "cuda",
+    batches = model_step.make_batches(config, args.warmup + args.steps + 2, device,
                                       seed=model_step.SEED + rank)
-    env = model_step.environment("cuda")
+    env = model_step.environment(device)
     data = {"benchmark": "scale_step", **env, "world_size": world, "preset": args.preset,
             "config": dataclasses.asdict(config), "steps": args.steps, "warmup": args.warmup,
             "rows": []}
     slug = model_step.device_slug(env)
     out = args.out / f"scale_step_{slug}_{args.preset}_n{world}.json"
     for name in names:
-        row = run_row(name, config, batches, args.warmup, args.steps, mesh)
-        across_ranks(row)
+        row = run_row(name, config, batches, args.warmup, args.steps, mesh, device)
+        across_ranks(row, device)
         if rank == 0:
             data["rows"].append(row)
             add_ratios(data["rows"], config.batch_size * config.seq_len,

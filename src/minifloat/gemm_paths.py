@@ -135,8 +135,11 @@ def blockwise_scaled_mm_gemm(
         b_scale = _column_major(b_scale)
         b_kind = kinds.BlockWise1x128
     gemm_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float32) else torch.float32
+    # cuBLASLt takes A row-major and B^T column-major only: a copy gathered under sequence
+    # parallelism may be a strided view (no copy when the bytes are already contiguous)
     out = F.scaled_mm(
-        a_data, b_data.t(), _column_major(a_scale.float()), kinds.BlockWise1x128,
+        a_data.contiguous(), b_data.contiguous().t(), _column_major(a_scale.float()),
+        kinds.BlockWise1x128,
         b_scale.float(), b_kind, output_dtype=torch.float32 if bias is not None else gemm_dtype,
     )
     if bias is not None:

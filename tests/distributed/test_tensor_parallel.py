@@ -99,8 +99,12 @@ CASES = [("column", False), ("column", True), ("row", False), ("row", True)]
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Within fp32 summation order (a sum over ranks against one GEMM's accumulation)."""
-    return torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+    """Within fp32 summation order (a sum over ranks against one GEMM's accumulation). On a GPU
+    the forward FP8 GEMMs accumulate with Hopper's fast accumulation (fewer mantissa bits than
+    fp32, promoted at intervals), so the partial sums over K / ranks and the whole-K GEMM
+    differ by more: the bound there is 1e-3 of the largest value (measured: 3e-4)."""
+    tolerance = 1e-3 if a.is_cuda else 1e-5
+    return torch.allclose(a, b, rtol=tolerance, atol=tolerance * float(b.abs().max()))
 
 
 def check(results: list, mode: str, sequence_parallel: bool, label: str) -> None:

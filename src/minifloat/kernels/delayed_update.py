@@ -148,7 +148,7 @@ def delayed_scaling_update_many_(
         if len(_OFFSET_TABLES) > 64:
             _OFFSET_TABLES.clear()
         host = torch.tensor([(address - base.data_ptr()) // 4 for address in key],
-                            dtype=torch.int64)
+                            dtype=torch.int64, device="cpu")  # whatever the default device
         if base.is_cuda:  # no host sync: a pinned copy, sent asynchronously
             host = host.pin_memory()
         entry = _OFFSET_TABLES[key] = (host.to(base.device, non_blocking=True), host)

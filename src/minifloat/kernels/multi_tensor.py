@@ -262,7 +262,7 @@ def _upload(rows: Sequence[Sequence[int]], extra: Sequence[Sequence[int]],
     values = [v for row in rows for v in (*row, *([0] * (FIELDS - len(row))))]
     for column in extra:
         values.extend(column)
-    host = torch.tensor(values, dtype=torch.int64)
+    host = torch.tensor(values, dtype=torch.int64, device="cpu")
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)

@@ -147,7 +147,7 @@ def _multi_1d_kernel(
 
 def _to_device(rows: list[list[int]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host table on the device, copied without stalling the host on CUDA."""
-    table = torch.tensor(rows, dtype=dtype)
+    table = torch.tensor(rows, dtype=dtype, device="cpu")
     if device.type == "cuda":
         return table.pin_memory().to(device, non_blocking=True)
     return table.to(device)

@@ -128,8 +128,10 @@ class MasterWeights:
                 quantized.add(id(weight))
         self.others = [p for p in model.parameters() if id(p) not in quantized]
 
-    def parameters(self) -> list[torch.Tensor]:
-        return self.masters + self.others
+    def parameter_groups(self) -> list[dict]:
+        """Masters (plain tensors) and the other parameters (FSDP2's DTensors) in two groups:
+        a foreach optimizer step (the default on CUDA) cannot mix the two in one call."""
+        return [{"params": self.masters}, {"params": self.others}]
 
     def take_gradients(self) -> None:
         """The FSDP2 gradient shards of the quantized weights, onto their masters."""
@@ -168,7 +170,7 @@ def train(args: argparse.Namespace) -> list[float]:
         rebuild_weight_copies_in_backward(model)
     _shard(model, device, dp_mesh)
     masters = MasterWeights(model, rank, shards) if args.mode == "qw" else None
-    optimizer = torch.optim.AdamW(masters.parameters() if masters else model.parameters(),
+    optimizer = torch.optim.AdamW(masters.parameter_groups() if masters else model.parameters(),
                                   lr=args.lr)
     corpus = load_corpus(args.data)
     generator = torch.Generator().manual_seed(args.seed)  # the same batches on every rank
