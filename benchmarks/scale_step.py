@@ -22,9 +22,8 @@ rank's median alongside:
 - ms_per_step: median of --steps steps, each timed by CUDA events around it;
   tokens_per_s_per_gpu: the rank's batch tokens / that time.
 - peak_gib: max over ranks of torch.cuda.max_memory_allocated (reset before the row is built).
-- all_gather_bytes / reduce_scatter_bytes: the output bytes of every
-  torch.distributed.all_gather_into_tensor / input bytes of reduce_scatter_tensor call made in
-  one step (the functions are wrapped for that step).
+- all_gather_bytes / reduce_scatter_bytes: the output bytes of the all-gathers / input bytes of
+  the reduce-scatters of one step on rank 0 (minifloat.distributed.count_collective_bytes).
 - all_gather_ms / reduce_scatter_ms: summed GPU time of NCCL AllGather / ReduceScatter kernels in
   one step under torch.profiler (they overlap compute, so they are not step time).
 - speedup_vs_bf16_eager / _compiled; weak_scaling_efficiency: this row's tokens/s per GPU over the
@@ -140,47 +139,6 @@ def build_row(name: str, config: TorchGPTConfig, device: str, mesh) -> ShardedSt
     return ShardedStep(model, root, optimizer, recipe, after_optimizer)
 
 
-# FSDP2 calls all_gather_single / reduce_scatter_single in recent torch releases and the
-# *_into_tensor / *_tensor names in older ones; both are wrapped (one may call the other: only
-# the outermost call counts).
-COUNTED = {"all_gather_bytes": ("all_gather_single", "all_gather_into_tensor"),
-           "reduce_scatter_bytes": ("reduce_scatter_single", "reduce_scatter_tensor")}
-
-
-@contextlib.contextmanager
-def counted_collective_bytes(totals: dict[str, int]):
-    """Adds the bytes of FSDP2's all-gathers (output) and reduce-scatters (input) to totals."""
-    originals, depth = {}, [0]
-
-    def counting(key: str, function: Callable) -> Callable:
-        def call(*args, **kwargs):
-            if depth[0] == 0:
-                names = ("output_tensor", "output") if key == "all_gather_bytes" else (
-                    "input_tensor", "input")
-                index = 0 if key == "all_gather_bytes" else 1
-                tensor = args[index] if len(args) > index else next(
-                    kwargs[name] for name in names if name in kwargs)
-                totals[key] += tensor.numel() * tensor.element_size()
-            depth[0] += 1
-            try:
-                return function(*args, **kwargs)
-            finally:
-                depth[0] -= 1
-        return call
-
-    for key, names in COUNTED.items():
-        totals.setdefault(key, 0)
-        for name in names:
-            if hasattr(dist, name):
-                originals[name] = getattr(dist, name)
-                setattr(dist, name, counting(key, originals[name]))
-    try:
-        yield totals
-    finally:
-        for name, function in originals.items():
-            setattr(dist, name, function)
-
-
 def collective_kernel_ms(step: ShardedStep, tokens: torch.Tensor) -> dict:
     """GPU ms of NCCL all-gather / reduce-scatter kernels in one profiled step."""
     from torch.profiler import ProfilerActivity, profile
@@ -212,10 +170,12 @@ def measure(step: ShardedStep, batches: list[torch.Tensor], warmup: int, steps: 
         step(tokens)
     ms, loss = model_step._timed_steps(step, batches[warmup:warmup + steps], device)
     result.update(ms_per_step=statistics.median(ms), ms_steps=ms, final_loss=float(loss.item()))
-    totals = {"all_gather_bytes": 0, "reduce_scatter_bytes": 0}
-    with counted_collective_bytes(totals):
+    from minifloat.distributed import count_collective_bytes
+
+    with count_collective_bytes() as moved:
         step(batches[warmup + steps])
-    result.update(totals)
+    result.update(all_gather_bytes=moved["all_gather_output_bytes"],
+                  reduce_scatter_bytes=moved["reduce_scatter_input_bytes"])
     if device == "cuda":
         result.update(collective_kernel_ms(step, batches[warmup + steps + 1]))
         result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30

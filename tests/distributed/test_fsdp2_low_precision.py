@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import minifloat as mf
-from minifloat.distributed import enable_low_precision_all_gather
+from minifloat.distributed import count_collective_bytes, enable_low_precision_all_gather
 
 from .launch import cpu_randn, device_mesh, run_ranks
 
@@ -162,21 +162,11 @@ def bytes_worker(rank: int, world_size: int, name: str, low_precision: bool) -> 
     if low_precision:
         enable_low_precision_all_gather(model, recipe)
     shard(model, world_size)
-    sent = []
-    original = dist.all_gather_single
-
-    def counting(output, input, *args, **kwargs):
-        sent.append(input.numel() * input.element_size())
-        return original(output, input, *args, **kwargs)
-
-    dist.all_gather_single = counting
-    try:
+    with count_collective_bytes() as moved:
         x = torch.randn(64, HIDDEN, dtype=torch.bfloat16)
         with mf.autocast(recipe=recipe):
             model(x).float().pow(2).mean().backward()
-    finally:
-        dist.all_gather_single = original
-    return sum(sent)
+    return moved["all_gather_input_bytes"]
 
 
 CUT_TILE_CASES = {  # out_features over 2 ranks: each shard ends inside a scale tile

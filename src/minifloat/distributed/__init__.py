@@ -8,6 +8,7 @@ weights sharded between forward and backward (no full-size weight copy kept for 
 Delayed scaling reduces its amaxes over `minifloat.autocast(amax_reduction_group=...)`.
 """
 
+from .collective_bytes import count_collective_bytes
 from .fsdp import (
     LowPrecisionGatherWeight,
     enable_low_precision_all_gather,
@@ -23,6 +24,7 @@ from .process_group import destroy_process_group
 __all__ = [
     "LowPrecisionGatherWeight",
     "cast_master_weights_to_nvfp4",
+    "count_collective_bytes",
     "destroy_process_group",
     "enable_low_precision_all_gather",
     "post_all_gather_processing",
