@@ -139,14 +139,22 @@ def build_row(name: str, config: TorchGPTConfig, device: str, mesh) -> ShardedSt
     return ShardedStep(model, root, optimizer, recipe, after_optimizer)
 
 
-def collective_kernel_ms(step: ShardedStep, tokens: torch.Tensor) -> dict:
-    """GPU ms of NCCL all-gather / reduce-scatter kernels in one profiled step."""
+def collective_kernel_ms(step: ShardedStep, tokens: torch.Tensor,
+                         profile_file: Path | None = None) -> dict:
+    """GPU ms of NCCL all-gather / reduce-scatter kernels in one profiled step (and, given a
+    file, the step's top operators by host time and by GPU time, written there)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step(tokens)
         torch.cuda.synchronize()
+    if profile_file is not None:
+        averages = prof.key_averages()
+        profile_file.write_text(
+            averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)
+            + "\n\n" + averages.table(sort_by="self_device_time_total", row_limit=30,
+                                       max_name_column_width=70))
     times = {"all_gather_ms": 0.0, "reduce_scatter_ms": 0.0, "kernels_per_step": 0}
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
@@ -160,7 +168,7 @@ def collective_kernel_ms(step: ShardedStep, tokens: torch.Tensor) -> dict:
 
 
 def measure(step: ShardedStep, batches: list[torch.Tensor], warmup: int, steps: int,
-            device: str) -> dict:
+            device: str, profile_file: Path | None = None) -> dict:
     result: dict = {}
     model_step._sync(device)
     start = time.perf_counter()
@@ -170,6 +178,9 @@ def measure(step: ShardedStep, batches: list[torch.Tensor], warmup: int, steps: 
         step(tokens)
     ms, loss = model_step._timed_steps(step, batches[warmup:warmup + steps], device)
     result.update(ms_per_step=statistics.median(ms), ms_steps=ms, final_loss=float(loss.item()))
+    # host ms: the step's Python from an empty GPU queue to its return (model_step.host_times)
+    result["host_ms"] = statistics.median(
+        model_step.host_times(step, batches[warmup:warmup + min(steps, 3)], device))
     from minifloat.distributed import count_collective_bytes
 
     with count_collective_bytes() as moved:
@@ -177,13 +188,13 @@ def measure(step: ShardedStep, batches: list[torch.Tensor], warmup: int, steps: 
     result.update(all_gather_bytes=moved["all_gather_output_bytes"],
                   reduce_scatter_bytes=moved["reduce_scatter_input_bytes"])
     if device == "cuda":
-        result.update(collective_kernel_ms(step, batches[warmup + steps + 1]))
+        result.update(collective_kernel_ms(step, batches[warmup + steps + 1], profile_file))
         result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return result
 
 
 def run_row(name: str, config: TorchGPTConfig, batches: list[torch.Tensor], warmup: int,
-            steps: int, mesh, device: str) -> dict:
+            steps: int, mesh, device: str, profile_dir: Path | None = None) -> dict:
     """One row on every rank; failures are recorded (the same on every rank, or the run hangs)."""
     row: dict = {"row": name}
     if device == "cuda":
@@ -192,7 +203,11 @@ def run_row(name: str, config: TorchGPTConfig, batches: list[torch.Tensor], warm
     step = None
     try:
         step = build_row(name, config, device, mesh)
-        row.update(measure(step, batches, warmup, steps, device))
+        profile_file = None
+        if profile_dir is not None and dist.get_rank() == 0:
+            profile_dir.mkdir(parents=True, exist_ok=True)
+            profile_file = profile_dir / f"{name}.txt"
+        row.update(measure(step, batches, warmup, steps, device, profile_file))
     except model_step.RowSkipped as skipped:
         row["skipped"] = str(skipped)
     except Exception as error:  # noqa: BLE001 - recorded in the row, the run goes on
@@ -235,9 +250,9 @@ def add_ratios(rows: list[dict], tokens_per_step: int, one_gpu: dict[str, float]
 def table(data: dict) -> str:
     lines = [f"{data['world_size']} x {data['device']}, preset {data['preset']}, torch "
              f"{data['versions']['torch']}", "",
-             "| row | ms/step | tokens/s/GPU | vs bf16 eager | vs bf16 compiled | weak scaling | "
-             "peak GiB | all-gather MB | all-gather ms | reduce-scatter ms |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| row | ms/step | host ms | tokens/s/GPU | vs bf16 eager | vs bf16 compiled | "
+             "weak scaling | peak GiB | all-gather MB | all-gather ms | reduce-scatter ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def cell(value, fmt: str) -> str:
         return "" if value is None else format(value, fmt)
@@ -245,10 +260,11 @@ def table(data: dict) -> str:
     for row in data["rows"]:
         if "ms_per_step" not in row:
             lines.append(f"| {row['row']} | {row.get('skipped') or 'failed: ' + row['error']} "
-                         "| | | | | | | | |")
+                         "| | | | | | | | | |")
             continue
         lines.append(
-            f"| {row['row']} | {row['ms_per_step']:.2f} | {row['tokens_per_s_per_gpu']:.0f} | "
+            f"| {row['row']} | {row['ms_per_step']:.2f} | {cell(row.get('host_ms'), '.1f')} | "
+            f"{row['tokens_per_s_per_gpu']:.0f} | "
             f"{cell(row.get('speedup_vs_bf16_eager'), '.2f')} | "
             f"{cell(row.get('speedup_vs_bf16_compiled'), '.2f')} | "
             f"{cell(row.get('weak_scaling_efficiency'), '.2f')} | "
@@ -275,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=model_step.RESULTS)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: gloo, for smoke tests of the script (times mean nothing)")
+    parser.add_argument("--profile-dir", type=Path, default=None,
+                        help="write each row's top operators (host and GPU time) there")
     args = parser.parse_args(argv)
     names = [name for name in args.rows.split(",") if name]
     unknown = [name for name in names if name not in ROWS]
@@ -308,12 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     slug = model_step.device_slug(env)
     out = args.out / f"scale_step_{slug}_{args.preset}_n{world}.json"
     for name in names:
-        row = run_row(name, config, batches, args.warmup, args.steps, mesh, device)
+        row = run_row(name, config, batches, args.warmup, args.steps, mesh, device,
+                      args.profile_dir)
         across_ranks(row, device)
         if rank == 0:
             data["rows"].append(row)
             add_ratios(data["rows"], config.batch_size * config.seq_len,
-                       one_gpu_rates(args.out, slug, args.preset))
+                       one_gpu_rates(args.out, slug, args.preset) if world > 1 else {})
             args.out.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(data, indent=2))
             print(f"{name}: {row.get('ms_per_step', row.get('error') or row.get('skipped'))}",
