@@ -1,5 +1,6 @@
 """The seeds' integrations under FSDP2 (issue 17, item 7): activation recompute
-(minifloat.checkpoint), CPU offload of saved tensors (save_on_cpu), GroupedLinear experts and
+(minifloat.checkpoint), CPU offload of saved tensors (save_on_cpu's hooks, copying on every
+device), GroupedLinear experts and
 a hybrid recipe (MXFP8 forward, NVFP4 backward), on 2 gloo ranks.
 
 Each way trains the same sharded model (both FSDP2 modes: high-precision gather, and the
@@ -30,6 +31,25 @@ RECIPES = {
 }
 
 
+def copying_offload() -> torch.autograd.graph.saved_tensors_hooks:
+    """What save_on_cpu does to a GPU tensor, on every device: each saved tensor is packed as a
+    copy (torch.empty + copy_, a plain tensor) and unpacked as another (save_on_cpu leaves CPU
+    tensors alone, so on the CPU suite it would test nothing; on GPUs it copies, and a
+    low-precision gathered weight saved this way reached backward without the copy FSDP2's
+    re-gather brings)."""
+    def pack(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+        packed = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout,
+                             device="cpu")
+        packed.copy_(tensor)
+        return tensor.device, packed
+
+    def unpack(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+        device, tensor = packed
+        return tensor.to(device).clone()  # a new object on every device
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 def run(rank: int, world: int, name: str, how: str, low_precision: bool) -> dict:
     recipe = RECIPES[name]()
     model = build()
@@ -45,7 +65,7 @@ def run(rank: int, world: int, name: str, how: str, low_precision: bool) -> dict
             if how == "checkpoint":
                 y = mf.checkpoint(model, x)
             elif how == "offload":
-                with torch.autograd.graph.save_on_cpu():
+                with copying_offload():
                     y = model(x)
             else:
                 y = model(x)

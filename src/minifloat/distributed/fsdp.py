@@ -14,7 +14,11 @@
   the data gradient is made from the gathered bytes).
 
 Because the amax is the maximum over every shard, the gathered bytes are those of quantizing the
-full weight on one rank, bit for bit. Supported weight formats: per-tensor FP8 with current
+full weight on one rank, bit for bit. The shards are quantized from their own values: under a
+MixedPrecisionPolicy whose param_dtype is bf16 and fp32 shards, that is the fp32 weight (as
+torchao's float8 all-gather does), one rounding fewer than gathering bf16 and quantizing after.
+
+Supported weight formats: per-tensor FP8 with current
 scaling, with delayed scaling (the recipe state's scale; each rank records its shard's amax and
 `autocast(amax_reduction_group=...)` reduces the history, as for activations; a re-gather for
 backward records nothing, backward reads the copies forward kept), 128x128 block FP8 and 2D

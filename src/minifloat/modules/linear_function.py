@@ -322,11 +322,19 @@ class LinearGemms(torch.autograd.Function):
         weights, biases = params[:count], params[count:]
         y, splits, saved = gemms_forward(x, call, list(weights), list(biases))
         x_count = saved.x_tensor_count
-        if call.rebuild_weights:  # the weights themselves, as F.linear saves them
+        ctx.weights_by_reference = None
+        if call.rebuild_weights and any(isinstance(w, QuantizedTensor) for w in weights):
+            # FSDP2's low-precision gather refills these very objects for backward (with the
+            # backward direction's copy): kept by reference, since a saved-tensor hook (CPU
+            # offload) would hand backward a copy of what forward saw
+            ctx.weights_by_reference = weights
+            ctx.save_for_backward(*saved.tensors[:x_count])
+        elif call.rebuild_weights:  # the weights themselves, as F.linear saves them
             ctx.save_for_backward(*saved.tensors[:x_count], *weights)
-            ctx.forward_scales = [forward_scale(q) for q in call.weight_quantizers]
         else:
             ctx.save_for_backward(*saved.tensors[:x_count])
+        if call.rebuild_weights:
+            ctx.forward_scales = [forward_scale(q) for q in call.weight_quantizers]
         ctx.w_tensors = saved.tensors[x_count:]
         # the buffers now live in autograd's saved tensors and ctx.w_tensors only: a list kept
         # here held every input copy alive after backward (as long as the graph object lived,
@@ -342,7 +350,8 @@ class LinearGemms(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         saved_tensors = list(ctx.saved_tensors)
-        if ctx.call.rebuild_weights:
+        weights = ctx.weights_by_reference
+        if ctx.call.rebuild_weights and weights is None:
             count = len(ctx.call.weight_quantizers)
             weights, saved_tensors = saved_tensors[-count:], saved_tensors[:-count]
         x_qs, w_qs = ctx.saved.restore(saved_tensors + list(ctx.w_tensors))
@@ -353,6 +362,7 @@ class LinearGemms(torch.autograd.Function):
             # autograd frees the saved inputs after backward; free the weight copies with them
             # (the loss, and so this node, usually lives on into the next step's forward)
             ctx.w_tensors = ()
+            ctx.weights_by_reference = None
         grad_x2d, grad_weights, grad_biases = gemms_backward(
             grad_output, ctx.call, ctx.splits, x_qs, w_qs, ctx.weights, ctx.has_bias,
             ctx.out_dtype)
