@@ -166,3 +166,34 @@ def test_lean_fp8_path_equals_general_path_bitwise(module_kind, bias, recipe_kin
                             strict=True):  # delayed scaling: scales and amax histories
         for a, b in zip(mine.state_tensors(), theirs.state_tensors(), strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rebuild", [False, True], ids=["keep", "rebuild"])
+def test_lean_fp8_path_on_quantized_weights_equals_general_path_bitwise(rebuild, monkeypatch):
+    """A QuantizedTensor FP8 weight (quantized_model_init here; FSDP2's FP8 all-gather hands
+    the module the same kind each step): the lean path reads its bytes and derives the transpose
+    as the general path does, so outputs and gradients equal bit for bit."""
+    import copy
+
+    from minifloat.modules import lean_fp8
+
+    recipe = RECIPES["current"]
+    torch.manual_seed(0)
+    with mf.quantized_model_init(recipe=recipe):
+        lean = mf.Linear(256, 384, params_dtype=torch.bfloat16, device="cuda")
+    general = copy.deepcopy(lean)
+    lean.rebuild_weight_copy_in_backward = general.rebuild_weight_copy_in_backward = rebuild
+    x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(2, 128, 384, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for module, enabled in ((lean, True), (general, False)):
+        monkeypatch.setattr(lean_fp8, "ENABLED", enabled)
+        xi = x.clone().requires_grad_(True)
+        with mf.autocast(recipe=recipe):
+            y = module(xi)
+        results.append(type(y.grad_fn).__name__)
+        y.backward(dy)
+        results.append([y.detach(), xi.grad] + [p.grad.clone() for p in module.parameters()])
+    assert "Lean" in results[0] and "Lean" not in results[2]
+    for a, b in zip(results[1], results[3], strict=True):
+        assert torch.equal(a, b)

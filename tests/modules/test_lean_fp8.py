@@ -130,10 +130,55 @@ def test_cases_the_lean_path_leaves_to_the_general_path(on_cpu):
     run(lin, x, dy)
     del lin.weight.main_grad
     run(lin, x.t().contiguous().t(), dy)  # a non-contiguous input
-    with mf.quantized_model_init(recipe=CURRENT):
-        quantized = mf.Linear(96, 48)
-    run(quantized, x, dy)
+    with mf.quantized_model_init(recipe=mf.Float8BlockScaling()):
+        quantized = mf.Linear(96, 48)  # quantized, but not per-tensor FP8
+    run(quantized, x, dy, recipe=mf.Float8BlockScaling())
     assert on_cpu == []
+
+
+def test_quantized_fp8_weights_take_the_lean_path(on_cpu, monkeypatch):
+    """quantized_model_init FP8 weights: the GEMMs read the weight's own bytes on both paths;
+    the saved input copy is the same bytes, and the results agree."""
+    x, dy = data()
+    with mf.quantized_model_init(recipe=CURRENT):
+        torch.manual_seed(0)
+        lin = mf.Linear(96, 48)
+    y, dx, grads, saved = run(lin, x, dy)
+    assert on_cpu == [x.shape]
+    monkeypatch.setattr(lean_fp8, "ENABLED", False)
+    y_g, dx_g, grads_g, saved_g = run(lin, x, dy)
+    assert len(saved) == len(saved_g) == 1
+    assert torch.equal(saved[0].view(torch.uint8), saved_g[0].view(torch.uint8))
+    for got, general in ((y, y_g), (dx, dx_g), (grads[0], grads_g[0]), (grads[1], grads_g[1])):
+        assert rel_err(got, general) < 1e-5
+
+
+def test_fsdp2_fp8_gathered_weights_take_the_lean_path(on_cpu, monkeypatch, one_rank_group):
+    """FSDP2's FP8 all-gather (one rank) hands the module a QuantizedTensor each step, and
+    backward reads the re-gathered one: the lean path serves it, with the general path's
+    results, and under an offload hook that copies what it saves."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from minifloat.distributed import enable_low_precision_all_gather
+
+    x, dy = data()
+    results = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(lean_fp8, "ENABLED", enabled)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(mf.Linear(96, 48))
+        enable_low_precision_all_gather(model, CURRENT)
+        fully_shard(model, mesh=DeviceMesh("cpu", [0]))
+        copy = torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t)
+        with copy:
+            results[enabled] = run(model, x, dy)[:3]
+    assert on_cpu == [x.shape]
+    (y, dx, grads), (y_g, dx_g, grads_g) = results[True], results[False]
+    for got, general in ((y, y_g), (dx, dx_g), *zip(grads, grads_g, strict=True)):
+        assert rel_err(got.full_tensor() if hasattr(got, "full_tensor") else got,
+                       general.full_tensor() if hasattr(general, "full_tensor") else general
+                       ) < 1e-5
 
 
 def test_plan_refuses_what_the_kernel_call_cannot_express():

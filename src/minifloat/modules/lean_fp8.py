@@ -18,9 +18,13 @@ general path) or Float8Quantizer (delayed scaling: the slot's scale and amax, re
 the quantizer records; not inside activation recompute, whose replay of the scales is the
 general path's), no subclass, and not E5M2 on both sides of a GEMM (cuBLAS has no such FP8
 GEMM). Per call (`applies`): a CUDA input, contiguous, of a kernel dtype, with whole 16-element
-multiples on M, K and N (scaled_mm's rule); a plain weight (not a QuantizedTensor, DTensor or
-other subclass) without a `main_grad`; one split; is_first_microbatch None. Anything else takes
-LinearGemms, which handles every case; MINIFLOAT_LEAN_PATH=0 sends everything there.
+multiples on M, K and N (scaled_mm's rule); a plain weight, or a QuantizedTensor weight of
+per-tensor FP8 bytes with its rowwise copy (FSDP2's low-precision all-gather brings those each
+step, quantized_model_init keeps them: the GEMMs read its bytes, as LinearGemms does), not a
+DTensor or other subclass, without a `main_grad`; one split; is_first_microbatch None. Anything
+else takes LinearGemms, which handles every case; MINIFLOAT_LEAN_PATH=0 sends everything there.
+(Under FSDP2's FP8 all-gather the general path cost 60 ms of host time a step at the 1b preset
+on an H200, BENCHMARKS.md 2026-11-26.)
 
 What is kept for backward is what LinearGemms keeps: the input's columnwise copy through
 save_for_backward (offload and recompute hooks see it), the weight's columnwise copy on ctx,
@@ -37,7 +41,13 @@ import torch
 
 from .. import kernels
 from ..gemm_paths import scaled_mm_bytes
-from ..quantizers import Float8CurrentScalingQuantizer, Float8Quantizer, Quantizer
+from ..quantizers import (
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    Float8Storage,
+    QuantizedTensor,
+    Quantizer,
+)
 from ..quantizers.base import kernel_module
 from .linear_function import as_output, graph_kept
 
@@ -120,11 +130,22 @@ class LeanPlan:
         return plan
 
 
+def fp8_weight_storage(weight: torch.Tensor) -> Float8Storage | None:
+    """The per-tensor FP8 storage of a QuantizedTensor weight holding its rowwise bytes."""
+    if isinstance(weight, QuantizedTensor):
+        storage = weight.quantized_storage
+        if type(storage) is Float8Storage and storage.data is not None:
+            return storage
+    return None
+
+
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The per-call conditions (module docstring): cheap attribute tests only."""
     if not ENABLED or x.device.type not in DEVICES or not x.is_contiguous():
         return False
-    if type(weight) not in (torch.nn.Parameter, torch.Tensor) or hasattr(weight, "main_grad"):
+    if hasattr(weight, "main_grad") or (
+            type(weight) not in (torch.nn.Parameter, torch.Tensor)
+            and fp8_weight_storage(weight) is None):
         return False
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.dim() == 0:
         return False
@@ -146,16 +167,27 @@ class LeanFP8Gemm(torch.autograd.Function):
         x2d = x.reshape(-1, k)
         rebuild = rebuild and need_dgrad
         x_data, x_t, x_scale_inv = plan.input(x2d, rowwise=True, columnwise=need_wgrad)
-        w_data, w_t, w_scale_inv = plan.weight(weight.detach(), rowwise=True,
-                                               columnwise=need_dgrad and not rebuild)
+        stored = fp8_weight_storage(weight)
+        if stored is not None:  # already FP8: its bytes, the transpose derived as LinearGemms does
+            stored.update_usage(rowwise=True, columnwise=True if need_dgrad and not rebuild
+                                else None)
+            w_data, w_t, w_scale_inv = stored.data, stored.data_transpose, stored.scale_inv
+        else:
+            w_data, w_t, w_scale_inv = plan.weight(weight.detach(), rowwise=True,
+                                                   columnwise=need_dgrad and not rebuild)
         y = scaled_mm_bytes(x_data, w_data, x_scale_inv, w_scale_inv, out_dtype=x.dtype,
                             bias=bias, fast_accumulation=True)
         kept = (x_t, x_scale_inv) if need_wgrad else ()
         # rebuild (FSDP2): keep the weight itself, as F.linear does, and the scale a delayed
-        # cast used (the recipe state's slot is updated before backward runs)
-        ctx.save_for_backward(*kept, *((weight,) if rebuild else ()))
+        # cast used (the recipe state's slot is updated before backward runs). A quantized
+        # weight is kept by reference: FSDP2's re-gather refills that very object for backward,
+        # which an offload hook's copy would not see (LinearGemms does the same)
+        by_reference = rebuild and stored is not None
+        ctx.save_for_backward(*kept, *((weight,) if rebuild and not by_reference else ()))
+        ctx.weight_by_reference = weight if by_reference else None
         ctx.rebuild_scale = (plan.weight.scale.clone()
-                             if rebuild and plan.weight.scale is not None else None)
+                             if rebuild and stored is None and plan.weight.scale is not None
+                             else None)
         ctx.rebuild = rebuild
         ctx.weight_copy = (w_t, w_scale_inv) if need_dgrad and not rebuild else None
         ctx.plan, ctx.need_dgrad, ctx.need_wgrad = plan, need_dgrad, need_wgrad
@@ -176,7 +208,17 @@ class LeanFP8Gemm(torch.autograd.Function):
             dy2d, rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad)
         saved = ctx.saved_tensors
         if ctx.need_dgrad:
-            if ctx.rebuild:  # the columnwise copy forward would have kept, made now
+            if ctx.weight_by_reference is not None:  # the re-gathered FP8 bytes, transposed
+                stored = fp8_weight_storage(ctx.weight_by_reference)
+                if stored is None:
+                    raise ValueError("the FP8 weight came to backward without its rowwise bytes "
+                                     "(an FSDP2 re-gather of another format?); gather it in "
+                                     "high precision")
+                stored.update_usage(columnwise=True)
+                w_t, w_scale_inv = stored.data_transpose, stored.scale_inv
+                if not graph_kept():
+                    ctx.weight_by_reference = None
+            elif ctx.rebuild:  # the columnwise copy forward would have kept, made now
                 cast = ctx.plan.weight
                 if ctx.rebuild_scale is not None:  # forward's scale; record no amax
                     cast = Cast(cast.fp8_dtype, scale=ctx.rebuild_scale,
