@@ -91,6 +91,15 @@ def _entry(rank: int, world_size: int, port: int, folder: str, fn: Callable, arg
         destroy_process_group()
 
 
+# On the CPU, ranks are forked from a server process that has imported torch and minifloat once
+# (and run no parallel work, so forking it is safe), not spawned: a spawned rank spent ~4 s
+# importing them, and the suite starts ~80 rank groups (the whole suite ran 10 minutes on 2
+# cores with spawn; test_tensor_parallel.py took 107 s, 24 s forked). GPU ranks are spawned: a
+# CUDA runtime must not be inherited through a fork.
+START_METHOD = "spawn" if backend() == "nccl" else "forkserver"
+mp.set_forkserver_preload(["torch", "torch.distributed", "minifloat", "minifloat.distributed"])
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
     """fn(rank, world_size, *args) on `world_size` processes; returns each rank's result
     (on the default device of the calling process)."""
@@ -101,7 +110,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0)
                     f"{torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as folder:
         context = mp.start_processes(_entry, args=(world_size, free_port(), folder, fn, args),
-                                     nprocs=world_size, join=False, start_method="spawn")
+                                     nprocs=world_size, join=False, start_method=START_METHOD)
         deadline = time.monotonic() + timeout
         try:
             while not context.join(timeout=max(deadline - time.monotonic(), 0.0)):

@@ -201,7 +201,8 @@ def format_gather_inputs(shard: torch.Tensor, weight_quantizer: Quantizer, mesh,
                          backward: bool) -> tuple[tuple[torch.Tensor, ...], tuple]:
     """(all-gather inputs, metadata) of this rank's rows quantized with one weight format."""
     quantizer = weight_quantizer.copy()  # throwaway: the group lives for this call only
-    quantizer.amax_reduction_group = mesh.get_group()
+    if mesh.size() > 1:  # one rank: its amax is the maximum (no collective launched for it)
+        quantizer.amax_reduction_group = mesh.get_group()
     quantizer.set_usage(rowwise=True, columnwise=False)
     quantizer.internal = True
     rows, shards = shard.shape[0], mesh.size()
