@@ -3,6 +3,8 @@
     compare   train the same model under several recipes and compare loss, speed and memory
     demo      `compare` with the default demo recipes, writing to demo-out/
     formats   quantize one tensor in every format and print bytes and error
+    advise    measure each GEMM operand's quantization error under a recipe and propose which
+              to keep in high precision within a FLOP budget (a spec compare accepts)
 
 Every mistake in the arguments is reported as `error: ...` on stderr with exit status 2 (the
 argparse convention) before any training starts; main() returns the status instead of raising
@@ -89,7 +91,40 @@ def build_parser() -> argparse.ArgumentParser:
                                   help="quantize a tensor in every format and compare")
     formats.add_argument("--rows", type=int, default=1024)
     formats.add_argument("--cols", type=int, default=1024)
+    advise = commands.add_parser(
+        "advise", help="rank GEMM operands by quantization error; propose a recipe spec",
+        description="Record every GEMM operand of the preset's model on a few batches in high "
+                    "precision, score each operand under the recipe (SQNR of the GEMM outputs "
+                    "it feeds), and propose the operands to keep in high precision within "
+                    "--budget of the GEMM FLOPs, as a spec `compare --recipes` takes.")
+    advise.add_argument("--preset", default="tiny")
+    advise.add_argument("--recipe", required=True, help="a recipe spec, e.g. nvfp4")
+    advise.add_argument("--budget", type=float, default=0.1,
+                        help="share of GEMM FLOPs that may run in high precision (default 0.1)")
+    advise.add_argument("--batches", type=int, default=2, help="batches to record (default 2)")
+    advise.add_argument("--seed", type=int, default=0)
+    advise.add_argument("--data", default=None, help="text file or folder (default: stdlib)")
+    advise.add_argument("--checkpoint", default=None,
+                        help="a state dict of the lab GPT (or a compare checkpoint) to measure "
+                             "instead of the freshly initialised model")
+    advise.add_argument("--rows", type=int, default=20, help="table rows (worst first)")
     return parser
+
+
+def _advise(args: argparse.Namespace) -> int:
+    from .advisor import advise, format_advice
+
+    if args.batches < 1:
+        print("error: --batches must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        advice = advise(args.preset, args.recipe, args.budget, args.batches, args.seed,
+                        args.data, args.checkpoint)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(format_advice(advice, args.rows))
+    return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -157,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else 2
     if args.command in ("compare", "demo"):
         return _compare(args)
+    if args.command == "advise":
+        return _advise(args)
     from .showcase import print_showcase
 
     print_showcase(args.rows, args.cols)

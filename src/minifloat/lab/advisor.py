@@ -1,0 +1,265 @@
+"""The precision advisor (`python -m minifloat advise`): which GEMM operands to keep in high
+precision, measured, within a FLOP budget (issue 19).
+
+Why: a recipe's loss gap usually comes from a few operands (an outlier channel in one layer's
+input, the gradients of the last blocks), and keeping those in bf16 costs a small share of the
+FLOPs. TransformerEngine, torchao and MS-AMP leave that choice to the user's guesses.
+
+How:
+1. The lab GPT runs a few batches in high precision under a CustomRecipe whose quantizers record
+   every GEMM operand they are given (the input after any fused norm, the weight, the output
+   gradient), per layer name: exactly what the recipe's quantizers would see.
+2. For each operand and each GEMM it feeds (input: fprop rowwise and wgrad columnwise; weight:
+   fprop rowwise and dgrad columnwise; output gradient: dgrad rowwise and wgrad columnwise), the
+   operand alone is quantized with the quantizer the recipe gives that role and direction and
+   dequantized, and the GEMM is computed with it and the other operand in high precision. The
+   score is the SQNR (dB) of that GEMM's output (the layer output, the input gradient or the
+   weight gradient) against the high-precision GEMM; an operand's score is its worse direction.
+3. Operands are taken worst first while the GEMMs they move to high precision stay within
+   `budget` of the quantized layers' GEMM FLOPs (keeping an operand in high precision runs the
+   two GEMMs it feeds in high precision). The LM head is not a candidate: `compare` keeps it in
+   high precision already.
+The proposal is a recipe spec, `RECIPE@hp=LAYER:OPERAND+...`, that `compare --recipes` takes as
+printed. Delayed scaling is measured as current scaling of the same formats (its scales are
+history, not a property of these batches).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.gpt import GPT, PRESETS
+from ..quantizers import IdentityQuantizer, Quantizer
+from ..recipe_state import RecipeState
+from ..recipes import CustomRecipe, DelayedScaling, Float8CurrentScaling, QuantizerRole, Recipe
+from .data import load_corpus, sample_batch
+from .recipe_specs import HEAD_LAYER, parse_recipe
+
+# tensor_type -> ((GEMM, columnwise), (GEMM, columnwise)) for the two copies of an operand
+DIRECTIONS = {"input": (("fprop", False), ("wgrad", True)),
+              "weight": (("fprop", False), ("dgrad", True)),
+              "grad_output": (("dgrad", False), ("wgrad", True))}
+SQNR_CAP_DB = 200.0  # an exact copy (e.g. a slot the recipe keeps in high precision)
+
+
+class OperandRecord:
+    """What the recording quantizers saw, by (layer name, tensor type)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, str], list[torch.Tensor]] = {}
+        self.module_types: dict[str, str] = {}
+
+
+class RecordingQuantizer(IdentityQuantizer):
+    """Keeps values as they are and records them (weights: the last one only)."""
+
+    def __init__(self, role: QuantizerRole, record: OperandRecord) -> None:
+        super().__init__()
+        self.key, self.record = (role.name, role.tensor_type), record
+        record.module_types[role.name] = role.module_type
+
+    def _quantize_impl(self, x: torch.Tensor, owner: Quantizer):
+        values = x.detach().reshape(-1, x.shape[-1]).float().clone()
+        seen = self.record.seen.setdefault(self.key, [])
+        if self.key[1] == "weight":
+            seen.clear()
+        seen.append(values)
+        return super()._quantize_impl(x, owner)
+
+
+class _Recording:
+    """The CustomRecipe factory: a recording quantizer for every slot of a named layer."""
+
+    def __init__(self, record: OperandRecord) -> None:
+        self.record = record
+
+    def __call__(self, role: QuantizerRole) -> Quantizer:
+        if not role.name:
+            return IdentityQuantizer()
+        return RecordingQuantizer(role, self.record)
+
+
+@dataclass
+class OperandScore:
+    layer: str
+    tensor_type: str
+    sqnr_db: dict[str, float]  # GEMM -> SQNR of its output with this operand quantized
+    gemm_flops: float  # one GEMM of this layer (2 M N K)
+
+    @property
+    def worst_db(self) -> float:
+        return min(self.sqnr_db.values())
+
+    @property
+    def pattern(self) -> str:
+        return f"{self.layer}:{self.tensor_type}"
+
+
+@dataclass
+class Advice:
+    recipe_spec: str
+    budget: float
+    scores: list[OperandScore]
+    chosen: list[OperandScore] = field(default_factory=list)
+    high_precision_share: float = 0.0
+
+    @property
+    def spec(self) -> str:
+        if not self.chosen:
+            return self.recipe_spec
+        return self.recipe_spec + "@hp=" + "+".join(score.pattern for score in self.chosen)
+
+
+def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
+    """10 log10(|ref|^2 / |ref - approx|^2), capped for an exact copy; -inf for a non-finite
+    approximation (a NaN is the worst score, never a good one)."""
+    if not torch.isfinite(approximation).all():
+        return -math.inf
+    noise = (reference - approximation).double().pow(2).sum().item()
+    signal = reference.double().pow(2).sum().item()
+    if noise == 0.0:
+        return SQNR_CAP_DB
+    return min(10.0 * math.log10(max(signal, 1e-300) / noise), SQNR_CAP_DB)
+
+
+def _measurable(recipe: Recipe) -> Recipe:
+    if isinstance(recipe, DelayedScaling):
+        return Float8CurrentScaling(fp8_format=recipe.fp8_format)
+    return recipe
+
+
+def _quantized(recipe: Recipe, role: QuantizerRole, values: torch.Tensor, columnwise: bool
+               ) -> torch.Tensor:
+    """values through the recipe's quantizer of `role`, one direction, decoded again."""
+    mode = "backward" if role.tensor_type == "grad_output" else "forward"
+    quantizer = RecipeState.create(recipe, mode, roles=[role]).make_quantizers()[0]
+    quantizer.set_usage(rowwise=not columnwise, columnwise=columnwise)
+    quantizer.internal = True
+    if not quantizer.is_quantizable(values):
+        raise ValueError(f"{role.name} {role.tensor_type} {tuple(values.shape)} does not fit "
+                         f"the recipe's block sizes; use more batches or another preset")
+    return quantizer(values).dequantize(torch.float32)
+
+
+def _gemm(name: str, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    if name == "fprop":
+        return x @ w.t()
+    if name == "dgrad":
+        return dy @ w
+    return dy.t() @ x
+
+
+def score_operands(recipe: Recipe, record: OperandRecord) -> list[OperandScore]:
+    """Every recorded operand of every named GEMM but the head, with its SQNR per GEMM."""
+    recipe = _measurable(recipe)
+    scores = []
+    layers = sorted({layer for layer, _ in record.seen if layer != HEAD_LAYER})
+    for layer in layers:
+        try:
+            x = torch.cat(record.seen[(layer, "input")])
+            (w,) = record.seen[(layer, "weight")]
+            dy = torch.cat(record.seen[(layer, "grad_output")])
+        except KeyError:
+            continue  # a slot that never quantized (e.g. no backward): nothing to score
+        if x.shape[0] != dy.shape[0]:
+            raise RuntimeError(f"{layer}: {x.shape[0]} input rows but {dy.shape[0]} gradient "
+                               "rows were recorded; the advisor needs one backward per forward")
+        operands = {"input": x, "weight": w, "grad_output": dy}
+        references = {gemm: _gemm(gemm, x, w, dy) for gemm in ("fprop", "dgrad", "wgrad")}
+        flops = 2.0 * x.shape[0] * w.shape[0] * w.shape[1]
+        for tensor_type, directions in DIRECTIONS.items():
+            role = QuantizerRole(record.module_types[layer], tensor_type, layer)
+            result = {}
+            for gemm, columnwise in directions:
+                swapped = dict(operands)
+                swapped[tensor_type] = _quantized(recipe, role, operands[tensor_type],
+                                                  columnwise)
+                approx = _gemm(gemm, swapped["input"], swapped["weight"],
+                               swapped["grad_output"])
+                result[gemm] = sqnr_db(references[gemm], approx)
+            scores.append(OperandScore(layer, tensor_type, result, flops))
+    return scores
+
+
+def propose(scores: list[OperandScore], budget: float) -> tuple[list[OperandScore], float]:
+    """Worst operands first, while the GEMMs they move to high precision fit the budget
+    (a share of all scored layers' GEMM FLOPs); (chosen, the share they use)."""
+    total = sum(3 * flops for flops in {s.layer: s.gemm_flops for s in scores}.values())
+    if total == 0:
+        return [], 0.0
+    high: dict[str, set[str]] = {}
+    chosen, used = [], 0.0
+    for score in sorted(scores, key=lambda s: s.worst_db):
+        if score.worst_db >= SQNR_CAP_DB:
+            break  # already exact: nothing to gain
+        gemms = high.get(score.layer, set()) | {g for g, _ in DIRECTIONS[score.tensor_type]}
+        added = (len(gemms) - len(high.get(score.layer, set()))) * score.gemm_flops
+        if (used + added) / total > budget + 1e-12:
+            continue
+        high[score.layer] = gemms
+        used += added
+        chosen.append(score)
+    return chosen, used / total
+
+
+def record_operands(preset: str, batches: int, seed: int, data: str | None = None,
+                    checkpoint: str | None = None, device: str = "cpu") -> OperandRecord:
+    """Run `batches` forward+backward passes of the lab GPT in high precision, recording."""
+    from ..autocast import autocast
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    config = PRESETS[preset]
+    torch.manual_seed(seed)
+    model = GPT(config, dtype=torch.float32, device=device)
+    if checkpoint is not None:
+        state = torch.load(checkpoint, map_location=device, weights_only=True)
+        model.load_state_dict(state.get("model", state) if isinstance(state, dict) else state)
+    corpus = load_corpus(data)
+    generator = torch.Generator().manual_seed(seed)
+    record = OperandRecord()
+    recipe = CustomRecipe(qfactory=_Recording(record))
+    for _ in range(batches):
+        tokens = sample_batch(corpus.train, config.batch_size, config.seq_len,
+                              generator).to(device)
+        with autocast(recipe=recipe):
+            loss = model.loss(tokens)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    return record
+
+
+def advise(preset: str, recipe_spec: str, budget: float = 0.1, batches: int = 2, seed: int = 0,
+           data: str | None = None, checkpoint: str | None = None,
+           record: OperandRecord | None = None) -> Advice:
+    """Score every operand of the preset's model under the recipe and propose a spec."""
+    if not 0.0 <= budget <= 1.0:
+        raise ValueError(f"--budget is a share of GEMM FLOPs in [0, 1], got {budget}")
+    recipe = parse_recipe(recipe_spec, PRESETS[preset].n_layers, head_in_high_precision=True)
+    if recipe is None:
+        raise ValueError("the advisor needs a quantized recipe; bf16 has nothing to advise")
+    if record is None:
+        record = record_operands(preset, batches, seed, data, checkpoint)
+    scores = score_operands(recipe, record)
+    chosen, share = propose(scores, budget)
+    return Advice(recipe_spec, budget, scores, chosen, share)
+
+
+def format_advice(advice: Advice, rows: int = 20) -> str:
+    """The worst operands as a table, then the proposed spec."""
+    lines = [f"operand SQNR under {advice.recipe_spec} (dB, higher is better; each operand "
+             "quantized alone, the GEMM against high precision)", "",
+             "| layer | operand | fprop | dgrad | wgrad | kept |", "|---|---|---:|---:|---:|---|"]
+    chosen = {id(score) for score in advice.chosen}
+    for score in sorted(advice.scores, key=lambda s: s.worst_db)[:rows]:
+        cells = [f"{score.sqnr_db[g]:.1f}" if g in score.sqnr_db else ""
+                 for g in ("fprop", "dgrad", "wgrad")]
+        lines.append(f"| {score.layer} | {score.tensor_type} | " + " | ".join(cells)
+                     + f" | {'high precision' if id(score) in chosen else ''} |")
+    lines += ["", f"{len(advice.chosen)} operands in high precision: "
+              f"{advice.high_precision_share:.1%} of the GEMM FLOPs (budget "
+              f"{advice.budget:.0%})", "", f"spec: {advice.spec}"]
+    return "\n".join(lines)
