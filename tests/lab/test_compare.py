@@ -296,3 +296,15 @@ def test_an_interrupted_comparison_resumes_bitwise(tmp_path, data_file, monkeypa
         assert a.label == b.label
         assert a.train_loss == b.train_loss, a.label
         assert a.val_loss == b.val_loss, a.label
+
+
+def test_each_preset_has_its_own_default_learning_rate(tmp_path, data_file):
+    """--lr left out takes the preset's rate (PRESET_LR: from the recorded sweeps); given, it
+    wins."""
+    for preset, want in (("tiny", 3e-3), ("small", 1e-3), ("1b", 1e-3)):
+        plan = compare.prepare_comparison("bf16", 1, preset, tmp_path / preset,
+                                          data_path=data_file)
+        assert plan.lr == want == compare.PRESET_LR[preset]
+    plan = compare.prepare_comparison("bf16", 1, "small", tmp_path / "given", lr=5e-4,
+                                      data_path=data_file)
+    assert plan.lr == 5e-4

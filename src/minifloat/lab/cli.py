@@ -37,7 +37,7 @@ def _steps(text: str) -> int:
 def _add_compare_arguments(parser: argparse.ArgumentParser, default_steps: int,
                            default_out: str) -> None:
     from ..models.gpt import PRESETS
-    from .compare import DEFAULT_LR, DEFAULT_VAL_BATCHES, DEMO_RECIPES
+    from .compare import DEFAULT_VAL_BATCHES, DEMO_RECIPES, PRESET_LR
 
     parser.add_argument("--recipes", default=DEMO_RECIPES,
                         help=f"comma-separated recipe specs (default {DEMO_RECIPES}); "
@@ -60,8 +60,11 @@ def _add_compare_arguments(parser: argparse.ArgumentParser, default_steps: int,
     parser.add_argument("--data", default=None,
                         help="a text file or folder to train on (default: the Python "
                              "standard library's sources)")
-    parser.add_argument("--lr", type=float, default=DEFAULT_LR,
-                        help=f"peak learning rate (default {DEFAULT_LR:g})")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="peak learning rate (default: the preset's, from the recorded "
+                             "bf16 sweeps: " + ", ".join(f"{name} {lr:g}"
+                                                         for name, lr in PRESET_LR.items())
+                             + ")")
     parser.add_argument("--eval-every", type=int, default=None,
                         help="validate every N steps and after the last (default: 4 times, "
                              "evenly spaced; 0: only after the last step)")

@@ -42,6 +42,12 @@ from .recipe_specs import parse_recipes
 
 DEMO_RECIPES = "bf16,fp8-current,mxfp8,nvfp4,hybrid:mxfp8/nvfp4"
 DEFAULT_LR = 3e-3
+# The peak learning rate of each preset when --lr is not given (issue 19): tiny from the
+# recorded bf16 sweep (benchmarks/lr_sweep.py, BENCHMARKS.md 2026-11-26: 3e-3 best, 1e-3 within
+# its noise); small from issue 19's H200 runs (at 3e-3 the bf16 baseline stalled near val loss
+# 2.3 from step 200 on, at 1e-3 it reached 1.09 in 1200 steps); 1b as small until its sweep runs
+# on a GPU (larger models take smaller rates, and 3e-3 already stalls at small).
+PRESET_LR = {"tiny": 3e-3, "small": 1e-3, "1b": 1e-3}
 DEFAULT_VAL_BATCHES = 8
 AUTO_EVALUATIONS = 4
 GRAD_CLIP = 1.0
@@ -191,7 +197,7 @@ def _check_integer(name: str, value: object, minimum: int) -> int:
 def prepare_comparison(recipes: str | Iterable[tuple[str, Recipe | None]], steps: int,
                        preset: str | GPTConfig = "tiny", out_dir: str | Path = "compare-out",
                        seed: int = 0, data_path: str | Path | None = None,
-                       device: str = "auto", lr: float = DEFAULT_LR,
+                       device: str = "auto", lr: float | None = None,
                        eval_every: int | None = None,
                        val_batches: int = DEFAULT_VAL_BATCHES,
                        deterministic: bool = False) -> Plan:
@@ -205,6 +211,8 @@ def prepare_comparison(recipes: str | Iterable[tuple[str, Recipe | None]], steps
     val_batches = _check_integer("--val-batches", val_batches, 1)
     if eval_every is not None:
         eval_every = _check_integer("--eval-every", eval_every, 0)
+    if lr is None:  # the preset's own (a custom GPTConfig takes DEFAULT_LR)
+        lr = PRESET_LR.get(preset if isinstance(preset, str) else "", DEFAULT_LR)
     if not isinstance(lr, int | float) or not math.isfinite(lr) or lr <= 0:
         raise ComparisonError(f"--lr must be a positive number, got {lr!r}")
     if isinstance(preset, GPTConfig):
@@ -460,7 +468,7 @@ def deterministic_cost(plan: Plan) -> float:
 def run_comparison(recipes: str | Iterable[tuple[str, Recipe | None]], steps: int,
                    preset: str | GPTConfig = "tiny", out_dir: str | Path = "compare-out",
                    seed: int = 0, data_path: str | Path | None = None, device: str = "auto",
-                   lr: float = DEFAULT_LR, eval_every: int | None = None,
+                   lr: float | None = None, eval_every: int | None = None,
                    progress: bool = True,
                    val_batches: int = DEFAULT_VAL_BATCHES,
                    deterministic: bool = False) -> Comparison:
