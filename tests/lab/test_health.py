@@ -45,5 +45,11 @@ def test_a_plateau_is_named_with_the_step_it_began():
     assert 180 <= step <= 260, flag
 
 
+def test_a_slow_last_stretch_is_not_a_plateau():
+    """Falling for 70% of the run, then flat under the cosine tail: healthy."""
+    losses = [5.0 - 2.0 * min(step, 210) / 210 for step in range(300)]
+    assert loss_flags("bf16", losses) == []
+
+
 def test_short_runs_are_not_judged_for_plateaus():
     assert loss_flags("bf16", [2.0] * 20) == []

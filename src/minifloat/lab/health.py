@@ -10,7 +10,10 @@ Why: a gap to bf16 measured on a stalled baseline, or on a run that spiked, misl
   median of the SPIKE_WINDOW steps before it.
 - stall: the earliest step t after the first 10% of the run from which the moving-average loss
   falls by less than STALL_DROP (relative) until the end, over at least STALL_SPAN of the run:
-  a plateau the run never left.
+  a plateau the run never left. STALL_SPAN is 40%: the lab's cosine schedule has brought the
+  rate down to a third of its peak by 75% of the run, where a slow last stretch is the schedule
+  at work (the tiny sweep of 2026-11-26 flagged healthy runs from step 225 of 300 with a 25%
+  span), not a plateau.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ SPIKE_WINDOW = 20
 SPIKE_WARMUP = 20
 SPIKE_FACTOR = 1.5
 STALL_DROP = 0.01
-STALL_SPAN = 0.25
+STALL_SPAN = 0.4
 MIN_STEPS_FOR_STALL = 40
 
 
