@@ -102,10 +102,13 @@ def fsdp_worker(rank: int, world_size: int, kind: str) -> dict:
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.detach().clone())
         mf.update_delayed_backward_scales()
-        params = {key: value.full_tensor() for key, value in model.state_dict().items()}
+        state = model.state_dict()
+        params = {key: value.full_tensor() for key, value in state.items()
+                  if isinstance(value, torch.Tensor)}
+        extra = {key: value for key, value in state.items() if key.endswith("_extra_state")}
         quantizers = [module.quantizers(recipe) for module in model.modules()
                       if isinstance(module, mf.Linear | mf.LayerNormMLP)]
-        results[name] = {"losses": losses, "params": params,
+        results[name] = {"losses": losses, "params": params, "extra": extra,
                          "pickled_quantizers": pickle.dumps(quantizers)}
     return results
 
@@ -126,7 +129,10 @@ def reference(kind: str, name: str) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     mf.update_delayed_backward_scales()
-    return {"losses": losses, "params": model.state_dict()}
+    state = model.state_dict()
+    return {"losses": losses,
+            "params": {k: v for k, v in state.items() if isinstance(v, torch.Tensor)},
+            "extra": {k: v for k, v in state.items() if k.endswith("_extra_state")}}
 
 
 @pytest.fixture(scope="module", params=["modules", "convert_model", "convert_model" + REBUILD])
@@ -145,6 +151,16 @@ def test_fsdp2_training_equals_one_process_bitwise(fsdp_results, name):
         assert got["params"].keys() == want["params"].keys()
         for key, value in want["params"].items():
             assert torch.equal(got["params"][key], value), f"{kind} {name} rank {rank} {key}"
+        # the recipe state each module saves (delayed scaling: the reduced amax histories and
+        # the scales) is the single process's too
+        assert got["extra"].keys() == want["extra"].keys() and want["extra"]
+        for key, value in want["extra"].items():
+            mine = got["extra"][key]
+            assert [e["recipe"] for e in mine["recipes"]] == [e["recipe"] for e in value["recipes"]]
+            for a, b in zip(mine["recipes"], value["recipes"], strict=True):
+                for x, y in zip(a["forward"] + a["backward"], b["forward"] + b["backward"],
+                                strict=True):
+                    assert torch.equal(x, y), f"{kind} {name} rank {rank} {key}"
 
 
 def test_quantizers_pickle_after_distributed_steps(fsdp_results):

@@ -76,6 +76,8 @@ def run(rank: int, world: int, name: str, how: str, low_precision: bool) -> dict
         losses.append(loss.detach())
     params = {}
     for key, value in model.state_dict().items():
+        if not isinstance(value, torch.Tensor):
+            continue  # a module's _extra_state (recipe state)
         full = value.full_tensor()
         params[key] = getattr(full, "_inner", full).clone()
     return {"losses": losses, "params": params}

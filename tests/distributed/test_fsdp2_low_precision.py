@@ -102,6 +102,8 @@ def train_worker(rank: int, world_size: int, name: str, low_precision: bool) -> 
     mf.update_delayed_backward_scales()
     params = {}
     for key, value in model.state_dict().items():
+        if not isinstance(value, torch.Tensor):
+            continue  # a module's _extra_state (recipe state)
         full = value.full_tensor()
         params[key] = getattr(full, "_inner", full).clone()
     kept = [parameter.to_local()._quantizer for parameter in model.parameters()
@@ -252,6 +254,8 @@ def cut_mxfp8_worker(rank: int, world_size: int, low_precision: bool) -> list[to
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     for value in model.state_dict().values():
+        if not isinstance(value, torch.Tensor):
+            continue  # a module's _extra_state (recipe state)
         full = value.full_tensor()
         results.append(getattr(full, "_inner", full).clone())
     return results

@@ -83,6 +83,8 @@ def _train_gathering(name: str, low_precision: bool) -> list[torch.Tensor]:
         optimizer.zero_grad(set_to_none=True)
         results.append(loss.detach())
     for value in model.state_dict().values():
+        if not isinstance(value, torch.Tensor):
+            continue  # a module's _extra_state (recipe state)
         full = value.full_tensor()
         results.append(getattr(full, "_inner", full).clone())
     return results

@@ -31,6 +31,7 @@ from ..autocast import (
 from ..quantizers import QuantizedTensor, Quantizer
 from ..recipe_state import RecipeState
 from ..recipes import QuantizerRole, Recipe
+from . import extra_state
 from .gemm_op import (
     GemmBinding,
     compiled_gemms,
@@ -66,6 +67,11 @@ def bind_live_modules(token: int) -> int:
     return 0
 
 
+def _allow_missing_extra_state(module: QuantizedModule, state_dict: dict, prefix: str,
+                               *args) -> None:
+    extra_state.missing_extra_state(state_dict, prefix, module.name)
+
+
 class QuantizedModule(nn.Module):
     """Base of minifloat's GEMM modules: roles, per-recipe quantizers and the weight cache."""
 
@@ -95,6 +101,9 @@ class QuantizedModule(nn.Module):
         _LIVE_MODULES.add(self)
         # id(weight) -> its kept quantization (is_first_microbatch=True keeps, False reuses)
         self._weight_cache: dict[int, dict] = {}
+        # recipe state loaded from a checkpoint, applied at the recipe's first use (extra_state.py)
+        self._pending_recipe_state: list[dict] = []
+        self.register_load_state_dict_pre_hook(_allow_missing_extra_state)
 
     # ---- roles ----
 
@@ -153,10 +162,36 @@ class QuantizedModule(nn.Module):
             backward = RecipeState.create(recipe, "backward", len(backward_roles),
                                           backward_roles, device)
             self._recipe_states[recipe] = (forward, backward)
+            self._pending_recipe_state = extra_state.apply_pending(
+                self._pending_recipe_state, recipe, forward, backward, self._display_name())
             if forward.tracks_amax_history or backward.tracks_amax_history:
                 self._delayed_handles[recipe] = register_delayed_states(recipe, forward,
                                                                         backward)
         return self._recipe_states[recipe]
+
+    # ---- checkpoints: recipe state as _extra_state (extra_state.py) ----
+
+    def get_extra_state(self) -> dict:
+        """Every recipe's state tensors (delayed scaling: scales and amax histories), and any
+        loaded state not used yet, so that save -> load -> save keeps it."""
+        state = extra_state.recipe_state_dict(self._recipe_states)
+        state["recipes"] += self._pending_recipe_state
+        return state
+
+    def set_extra_state(self, state) -> None:
+        entries = extra_state.pending_entries(state, self._display_name())
+        for recipe, (forward, backward) in self._recipe_states.items():
+            entries = extra_state.apply_pending(entries, recipe, forward, backward,
+                                                self._display_name())
+        self._pending_recipe_state = entries
+
+    def drop_loaded_recipe_state(self) -> None:
+        """Forget recipe state loaded from a checkpoint and not yet used (e.g. to train the
+        loaded weights under another recipe, starting its histories afresh)."""
+        self._pending_recipe_state = []
+
+    def _display_name(self) -> str:
+        return self.name or type(self).__name__
 
     def quantizers(self, recipe: Recipe) -> tuple[list[Quantizer], list[Quantizer]]:
         """(forward, backward) quantizers for `recipe`, built once and reused."""
