@@ -12,7 +12,7 @@ of one mesh, each rank on its own random token batches (data parallel):
   torchao-fp8-gather-compiled                torchao.float8 tensorwise with FP8 all-gather and
                                              precompute_float8_dynamic_scale_for_fsdp after
                                              each optimizer step, each block compiled
-  fp8-current-bf16-gather-eager              minifloat FP8 current scaling; FSDP2 gathers bf16
+  fp8-current-bf16-gather-eager / -compiled   minifloat FP8 current scaling; FSDP2 gathers bf16
   fp8-current-fp8-gather-eager / -compiled   the same with FP8 all-gather
   mxfp8-lp-gather-eager, nvfp4-lp-gather-eager  MXFP8 / NVFP4 weights gathered quantized (on
                                              Hopper their GEMMs are emulated: see BENCHMARKS.md)
@@ -64,6 +64,7 @@ ROWS = {  # name: (kind, low-precision all-gather, compiled)
     "bf16-compiled": ("bf16", False, True),
     "torchao-fp8-gather-compiled": ("torchao", True, True),
     "fp8-current-bf16-gather-eager": ("fp8-current", False, False),
+    "fp8-current-bf16-gather-compiled": ("fp8-current", False, True),
     "fp8-current-fp8-gather-eager": ("fp8-current", True, False),
     "fp8-current-fp8-gather-compiled": ("fp8-current", True, True),
     "mxfp8-lp-gather-eager": ("mxfp8", True, False),
