@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import minifloat as mf
+from minifloat.modules.extra_state import decode
 
 RECIPES = {
     "delayed": lambda: mf.DelayedScaling(amax_history_len=4),
@@ -85,7 +86,7 @@ def test_delayed_state_is_what_the_checkpoint_carries():
     train(model, optimizer, recipe, range(4))
     mf.update_delayed_backward_scales()
     state = model.state_dict()
-    assert state["0._extra_state"]["recipes"][0]["forward"][1].abs().sum() > 0
+    assert decode(state["0._extra_state"])["recipes"][0]["forward"][1].abs().sum() > 0
     with_state, without = build(1), build(1)
     with_state.load_state_dict(state)
     with warnings.catch_warnings(record=True) as caught:
@@ -116,6 +117,8 @@ def test_another_recipe_or_history_length_is_a_clear_error():
         fresh(batch(0))
     with pytest.raises(ValueError, match="not minifloat recipe state"):
         build(0).load_state_dict({**state, "1._extra_state": b"bytes"})
+    with pytest.raises(ValueError, match="not minifloat recipe state"):
+        build(0).load_state_dict({**state, "1._extra_state": [1, 2]})
 
 
 def test_a_save_right_after_loading_keeps_the_unused_state():
@@ -126,6 +129,6 @@ def test_a_save_right_after_loading_keeps_the_unused_state():
     again.load_state_dict(state)
     resaved = again.state_dict()  # before any forward: the loaded state is still pending
     for key in ("0._extra_state", "1._extra_state"):
-        for a, b in zip(state[key]["recipes"][0]["forward"],
-                        resaved[key]["recipes"][0]["forward"], strict=True):
+        for a, b in zip(decode(state[key])["recipes"][0]["forward"],
+                        decode(resaved[key])["recipes"][0]["forward"], strict=True):
             assert torch.equal(a, b)

@@ -171,12 +171,13 @@ class QuantizedModule(nn.Module):
 
     # ---- checkpoints: recipe state as _extra_state (extra_state.py) ----
 
-    def get_extra_state(self) -> dict:
+    def get_extra_state(self) -> bytes:
         """Every recipe's state tensors (delayed scaling: scales and amax histories), and any
-        loaded state not used yet, so that save -> load -> save keeps it."""
+        loaded state not used yet, so that save -> load -> save keeps it; serialized
+        (extra_state.decode reads it back)."""
         state = extra_state.recipe_state_dict(self._recipe_states)
         state["recipes"] += self._pending_recipe_state
-        return state
+        return extra_state.encode(state)
 
     def set_extra_state(self, state) -> None:
         entries = extra_state.pending_entries(state, self._display_name())

@@ -4,14 +4,20 @@
 Why: delayed scaling's amax histories and scales decide what the next step computes. Without
 them a resumed model starts its histories afresh and its next outputs differ (by up to 0.30 on
 inputs of scale 3 in issue 20's example). TransformerEngine keeps this state in each module's
-`_extra_state`; minifloat does the same, with tensors, lists, strings and ints only, so that
-`torch.load(weights_only=True)` reads it:
+`_extra_state`; minifloat does the same. The payload holds tensors, lists, strings and ints
+only,
 
     {"format": FORMAT_VERSION, "recipes": [{"recipe": repr(recipe),
                                             "forward": [scale, amax_history],
                                             "backward": [scale, amax_history]}, ...]}
 
-one entry per recipe the module has state for (stateless recipes have none). A module learns
+one entry per recipe the module has state for (stateless recipes have none), and the state dict
+carries it serialized as one `bytes` value (`encode` / `decode`, read back with
+`torch.load(weights_only=True)`, which `torch.load(weights_only=True)` of the whole state dict
+also accepts). Why bytes and not the nested dict: torch.distributed.checkpoint flattens nested
+containers and loads only the keys the target state dict already has, and a fresh module has no
+recipe entries yet, so the state would be dropped; a `bytes` leaf is saved and restored whole
+(DCP replaces the target's value). A module learns
 its recipe only at the first autocast after loading, so `load_state_dict` keeps the entries
 pending, and the first `recipe_states(recipe)` copies the matching entry into the new state
 (in place: autocast's update registry keeps its tensors). An entry made under a different recipe
@@ -22,6 +28,7 @@ that the histories start afresh.
 
 from __future__ import annotations
 
+import io
 import warnings
 from typing import Any
 
@@ -31,8 +38,30 @@ FORMAT_VERSION = 1
 EXTRA_STATE_KEY = "_extra_state"
 
 
+def encode(payload: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return buffer.getvalue()
+
+
+def decode(value: Any) -> dict[str, Any] | None:
+    """A module's `_extra_state` value (bytes, or the payload itself) -> the payload dict."""
+    if value is None or isinstance(value, dict):
+        return value
+    if isinstance(value, io.BytesIO):
+        value = value.getvalue()
+    if not isinstance(value, bytes | bytearray):
+        raise ValueError(f"_extra_state is not minifloat recipe state ({type(value).__name__}); "
+                         "was this checkpoint made by another library?")
+    try:
+        return torch.load(io.BytesIO(value), weights_only=True, map_location="cpu")
+    except Exception as error:  # noqa: BLE001 - any unreadable payload: one clear message
+        raise ValueError(f"_extra_state is not minifloat recipe state (unreadable: {error})"
+                         ) from None
+
+
 def recipe_state_dict(recipe_states: dict) -> dict[str, Any]:
-    """The `_extra_state` of a module: the state tensors of every recipe that has some."""
+    """The `_extra_state` payload of a module: the state tensors of every recipe with some."""
     entries = []
     for recipe, (forward, backward) in recipe_states.items():
         forward_tensors, backward_tensors = forward.state_tensors(), backward.state_tensors()
@@ -45,6 +74,10 @@ def recipe_state_dict(recipe_states: dict) -> dict[str, Any]:
 
 def pending_entries(state: Any, module_name: str) -> list[dict]:
     """Check a loaded `_extra_state` and return its entries (to apply at first use)."""
+    try:
+        state = decode(state)
+    except ValueError as error:
+        raise ValueError(f"{module_name}: {error}") from None
     if state is None:  # an old checkpoint (see missing_extra_state)
         return []
     if not isinstance(state, dict) or "format" not in state:
