@@ -1,6 +1,7 @@
 """torch.distributed.checkpoint (DCP) of an FSDP2 model of minifloat modules (issue 20, item 3
-part): saved on 2 gloo ranks through get_model_state_dict, loaded in one process into a plain
-(unsharded) model. The weights and every module's recipe state (`_extra_state`: delayed
+part): saved on 2 gloo ranks through get_model_state_dict (with dcp.async_save), loaded in one
+process into a plain (unsharded) model, and on 4 ranks into FSDP2 shards (resharding 2 -> 1 and
+2 -> 4). The weights and every module's recipe state (`_extra_state`: delayed
 scaling's reduced amax histories and scales, one bytes value per module, which DCP saves and
 restores whole) arrive, so the loaded model's next forward equals the single process's that
 trained on the same global batches, bit for bit."""
@@ -19,6 +20,7 @@ RECIPE = mf.DelayedScaling(amax_history_len=4)
 
 
 def save_worker(rank: int, world_size: int, folder: str) -> None:
+    """Train the FSDP2 model as test_fsdp2 does, then save it asynchronously."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -31,7 +33,25 @@ def save_worker(rank: int, world_size: int, folder: str) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     mf.update_delayed_backward_scales()
-    dcp.save(get_model_state_dict(model), checkpoint_id=folder)
+    dcp.async_save(get_model_state_dict(model), checkpoint_id=folder).result()
+
+
+def load_worker(rank: int, world_size: int, folder: str) -> dict:
+    """Load the 2-rank checkpoint into a 4-rank FSDP2 model: full weights and recipe state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from minifloat.modules.extra_state import decode
+
+    torch.manual_seed(rank + 7)  # other initial weights on every rank: all must be loaded
+    model = shard(build("modules"), device_mesh((world_size,)))
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(model, state)
+    loaded = model.state_dict()
+    return {"weights": {k: v.full_tensor() for k, v in loaded.items()
+                        if isinstance(v, torch.Tensor)},
+            "extra": {k: decode(v) for k, v in loaded.items() if k.endswith("_extra_state")}}
 
 
 def single_process_model() -> torch.nn.Module:
@@ -50,8 +70,10 @@ def single_process_model() -> torch.nn.Module:
     return model
 
 
-def test_dcp_saved_on_two_ranks_loads_in_one_process_with_recipe_state(tmp_path):
+def test_dcp_saved_on_two_ranks_loads_on_one_and_on_four(tmp_path):
     import torch.distributed.checkpoint as dcp
+
+    from minifloat.modules.extra_state import decode
 
     folder = str(tmp_path / "checkpoint")
     run_ranks(save_worker, WORLD, folder, timeout=180)
@@ -61,6 +83,7 @@ def test_dcp_saved_on_two_ranks_loads_in_one_process_with_recipe_state(tmp_path)
     dcp.load(state, checkpoint_id=folder)  # no process group here: DCP reads it alone
     loaded.load_state_dict(state)
     want = single_process_model()
+    want_state = want.state_dict()  # before the forward below records new amaxes into it
     for (key, a), b in zip(loaded.state_dict().items(), want.state_dict().values(),
                            strict=True):
         if isinstance(a, torch.Tensor):
@@ -74,3 +97,14 @@ def test_dcp_saved_on_two_ranks_loads_in_one_process_with_recipe_state(tmp_path)
                           strict=False)
     with mf.autocast(recipe=RECIPE):
         assert not torch.equal(fresh(x), expected)  # the recipe state is what made them equal
+
+    for rank, result in enumerate(run_ranks(load_worker, 4, folder, timeout=180)):
+        for key, value in result["weights"].items():
+            assert torch.equal(value, want_state[key]), f"rank {rank} {key}"
+        for key, payload in result["extra"].items():
+            expected_entries = decode(want_state[key])["recipes"]
+            assert len(payload["recipes"]) == len(expected_entries) == 1
+            saved, mine = expected_entries[0], payload["recipes"][0]
+            for a, b in zip(mine["forward"] + mine["backward"],
+                            saved["forward"] + saved["backward"], strict=True):
+                assert torch.equal(a, b), f"rank {rank} {key}"
