@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 import time
@@ -36,6 +37,7 @@ from ..distributed import (
 from ..distributed.fsdp import gemm_weights
 from ..models.gpt import GPT, PRESETS
 from ..models.gpt_parallel import tensor_parallel_gpt
+from . import train_checkpoint
 from .data import load_corpus, sample_batch
 from .recipe_specs import parse_recipe, recipes_help
 
@@ -61,6 +63,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", default=None, help="a text file or folder (default: the "
                                                      "Python standard library's sources)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="save a checkpoint there every --checkpoint-every steps "
+                             "(torch.distributed.checkpoint, written then renamed)")
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest complete checkpoint in --checkpoint-dir "
+                             "(none there: start from step 0)")
+    parser.add_argument("--print-digest", action="store_true",
+                        help="print a SHA-256 of the final full weights (rank 0)")
     return parser
 
 
@@ -174,14 +185,18 @@ def train(args: argparse.Namespace) -> list[float]:
                                   lr=args.lr)
     corpus = load_corpus(args.data)
     generator = torch.Generator().manual_seed(args.seed)  # the same batches on every rank
+    first_step = _resume(args, model, optimizer, generator)
+    kill_at = _kill_point()
     losses = []
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         batch = sample_batch(corpus.train, config.batch_size, config.seq_len, generator)
         tokens = batch.chunk(shards)[rank].to(device)  # TP ranks of a group: the same rows
         with autocast(enabled=recipe is not None, recipe=recipe,
                       amax_reduction_group=dist.group.WORLD):
             loss = model.loss(tokens)
+        if kill_at == (step, dist.get_rank()):  # fault injection for the recovery test
+            os.kill(os.getpid(), signal.SIGKILL)
         loss.backward()
         if masters is not None:
             masters.take_gradients()
@@ -194,9 +209,13 @@ def train(args: argparse.Namespace) -> list[float]:
         losses.append(mean.item() / world)
         if dist.get_rank() == 0:
             print(f"step {step:4d}  loss {losses[-1]:.6f}", flush=True)
+        if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
+            train_checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer, generator)
     # the last step's backward amaxes (delayed scaling) are reduced at the next autocast entry;
     # there is none, so reduce them now, while the process group exists
     update_delayed_backward_scales()
+    if args.print_digest:
+        _print_digest(model)
     if dist.get_rank() == 0:
         elapsed = time.perf_counter() - start
         tokens_per_step = config.batch_size * config.seq_len
@@ -204,6 +223,48 @@ def train(args: argparse.Namespace) -> list[float]:
               f"{device.type} process(es): {args.steps * tokens_per_step / elapsed:.0f} tokens/s",
               flush=True)
     return losses
+
+
+def _resume(args: argparse.Namespace, model, optimizer, generator: torch.Generator) -> int:
+    """The first step to run: 0, or the steps done by the latest complete checkpoint."""
+    if not args.resume:
+        return 0
+    if not args.checkpoint_dir:
+        raise ValueError("--resume needs --checkpoint-dir")
+    if args.mode == "qw":
+        raise ValueError("--resume with --mode qw is not written (its fp32 master rows are not "
+                         "in the optimizer's state dict); use --mode hp or lp")
+    path = train_checkpoint.latest(args.checkpoint_dir)
+    if path is None:
+        return 0
+    steps_done = train_checkpoint.load(path, model, optimizer, generator)
+    if dist.get_rank() == 0:
+        print(f"resumed from {path} after {steps_done} steps", flush=True)
+    return steps_done
+
+
+def _kill_point() -> tuple[int, int] | None:
+    """MINIFLOAT_TRAIN_KILL_AT=STEP:RANK: that rank kills itself (SIGKILL) inside that step,
+    between forward and backward (tests/distributed/test_train_recovery.py)."""
+    value = os.environ.get("MINIFLOAT_TRAIN_KILL_AT")
+    if not value:
+        return None
+    step, rank = value.split(":")
+    return int(step), int(rank)
+
+
+def _print_digest(model) -> None:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, value in model.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            full = getattr(full, "_inner", full)
+            digest.update(name.encode())
+            digest.update(full.detach().float().cpu().contiguous().numpy().tobytes())
+    if dist.get_rank() == 0:
+        print(f"weights sha256 {digest.hexdigest()}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

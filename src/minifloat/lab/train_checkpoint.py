@@ -1,0 +1,90 @@
+"""Checkpoints of the example trainer (lab/train.py): every K steps, through
+torch.distributed.checkpoint, so that a job killed mid-step resumes exactly (issue 20, item 4).
+
+Each checkpoint is a DCP folder `step{N:07d}` under --checkpoint-dir holding the FSDP2 model
+and optimizer state (get_state_dict: sharded, recipe state included as each module's
+`_extra_state`), the number of steps done and the batch generator's state. It is written as
+`step{N}.tmp` and renamed by rank 0 after every rank has finished writing, so a folder without
+the suffix is complete: a kill during a save leaves only a `.tmp` folder, which resume ignores.
+Delayed scaling's last backward amaxes are folded in before saving (update_delayed_backward_
+scales), as the next autocast entry would do. A checkpoint that cannot be read (truncated or
+corrupted files) raises an error that names its folder.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..autocast import update_delayed_backward_scales
+
+_COMPLETE = re.compile(r"step(\d{7})")
+
+
+def _name(step: int) -> str:
+    return f"step{step:07d}"
+
+
+def latest(folder: str | Path) -> Path | None:
+    """The complete checkpoint of the most steps under `folder`, or None."""
+    root = Path(folder)
+    if not root.is_dir():
+        return None
+    complete = [path for path in root.iterdir()
+                if path.is_dir() and _COMPLETE.fullmatch(path.name)]
+    return max(complete, key=lambda path: int(path.name[4:]), default=None)
+
+
+def _state(model, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def save(folder: str | Path, steps_done: int, model, optimizer,
+         generator: torch.Generator) -> Path:
+    """Write the checkpoint after `steps_done` steps (all ranks call this)."""
+    import torch.distributed.checkpoint as dcp
+
+    update_delayed_backward_scales()
+    root = Path(folder)
+    final = root / _name(steps_done)
+    temporary = root / (final.name + ".tmp")
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(temporary, ignore_errors=True)  # a save killed earlier
+    dist.barrier()
+    state = _state(model, optimizer)
+    state["progress"] = {"steps_done": torch.tensor(steps_done),
+                         "generator": generator.get_state()}
+    dcp.save(state, checkpoint_id=str(temporary))
+    dist.barrier()  # every rank's files are written
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        temporary.rename(final)
+    dist.barrier()
+    return final
+
+
+def load(path: str | Path, model, optimizer, generator: torch.Generator) -> int:
+    """Restore a checkpoint into the (sharded) model, optimizer and generator; the steps done."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _state(model, optimizer)
+    state["progress"] = {"steps_done": torch.tensor(0), "generator": generator.get_state()}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's is a BaseException
+        raise RuntimeError(f"cannot read the checkpoint {path} ({type(error).__name__}: "
+                           f"{error}); delete it to resume from an earlier one") from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    generator.set_state(state["progress"]["generator"])
+    return int(state["progress"]["steps_done"])

@@ -1,0 +1,62 @@
+"""Recovery from a killed rank (issue 20, item 4): the example trainer (lab/train.py) checkpoints
+every 2 steps through torch.distributed.checkpoint (written, then renamed); one rank kills
+itself with SIGKILL in the middle of step 3; `--resume` continues from the last complete
+checkpoint (after step 2) and ends with the final weights of an uninterrupted run, bit for bit
+(a SHA-256 of the full weights). torchrun, 2 gloo processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from minifloat.lab import train_checkpoint
+
+ARGS = ["--preset", "tiny", "--recipe", "fp8-delayed", "--steps", "6", "--checkpoint-every",
+        "2", "--print-digest"]
+
+
+def _train(folder: Path, *extra: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    environment.pop("MINIFLOAT_TRAIN_KILL_AT", None)
+    if kill_at:
+        environment["MINIFLOAT_TRAIN_KILL_AT"] = kill_at
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "-m", "minifloat.lab.train", *ARGS,
+               "--checkpoint-dir", str(folder), *extra]
+    return subprocess.run(command, capture_output=True, text=True, timeout=180, env=environment)
+
+
+def _digest(output: str) -> str:
+    (digest,) = re.findall(r"^weights sha256 ([0-9a-f]{64})$", output, flags=re.MULTILINE)
+    return digest
+
+
+def test_a_killed_rank_resumes_from_the_last_complete_checkpoint_exactly(tmp_path):
+    whole = _train(tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = _train(tmp_path / "killed", kill_at="3:1")
+    assert killed.returncode != 0 and "step    3" not in killed.stdout
+    assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == ["step0000002"]
+    resumed = _train(tmp_path / "killed", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "after 2 steps" in resumed.stdout and "step    2" in resumed.stdout
+    assert _digest(resumed.stdout) == _digest(whole.stdout)
+    # a damaged checkpoint is an error that names it
+    latest = train_checkpoint.latest(tmp_path / "killed")
+    assert latest is not None and latest.name == "step0000006"
+    for file in latest.iterdir():
+        if file.suffix == ".distcp":
+            file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    damaged = _train(tmp_path / "killed", "--resume")
+    assert damaged.returncode != 0 and str(latest) in damaged.stdout + damaged.stderr
+
+
+def test_an_unfinished_save_is_never_resumed_from(tmp_path):
+    (tmp_path / "step0000002").mkdir()
+    (tmp_path / "step0000004.tmp").mkdir()  # killed while writing
+    (tmp_path / "notes").mkdir()
+    assert train_checkpoint.latest(tmp_path) == tmp_path / "step0000002"
+    assert train_checkpoint.latest(tmp_path / "missing") is None
