@@ -1,10 +1,10 @@
 """torch.distributed.checkpoint (DCP) of an FSDP2 model of minifloat modules (issue 20, item 3
 part): saved on 2 gloo ranks through get_model_state_dict (with dcp.async_save), loaded in one
 process into a plain (unsharded) model, and on 4 ranks into FSDP2 shards (resharding 2 -> 1 and
-2 -> 4). The weights and every module's recipe state (`_extra_state`: delayed
-scaling's reduced amax histories and scales, one bytes value per module, which DCP saves and
-restores whole) arrive, so the loaded model's next forward equals the single process's that
-trained on the same global batches, bit for bit."""
+2 -> 4); saved on 4, loaded on 2 (4 -> 2). The weights and every module's recipe state
+(`_extra_state`: delayed scaling's reduced amax histories and scales, one bytes value per
+module, which DCP saves and restores whole) arrive, so the loaded model's next forward equals
+the single process's that trained on the same global batches, bit for bit."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from .test_fsdp2 import WORLD, batches, build, loss_of, shard
 RECIPE = mf.DelayedScaling(amax_history_len=4)
 
 
-def save_worker(rank: int, world_size: int, folder: str) -> None:
-    """Train the FSDP2 model as test_fsdp2 does, then save it asynchronously."""
+def save_worker(rank: int, world_size: int, folder: str) -> dict:
+    """Train the FSDP2 model as test_fsdp2 does, then save it asynchronously; what was saved
+    (full weights and decoded recipe state)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -34,6 +35,16 @@ def save_worker(rank: int, world_size: int, folder: str) -> None:
         optimizer.zero_grad(set_to_none=True)
     mf.update_delayed_backward_scales()
     dcp.async_save(get_model_state_dict(model), checkpoint_id=folder).result()
+    return full_state(model)
+
+
+def full_state(model) -> dict:
+    from minifloat.modules.extra_state import decode
+
+    state = model.state_dict()
+    return {"weights": {k: v.full_tensor() for k, v in state.items()
+                        if isinstance(v, torch.Tensor)},
+            "extra": {k: decode(v) for k, v in state.items() if k.endswith("_extra_state")}}
 
 
 def load_worker(rank: int, world_size: int, folder: str) -> dict:
@@ -41,17 +52,12 @@ def load_worker(rank: int, world_size: int, folder: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from minifloat.modules.extra_state import decode
-
     torch.manual_seed(rank + 7)  # other initial weights on every rank: all must be loaded
     model = shard(build("modules"), device_mesh((world_size,)))
     state = get_model_state_dict(model)
     dcp.load(state, checkpoint_id=folder)
     set_model_state_dict(model, state)
-    loaded = model.state_dict()
-    return {"weights": {k: v.full_tensor() for k, v in loaded.items()
-                        if isinstance(v, torch.Tensor)},
-            "extra": {k: decode(v) for k, v in loaded.items() if k.endswith("_extra_state")}}
+    return full_state(model)
 
 
 def single_process_model() -> torch.nn.Module:
@@ -107,4 +113,20 @@ def test_dcp_saved_on_two_ranks_loads_on_one_and_on_four(tmp_path):
             saved, mine = expected_entries[0], payload["recipes"][0]
             for a, b in zip(mine["forward"] + mine["backward"],
                             saved["forward"] + saved["backward"], strict=True):
+                assert torch.equal(a, b), f"rank {rank} {key}"
+
+
+def test_dcp_saved_on_four_ranks_loads_on_two(tmp_path):
+    """Resharding 4 -> 2: what two ranks load is what four saved (weights and recipe state)."""
+    folder = str(tmp_path / "checkpoint")
+    saved = run_ranks(save_worker, 4, folder, timeout=180)[0]
+    for rank, loaded in enumerate(run_ranks(load_worker, 2, folder, timeout=180)):
+        assert loaded["weights"].keys() == saved["weights"].keys()
+        for key, value in saved["weights"].items():
+            assert torch.equal(loaded["weights"][key], value), f"rank {rank} {key}"
+        for key, payload in saved["extra"].items():
+            (mine,), (want,) = loaded["extra"][key]["recipes"], payload["recipes"]
+            assert mine["recipe"] == want["recipe"]
+            for a, b in zip(mine["forward"] + mine["backward"],
+                            want["forward"] + want["backward"], strict=True):
                 assert torch.equal(a, b), f"rank {rank} {key}"

@@ -33,11 +33,14 @@ def batch(step: int) -> torch.Tensor:
     return torch.randn(32, 64, generator=torch.Generator().manual_seed(100 + step)) * 3
 
 
-def train(model: nn.Module, optimizer, recipe, steps: range) -> list[torch.Tensor]:
+def train(model: nn.Module, optimizer, recipe, steps: range, recompute: bool = False
+          ) -> list[torch.Tensor]:
     losses = []
     for step in steps:
         with mf.autocast(recipe=recipe):
-            loss = model(batch(step)).float().pow(2).mean()
+            x = batch(step)  # with recompute, the MLP's activations are recomputed in backward
+            y = model[1](mf.checkpoint(model[0], x)) if recompute else model(x)
+            loss = y.float().pow(2).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -52,23 +55,24 @@ def roundtrip(obj) -> object:
     return torch.load(buffer, weights_only=True)  # tensors, lists, dicts, strings only
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("name", [*RECIPES, "delayed+recompute"])
 def test_save_load_resume_equals_uninterrupted_bitwise(name):
-    recipe = RECIPES[name]()
+    recompute = name.endswith("+recompute")
+    recipe = RECIPES[name.removesuffix("+recompute")]()
     whole = build(0)
     whole_optimizer = torch.optim.AdamW(whole.parameters(), lr=1e-2)
-    want = train(whole, whole_optimizer, recipe, range(6))
+    want = train(whole, whole_optimizer, recipe, range(6), recompute)
 
     first = build(0)
     first_optimizer = torch.optim.AdamW(first.parameters(), lr=1e-2)
-    got = train(first, first_optimizer, recipe, range(3))
+    got = train(first, first_optimizer, recipe, range(3), recompute)
     mf.update_delayed_backward_scales()  # fold the last backward's amaxes in before saving
     saved = roundtrip({"model": first.state_dict(), "optimizer": first_optimizer.state_dict()})
     resumed = build(1)  # other initial weights: everything must come from the checkpoint
     resumed.load_state_dict(saved["model"])
     optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
     optimizer.load_state_dict(saved["optimizer"])
-    got += train(resumed, optimizer, recipe, range(3, 6))
+    got += train(resumed, optimizer, recipe, range(3, 6), recompute)
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), f"{name} step {step}"
     for (key, a), b in zip(resumed.state_dict().items(), whole.state_dict().values(),
