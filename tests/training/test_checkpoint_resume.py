@@ -17,6 +17,9 @@ from minifloat.modules.extra_state import decode
 RECIPES = {
     "delayed": lambda: mf.DelayedScaling(amax_history_len=4),
     "current": lambda: mf.Float8CurrentScaling(),
+    # stochastic rounding (gradients) and RHT (wgrad copies): SR draws from torch's generator,
+    # whose state the checkpoint carries as any training checkpoint does
+    "nvfp4": lambda: mf.NVFP4BlockScaling(),
     "hybrid-delayed": lambda: mf.HybridRecipe(fprop=mf.DelayedScaling(amax_history_len=3),
                                               dgrad=mf.MXFP8BlockScaling(),
                                               wgrad=mf.MXFP8BlockScaling()),
@@ -67,11 +70,14 @@ def test_save_load_resume_equals_uninterrupted_bitwise(name):
     first_optimizer = torch.optim.AdamW(first.parameters(), lr=1e-2)
     got = train(first, first_optimizer, recipe, range(3), recompute)
     mf.update_delayed_backward_scales()  # fold the last backward's amaxes in before saving
-    saved = roundtrip({"model": first.state_dict(), "optimizer": first_optimizer.state_dict()})
+    saved = roundtrip({"model": first.state_dict(), "optimizer": first_optimizer.state_dict(),
+                       "rng": torch.get_rng_state()})
+    torch.manual_seed(999)  # a fresh process's generator: the checkpoint must restore it
     resumed = build(1)  # other initial weights: everything must come from the checkpoint
     resumed.load_state_dict(saved["model"])
     optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
     optimizer.load_state_dict(saved["optimizer"])
+    torch.set_rng_state(saved["rng"])
     got += train(resumed, optimizer, recipe, range(3, 6), recompute)
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), f"{name} step {step}"

@@ -3,7 +3,8 @@ torch.distributed.checkpoint, so that a job killed mid-step resumes exactly (iss
 
 Each checkpoint is a DCP folder `step{N:07d}` under --checkpoint-dir holding the FSDP2 model
 and optimizer state (get_state_dict: sharded, recipe state included as each module's
-`_extra_state`), the number of steps done and the batch generator's state. It is written as
+`_extra_state`), the number of steps done, the batch generator's state and each rank's torch
+RNG states (stochastic rounding draws from them). It is written as
 `step{N}.tmp` and renamed by rank 0 after every rank has finished writing, so a folder without
 the suffix is complete: a kill during a save leaves only a `.tmp` folder, which resume ignores.
 Delayed scaling's last backward amaxes are folded in before saving (update_delayed_backward_
@@ -61,7 +62,7 @@ def save(folder: str | Path, steps_done: int, model, optimizer,
     dist.barrier()
     state = _state(model, optimizer)
     state["progress"] = {"steps_done": torch.tensor(steps_done),
-                         "generator": generator.get_state()}
+                         "generator": generator.get_state(), **_rng_states()}
     dcp.save(state, checkpoint_id=str(temporary))
     dist.barrier()  # every rank's files are written
     if dist.get_rank() == 0:
@@ -78,7 +79,8 @@ def load(path: str | Path, model, optimizer, generator: torch.Generator) -> int:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _state(model, optimizer)
-    state["progress"] = {"steps_done": torch.tensor(0), "generator": generator.get_state()}
+    state["progress"] = {"steps_done": torch.tensor(0), "generator": generator.get_state(),
+                         **_rng_states()}
     try:
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's is a BaseException
@@ -87,4 +89,18 @@ def load(path: str | Path, model, optimizer, generator: torch.Generator) -> int:
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     generator.set_state(state["progress"]["generator"])
+    rank = dist.get_rank()
+    torch.set_rng_state(state["progress"][f"rng_cpu_rank{rank}"])
+    if torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["progress"][f"rng_cuda_rank{rank}"])
     return int(state["progress"]["steps_done"])
+
+
+def _rng_states() -> dict[str, torch.Tensor]:
+    """This rank's torch RNG states, under keys of its own (DCP keeps one copy of a key that
+    every rank saves alike)."""
+    rank = dist.get_rank()
+    states = {f"rng_cpu_rank{rank}": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states[f"rng_cuda_rank{rank}"] = torch.cuda.get_rng_state()
+    return states
