@@ -9,12 +9,11 @@ the single process's that trained on the same global batches, bit for bit."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import minifloat as mf
 
 from .launch import device_mesh, run_ranks
-from .test_fsdp2 import WORLD, batches, build, loss_of, shard
+from .test_fsdp2 import WORLD, batches, build, loss_of, shard, train_sharded
 
 RECIPE = mf.DelayedScaling(amax_history_len=4)
 
@@ -26,14 +25,7 @@ def save_worker(rank: int, world_size: int, folder: str) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     model = shard(build("modules"), device_mesh((world_size,)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x in batches():
-        with mf.autocast(recipe=RECIPE, amax_reduction_group=dist.group.WORLD):
-            loss = loss_of(model, x.chunk(world_size)[rank])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    mf.update_delayed_backward_scales()
+    train_sharded(model, RECIPE, rank, world_size)
     dcp.async_save(get_model_state_dict(model), checkpoint_id=folder).result()
     return full_state(model)
 

@@ -83,6 +83,21 @@ def shard(model: nn.Module, mesh) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
+def train_sharded(model: nn.Module, recipe, rank: int, world_size: int) -> list[torch.Tensor]:
+    """SGD steps of the sharded model on this rank's part of each batch; the losses."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x in batches():
+        with mf.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
+            loss = loss_of(model, x.chunk(world_size)[rank])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach().clone())
+    mf.update_delayed_backward_scales()
+    return losses
+
+
 def fsdp_worker(rank: int, world_size: int, kind: str) -> dict:
     """Every recipe in turn on this rank's half of each batch; full parameters at the end."""
     mesh = device_mesh((world_size,))
@@ -93,16 +108,7 @@ def fsdp_worker(rank: int, world_size: int, kind: str) -> dict:
         if kind.endswith(REBUILD):  # backward reads the re-gathered weight, keeps no copy
             rebuild_weight_copies_in_backward(model)
         model = shard(model, mesh)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
-        for x in batches():
-            with mf.autocast(recipe=recipe, amax_reduction_group=dist.group.WORLD):
-                loss = loss_of(model, x.chunk(world_size)[rank])
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach().clone())
-        mf.update_delayed_backward_scales()
+        losses = train_sharded(model, recipe, rank, world_size)
         state = model.state_dict()
         params = {key: value.full_tensor() for key, value in state.items()
                   if isinstance(value, torch.Tensor)}

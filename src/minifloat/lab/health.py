@@ -57,7 +57,9 @@ def _first_spike(losses: list[float]) -> tuple[int, float, float] | None:
     return None
 
 
-def _moving_average(losses: list[float], window: int) -> list[float]:
+def moving_average(losses: list[float], window: int) -> list[float]:
+    """Trailing moving average (the stall check's and the loss plot's): per-step losses are
+    noisy, the trend is what matters."""
     averaged, total = [], 0.0
     for index, loss in enumerate(losses):
         total += loss
@@ -71,7 +73,7 @@ def _stall(losses: list[float]) -> tuple[int, float, float] | None:
     steps = len(losses)
     if steps < MIN_STEPS_FOR_STALL:
         return None
-    smooth = _moving_average(losses, max(5, steps // 20))
+    smooth = moving_average(losses, max(5, steps // 20))
     end = smooth[-1]
     last_start = int(steps * (1 - STALL_SPAN))
     for step in range(steps // 10, last_start + 1):

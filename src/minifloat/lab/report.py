@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .compare import COST_STEPS, Comparison, RunResult
-from .health import loss_flags
+from .health import loss_flags, moving_average
 from .recipe_specs import BASELINE
 
 MATPLOTLIB_FIX = "pip install 'minifloat[lab]' (or pip install matplotlib==3.11.2)"
@@ -160,17 +160,6 @@ def _write_csvs(comparison: Comparison, out: Path) -> list[Path]:
     return [summary_path, curves_path]
 
 
-def _smooth(values: list[float], window: int) -> list[float]:
-    """Trailing moving average: per-step losses are noisy, the trend is what matters."""
-    out, total = [], 0.0
-    for i, value in enumerate(values):
-        total += value
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-
-
 def plot_curves(comparison: Comparison, path: Path) -> None:
     """Training loss per step (left) and validation loss relative to bf16 (right)."""
     import matplotlib
@@ -186,7 +175,8 @@ def plot_curves(comparison: Comparison, path: Path) -> None:
         # bf16 dashed and on top, so the quantized curves cannot hide it
         style = ({"color": "black", "linewidth": 1.6, "linestyle": "--", "zorder": 3}
                  if run is baseline else {"linewidth": 1.4})
-        (drawn,) = left.plot(steps, _smooth(run.train_loss, window), label=run.label, **style)
+        (drawn,) = left.plot(steps, moving_average(run.train_loss, window), label=run.label,
+                             **style)
         colour = drawn.get_color()
         if baseline is not None:
             base = dict(baseline.val_loss)
