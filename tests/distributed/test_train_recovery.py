@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from minifloat.lab import train_checkpoint
 
@@ -18,13 +21,14 @@ ARGS = ["--preset", "tiny", "--recipe", "fp8-delayed", "--steps", "6", "--checkp
         "2", "--print-digest"]
 
 
-def _train(folder: Path, *extra: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
+def _train(folder: Path, *extra: str, kill_at: str | None = None, args: list[str] = ARGS
+           ) -> subprocess.CompletedProcess:
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     environment.pop("MINIFLOAT_TRAIN_KILL_AT", None)
     if kill_at:
         environment["MINIFLOAT_TRAIN_KILL_AT"] = kill_at
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", "-m", "minifloat.lab.train", *ARGS,
+               "--nproc-per-node", "2", "-m", "minifloat.lab.train", *args,
                "--checkpoint-dir", str(folder), *extra]
     return subprocess.run(command, capture_output=True, text=True, timeout=180, env=environment)
 
@@ -52,6 +56,25 @@ def test_a_killed_rank_resumes_from_the_last_complete_checkpoint_exactly(tmp_pat
             file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
     damaged = _train(tmp_path / "killed", "--resume")
     assert damaged.returncode != 0 and str(latest) in damaged.stdout + damaged.stderr
+
+
+@pytest.mark.parametrize("mode", [
+    # quantized_model_init weights sharded as bytes: their bytes and scales, the fp32 master
+    # rows and the masters' AdamW state are in the checkpoint
+    ["--mode", "qw", "--recipe", "fp8-current"],
+    # 2 TP ranks: each rank's slices under its own keys (one set would overwrite the other)
+    ["--tp", "2", "--recipe", "fp8-delayed"],
+], ids=["quantized-weights", "tensor-parallel"])
+def test_resume_with_quantized_weights_or_tensor_parallel(tmp_path, mode):
+    args = ["--preset", "tiny", "--steps", "4", "--checkpoint-every", "2", "--print-digest",
+            *mode]
+    whole = _train(tmp_path, args=args)  # checkpoints after steps 2 and 4
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    shutil.rmtree(tmp_path / "step0000004")
+    resumed = _train(tmp_path, "--resume", args=args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "after 2 steps" in resumed.stdout
+    assert _digest(resumed.stdout) == _digest(whole.stdout)
 
 
 def test_an_unfinished_save_is_never_resumed_from(tmp_path):

@@ -142,3 +142,45 @@ def test_a_save_right_after_loading_keeps_the_unused_state():
         for a, b in zip(decode(state[key])["recipes"][0]["forward"],
                         decode(resaved[key])["recipes"][0]["forward"], strict=True):
             assert torch.equal(a, b)
+
+
+QUANTIZED_WEIGHT_RECIPES = {
+    "delayed": lambda: mf.DelayedScaling(amax_history_len=4),
+    "current": lambda: mf.Float8CurrentScaling(),
+    "block": lambda: mf.Float8BlockScaling(),
+    "mxfp8": lambda: mf.MXFP8BlockScaling(),
+    "nvfp4": lambda: mf.NVFP4BlockScaling(),
+}
+
+
+@pytest.mark.parametrize("name", QUANTIZED_WEIGHT_RECIPES)
+def test_quantized_model_init_weights_resume_exactly(name):
+    """Weights stored quantized only (quantized_model_init): the checkpoint holds their bytes
+    and scales (a QuantizedTensor, read with weights_only), AdamW's state and the recipe state;
+    3 + 3 steps equal 6, bitwise."""
+    recipe = QUANTIZED_WEIGHT_RECIPES[name]()
+
+    def build_quantized(seed: int) -> nn.Module:
+        with mf.quantized_model_init(recipe=recipe):
+            return build(seed)
+
+    whole = build_quantized(0)
+    whole_optimizer = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+    want = train(whole, whole_optimizer, recipe, range(6))
+    first = build_quantized(0)
+    first_optimizer = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    got = train(first, first_optimizer, recipe, range(3))
+    mf.update_delayed_backward_scales()
+    saved = roundtrip({"model": first.state_dict(), "optimizer": first_optimizer.state_dict(),
+                       "rng": torch.get_rng_state()})
+    assert isinstance(saved["model"]["1.weight"], mf.QuantizedTensor)  # bytes, not values
+    torch.manual_seed(999)
+    resumed = build_quantized(1)
+    resumed.load_state_dict(saved["model"])
+    optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    optimizer.load_state_dict(saved["optimizer"])
+    torch.set_rng_state(saved["rng"])
+    got += train(resumed, optimizer, recipe, range(3, 6))
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"{name} step {step}"
+    assert torch.equal(resumed[1].weight.dequantize(), whole[1].weight.dequantize())

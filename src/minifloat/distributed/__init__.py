@@ -20,6 +20,7 @@ from .master_weights import (
     quantize_master_weights,
 )
 from .process_group import destroy_process_group
+from .shard_state_dict import high_precision_state_dict
 
 __all__ = [
     "LowPrecisionGatherWeight",
@@ -27,6 +28,7 @@ __all__ = [
     "count_collective_bytes",
     "destroy_process_group",
     "enable_low_precision_all_gather",
+    "high_precision_state_dict",
     "post_all_gather_processing",
     "quantize_master_weights",
     "rebuild_weight_copies_in_backward",

@@ -351,8 +351,11 @@ def enable_low_precision_all_gather(model: nn.Module, recipe) -> nn.Module:
     (per-tensor FP8, 2D NVFP4) are sharded and gathered as the bytes they are
     (quantized_shards.py); update them through quantize_master_weights."""
     from ..modules.base import FORWARD_SLOTS
+    from .shard_state_dict import install_state_dict_hooks
 
     for module in model.modules():
+        if gemm_weights(module):  # DCP then saves savable values (shard_state_dict.py)
+            install_state_dict_hooks(module)
         for name, gemm in gemm_weights(module):
             weight = getattr(module, name)
             if isinstance(weight, QuantizedTensor):  # quantized_model_init: bytes as they are

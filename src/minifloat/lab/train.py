@@ -122,10 +122,13 @@ def _shard(model: GPT, device: torch.device, mesh) -> None:
 
 class MasterWeights:
     """fp32 masters of the quantized weights (each rank's rows, from the initial high-precision
-    copies), beside the model's other parameters: what the optimizer steps in `--mode qw`."""
+    copies) and the AdamW that steps them, beside the optimizer of the model's other parameters:
+    what `--mode qw` trains. Two optimizers, because get_state_dict (checkpoints) maps an
+    optimizer's parameters to the model's, and the masters are no model parameters."""
 
-    def __init__(self, model: GPT, rank: int, world: int) -> None:
-        self.weights, self.masters, self.starts = [], [], []
+    def __init__(self, model: GPT, rank: int, world: int, mesh, lr: float) -> None:
+        self.weights, self.masters, self.starts, self.shapes = [], [], [], []
+        self.mesh = mesh
         quantized = set()
         for module in model.modules():
             for name, _ in gemm_weights(module):
@@ -136,13 +139,10 @@ class MasterWeights:
                 self.masters.append(full[rank * rows:(rank + 1) * rows].reshape(-1).clone()
                                     .requires_grad_())
                 self.starts.append(rank * rows * full.shape[1])
+                self.shapes.append(tuple(full.shape))
                 quantized.add(id(weight))
         self.others = [p for p in model.parameters() if id(p) not in quantized]
-
-    def parameter_groups(self) -> list[dict]:
-        """Masters (plain tensors) and the other parameters (FSDP2's DTensors) in two groups:
-        a foreach optimizer step (the default on CUDA) cannot mix the two in one call."""
-        return [{"params": self.masters}, {"params": self.others}]
+        self.optimizer = torch.optim.AdamW(self.masters, lr=lr)
 
     def take_gradients(self) -> None:
         """The FSDP2 gradient shards of the quantized weights, onto their masters."""
@@ -150,9 +150,33 @@ class MasterWeights:
             master.grad = weight.grad.to_local().float().reshape(-1)
             weight.grad = None
 
-    def cast_into_weights(self) -> None:
+    def step(self) -> None:
+        """Step the masters and cast them into the quantized weights."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         quantize_master_weights(self.weights, self.masters, self.starts,
                                 group=dist.group.WORLD)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Masters and their AdamW state as DTensors of the full weights' shapes, sharded by
+        rows like the weights, so DCP saves each rank's rows once and loads them into any
+        number of ranks; in place: loading into it loads into the masters."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        state = {}
+        for index, (master, shape) in enumerate(zip(self.masters, self.shapes, strict=True)):
+            slots = self.optimizer.state[master]
+            if not slots:  # a fresh run about to load: AdamW's own initial state
+                slots.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(master),
+                             exp_avg_sq=torch.zeros_like(master))
+            for name, value in (("master", master), ("exp_avg", slots["exp_avg"]),
+                                ("exp_avg_sq", slots["exp_avg_sq"])):
+                rows = value.detach().view(-1, shape[1])
+                state[f"{index}.{name}"] = DTensor.from_local(
+                    rows, self.mesh, [Shard(0)], run_check=False, shape=shape,
+                    stride=(shape[1], 1))
+            state[f"{index}.step"] = slots["step"]
+        return state
 
 
 def train(args: argparse.Namespace) -> list[float]:
@@ -180,12 +204,13 @@ def train(args: argparse.Namespace) -> list[float]:
     else:  # keep no full-size weight copy from forward to backward: weights stay sharded
         rebuild_weight_copies_in_backward(model)
     _shard(model, device, dp_mesh)
-    masters = MasterWeights(model, rank, shards) if args.mode == "qw" else None
-    optimizer = torch.optim.AdamW(masters.parameter_groups() if masters else model.parameters(),
-                                  lr=args.lr)
+    masters = MasterWeights(model, rank, shards, dp_mesh, args.lr) if args.mode == "qw" else None
+    optimizer = torch.optim.AdamW(masters.others if masters else model.parameters(), lr=args.lr)
+    # a TP rank's parameters are its slices, saved under keys of its own (checkpoints)
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else None
     corpus = load_corpus(args.data)
     generator = torch.Generator().manual_seed(args.seed)  # the same batches on every rank
-    first_step = _resume(args, model, optimizer, generator)
+    first_step = _resume(args, model, optimizer, generator, tp_rank, masters)
     kill_at = _kill_point()
     losses = []
     start = time.perf_counter()
@@ -203,14 +228,15 @@ def train(args: argparse.Namespace) -> list[float]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if masters is not None:
-            masters.cast_into_weights()
+            masters.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
         if dist.get_rank() == 0:
             print(f"step {step:4d}  loss {losses[-1]:.6f}", flush=True)
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
-            train_checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer, generator)
+            train_checkpoint.save(args.checkpoint_dir, step + 1, model, optimizer, generator,
+                                  tp_rank=tp_rank, masters=masters)
     # the last step's backward amaxes (delayed scaling) are reduced at the next autocast entry;
     # there is none, so reduce them now, while the process group exists
     update_delayed_backward_scales()
@@ -225,19 +251,18 @@ def train(args: argparse.Namespace) -> list[float]:
     return losses
 
 
-def _resume(args: argparse.Namespace, model, optimizer, generator: torch.Generator) -> int:
+def _resume(args: argparse.Namespace, model, optimizer, generator: torch.Generator,
+            tp_rank: int | None, masters: MasterWeights | None) -> int:
     """The first step to run: 0, or the steps done by the latest complete checkpoint."""
     if not args.resume:
         return 0
     if not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
-    if args.mode == "qw":
-        raise ValueError("--resume with --mode qw is not written (its fp32 master rows are not "
-                         "in the optimizer's state dict); use --mode hp or lp")
     path = train_checkpoint.latest(args.checkpoint_dir)
     if path is None:
         return 0
-    steps_done = train_checkpoint.load(path, model, optimizer, generator)
+    steps_done = train_checkpoint.load(path, model, optimizer, generator, tp_rank=tp_rank,
+                                       masters=masters)
     if dist.get_rank() == 0:
         print(f"resumed from {path} after {steps_done} steps", flush=True)
     return steps_done
@@ -254,17 +279,29 @@ def _kill_point() -> tuple[int, int] | None:
 
 
 def _print_digest(model) -> None:
+    """A SHA-256 of every rank's full weights: high-precision values, and the bytes and scales
+    of weights sharded as bytes (--mode qw: their state-dict entry is a dict of them)."""
     import hashlib
 
+    def tensors(name: str, value):
+        if isinstance(value, dict):
+            for key in sorted(value):
+                yield from tensors(f"{name}.{key}", value[key])
+        elif isinstance(value, torch.Tensor):
+            yield name, value
+
     digest = hashlib.sha256()
-    for name, value in model.state_dict().items():
-        if isinstance(value, torch.Tensor):
+    for key, entry in model.state_dict().items():
+        for name, value in tensors(key, entry):
             full = value.full_tensor() if hasattr(value, "full_tensor") else value
             full = getattr(full, "_inner", full)
             digest.update(name.encode())
-            digest.update(full.detach().float().cpu().contiguous().numpy().tobytes())
+            digest.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    ranks = [None] * dist.get_world_size()  # under TP each rank holds its own slices
+    dist.all_gather_object(ranks, digest.hexdigest())
     if dist.get_rank() == 0:
-        print(f"weights sha256 {digest.hexdigest()}", flush=True)
+        print(f"weights sha256 {hashlib.sha256(' '.join(ranks).encode()).hexdigest()}",
+              flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,13 @@ the suffix is complete: a kill during a save leaves only a `.tmp` folder, which 
 Delayed scaling's last backward amaxes are folded in before saving (update_delayed_backward_
 scales), as the next autocast entry would do. A checkpoint that cannot be read (truncated or
 corrupted files) raises an error that names its folder.
+
+`--mode qw` adds the fp32 master rows and their AdamW state (train.MasterWeights.state_dict,
+sharded like the weights); the model's quantized weights are saved as their bytes and scales
+(distributed/shard_state_dict.py). Under `--tp` each TP rank's parameters are its own slices
+of the weights with the same names on every TP rank, so its state goes under `tp{rank}`: DCP
+would otherwise keep one TP rank's slices for all. Resuming then needs the same TP size (the
+data-parallel size may differ, except for the per-rank RNG states, which need the same world).
 """
 
 from __future__ import annotations
@@ -40,16 +47,25 @@ def latest(folder: str | Path) -> Path | None:
     return max(complete, key=lambda path: int(path.name[4:]), default=None)
 
 
-def _state(model, optimizer) -> dict:
+def _scope(tp_rank: int | None) -> str:
+    return "training" if tp_rank is None else f"tp{tp_rank}"
+
+
+def _state(model, optimizer, tp_rank: int | None, masters) -> dict:
+    """What is saved and loaded in place: {scope: {model, optimizer[, masters]}}."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optimizer": optimizer_state}
+    state = {"model": model_state, "optimizer": optimizer_state}
+    if masters is not None:
+        state["masters"] = masters.state_dict()
+    return {_scope(tp_rank): state}
 
 
 def save(folder: str | Path, steps_done: int, model, optimizer,
-         generator: torch.Generator) -> Path:
-    """Write the checkpoint after `steps_done` steps (all ranks call this)."""
+         generator: torch.Generator, *, tp_rank: int | None = None, masters=None) -> Path:
+    """Write the checkpoint after `steps_done` steps (all ranks call this). tp_rank: this
+    rank's place in its TP group (None without TP); masters: train.MasterWeights (--mode qw)."""
     import torch.distributed.checkpoint as dcp
 
     update_delayed_backward_scales()
@@ -60,7 +76,7 @@ def save(folder: str | Path, steps_done: int, model, optimizer,
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(temporary, ignore_errors=True)  # a save killed earlier
     dist.barrier()
-    state = _state(model, optimizer)
+    state = _state(model, optimizer, tp_rank, masters)
     state["progress"] = {"steps_done": torch.tensor(steps_done),
                          "generator": generator.get_state(), **_rng_states()}
     dcp.save(state, checkpoint_id=str(temporary))
@@ -72,13 +88,15 @@ def save(folder: str | Path, steps_done: int, model, optimizer,
     return final
 
 
-def load(path: str | Path, model, optimizer, generator: torch.Generator) -> int:
-    """Restore a checkpoint into the (sharded) model, optimizer and generator; the steps done."""
+def load(path: str | Path, model, optimizer, generator: torch.Generator, *,
+         tp_rank: int | None = None, masters=None) -> int:
+    """Restore a checkpoint into the (sharded) model, optimizer, masters and generator; the
+    steps done."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    state = _state(model, optimizer)
+    state = _state(model, optimizer, tp_rank, masters)
     state["progress"] = {"steps_done": torch.tensor(0), "generator": generator.get_state(),
                          **_rng_states()}
     try:
@@ -86,8 +104,9 @@ def load(path: str | Path, model, optimizer, generator: torch.Generator) -> int:
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's is a BaseException
         raise RuntimeError(f"cannot read the checkpoint {path} ({type(error).__name__}: "
                            f"{error}); delete it to resume from an earlier one") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+    scoped = state[_scope(tp_rank)]  # the masters were loaded in place
+    set_state_dict(model, optimizer, model_state_dict=scoped["model"],
+                   optim_state_dict=scoped["optimizer"])
     generator.set_state(state["progress"]["generator"])
     rank = dist.get_rank()
     torch.set_rng_state(state["progress"][f"rng_cpu_rank{rank}"])

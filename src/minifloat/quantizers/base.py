@@ -279,6 +279,13 @@ class QuantizedStorage:
                 fp8_fields[name] = buffer.dtype
                 state[name] = buffer.view(torch.uint8)
         state["_fp8_fields"] = fp8_fields
+        if self.has_rowwise() and self.has_columnwise() and self._columnwise_is_derived():
+            # a checkpoint holds the bytes once: the transposed copy is rebuilt on load, the
+            # same bytes (NUMERICS.md §9), so a quantized weight saves at 1 byte per element
+            for name in self.columnwise_fields:
+                state[name] = None
+                fp8_fields.pop(name, None)
+            state["_derive_columnwise_on_load"] = True
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -286,7 +293,15 @@ class QuantizedStorage:
         state["shape"] = torch.Size(state["shape"])
         for name, dtype in state.pop("_fp8_fields", {}).items():
             state[name] = state[name].view(dtype)
+        derive = state.pop("_derive_columnwise_on_load", False)
         self.__dict__.update(state)
+        if derive:
+            self._derive_columnwise()
+
+    def _columnwise_is_derived(self) -> bool:
+        """Whether the columnwise copy is exactly a rearrangement of the rowwise one (pickling
+        then leaves it out)."""
+        return False
 
     def __repr__(self) -> str:
         directions = [d for d, ok in (("rowwise", self.has_rowwise()),

@@ -55,6 +55,9 @@ class Float8BlockStorage(QuantizedStorage):
             self.rowwise_data, self.rowwise_scale_inv
         )
 
+    def _columnwise_is_derived(self) -> bool:
+        return self.block_scaling_dim == 2
+
 
 class Float8BlockQuantizer(Quantizer):
     """DeepSeek-style FP8 (E4M3) with 1x128 blocks (block_scaling_dim=1, inputs and gradients)

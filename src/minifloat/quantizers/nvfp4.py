@@ -77,6 +77,9 @@ class NVFP4Storage(QuantizedStorage):
         )
         self.amax_columnwise = self.amax_rowwise.clone()
 
+    def _columnwise_is_derived(self) -> bool:
+        return self.two_dimensional and not self.with_rht
+
 
 class NVFP4Quantizer(Quantizer):
     """NVFP4 quantizer. M and K must be multiples of 16.
