@@ -81,7 +81,9 @@ def _entry(rank: int, world_size: int, port: int, folder: str, fn: Callable, arg
     try:
         use_backend_device(rank)
         device_id = torch.device("cuda", rank) if backend() == "nccl" else None
-        dist.init_process_group(backend(), rank=rank, world_size=world_size, device_id=device_id)
+        # under NCCL, gloo serves CPU tensors too (dcp.async_save stages through the CPU)
+        name = "cpu:gloo,cuda:nccl" if backend() == "nccl" else "gloo"
+        dist.init_process_group(name, rank=rank, world_size=world_size, device_id=device_id)
         result = fn(rank, world_size, *args)
         torch.save(result, Path(folder) / f"rank{rank}.pt")
     except BaseException:
@@ -102,12 +104,22 @@ mp.set_forkserver_preload(["torch", "torch.distributed", "minifloat", "minifloat
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
     """fn(rank, world_size, *args) on `world_size` processes; returns each rank's result
-    (on the default device of the calling process)."""
+    (on the default device of the calling process). A free port can be taken by another test
+    process between our probe and the ranks' bind: such a start is tried again, once."""
     if backend() == "nccl" and world_size > torch.cuda.device_count():
         import pytest
 
         pytest.skip(f"{world_size} ranks need {world_size} GPUs under NCCL; this machine has "
                     f"{torch.cuda.device_count()}")
+    try:
+        return _run_ranks_once(fn, world_size, args, timeout)
+    except RuntimeError as error:
+        if "EADDRINUSE" not in str(error):
+            raise
+        return _run_ranks_once(fn, world_size, args, timeout)
+
+
+def _run_ranks_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
     with tempfile.TemporaryDirectory() as folder:
         context = mp.start_processes(_entry, args=(world_size, free_port(), folder, fn, args),
                                      nprocs=world_size, join=False, start_method=START_METHOD)
