@@ -14,7 +14,11 @@
   the data gradient is made from the gathered bytes).
 
 Because the amax is the maximum over every shard, the gathered bytes are those of quantizing the
-full weight on one rank, bit for bit. The shards are quantized from their own values: under a
+full weight on one rank, bit for bit. FP8 current-scaling weights are quantized together: the
+first gather after the weights changed casts every such shard of the model in one multi-tensor
+launch with one all-reduce of the stacked amaxes, and later gathers of unchanged weights
+(backward's re-gathers, further micro-batches) reuse those bytes (batched_weight_casts.py).
+The shards are quantized from their own values: under a
 MixedPrecisionPolicy whose param_dtype is bf16 and fp32 shards, that is the fp32 weight (as
 torchao's float8 all-gather does), one rounding fewer than gathering bf16 and quantizing after.
 
@@ -93,15 +97,20 @@ class LowPrecisionGatherWeight(torch.Tensor):
     """A high-precision weight (or FSDP2 shard of one) that FSDP2 all-gathers quantized."""
 
     @staticmethod
-    def __new__(cls, inner: torch.Tensor, quantizer: Quantizer) -> LowPrecisionGatherWeight:
+    def __new__(cls, inner: torch.Tensor, quantizer: Quantizer, batch: tuple | None = None
+                ) -> LowPrecisionGatherWeight:
         return torch.Tensor._make_wrapper_subclass(
             cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
             dtype=inner.dtype, device=inner.device, layout=inner.layout,
             requires_grad=inner.requires_grad)
 
-    def __init__(self, inner: torch.Tensor, quantizer: Quantizer) -> None:
+    def __init__(self, inner: torch.Tensor, quantizer: Quantizer, batch: tuple | None = None
+                 ) -> None:
         self._inner = inner
         self._quantizer = quantizer
+        # (WeightCastBatch, this weight's index in it): the model's current-scaling shards
+        # quantized together (batched_weight_casts.py); None: quantized alone at each gather
+        self._batch = batch
 
     def __repr__(self) -> str:
         return f"LowPrecisionGatherWeight({self._inner!r}, {type(self._quantizer).__name__})"
@@ -116,13 +125,15 @@ class LowPrecisionGatherWeight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        quantizer = next(a._quantizer for a in tree_leaves((args, kwargs))
-                         if isinstance(a, LowPrecisionGatherWeight))
+        first = next(a for a in tree_leaves((args, kwargs))
+                     if isinstance(a, LowPrecisionGatherWeight))
         unwrap = tree_map_only(LowPrecisionGatherWeight, lambda t: t._inner, (args, kwargs))
         out = func(*unwrap[0], **unwrap[1])
         if func not in _KEEP_WRAPPER:
             return out
-        return tree_map_only(torch.Tensor, lambda t: LowPrecisionGatherWeight(t, quantizer), out)
+        return tree_map_only(
+            torch.Tensor, lambda t: LowPrecisionGatherWeight(t, first._quantizer, first._batch),
+            out)
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """Quantize this rank's rows (rowwise copy only); the all-gather inputs are the bytes
@@ -134,6 +145,12 @@ class LowPrecisionGatherWeight(torch.Tensor):
             from .hybrid_gather import hybrid_gather_inputs
 
             return hybrid_gather_inputs(self._inner, self._quantizer, mesh, outer_size)
+        if self._batch is not None:
+            _require_even_shards(outer_size, mesh)
+            batch, index = self._batch
+            made = batch.gather_inputs(index, mesh)
+            if made is not None:
+                return made
         return format_gather_inputs(self._inner, self._quantizer, mesh, outer_size,
                                     in_backward())
 
@@ -205,13 +222,8 @@ def format_gather_inputs(shard: torch.Tensor, weight_quantizer: Quantizer, mesh,
         quantizer.amax_reduction_group = mesh.get_group()
     quantizer.set_usage(rowwise=True, columnwise=False)
     quantizer.internal = True
-    rows, shards = shard.shape[0], mesh.size()
-    if outer_size[0] % shards:
-        raise ValueError(
-            f"low-precision all-gather needs FSDP2 to shard a weight evenly: "
-            f"{outer_size[0]} rows over {shards} ranks leaves padding, which FSDP2 would "
-            "gather as data; use a row count divisible by the shard count, or gather "
-            "high-precision weights (FSDP2 without enable_low_precision_all_gather)")
+    rows = shard.shape[0]
+    _require_even_shards(outer_size, mesh)
     tile = tile_rows_of(quantizer)
     if tile and rows % tile:  # scale tiles cut by shard boundaries: reduce their maxima
         return cut_tile_gather_inputs(shard, quantizer, mesh.get_local_rank() * rows,
@@ -224,6 +236,15 @@ def format_gather_inputs(shard: torch.Tensor, weight_quantizer: Quantizer, mesh,
         quantizer.amax = torch.zeros_like(quantizer.amax)
     storage = quantizer.quantize(shard)
     return _gather_inputs(storage)
+
+
+def _require_even_shards(outer_size, mesh) -> None:
+    if outer_size[0] % mesh.size():
+        raise ValueError(
+            f"low-precision all-gather needs FSDP2 to shard a weight evenly: "
+            f"{outer_size[0]} rows over {mesh.size()} ranks leaves padding, which FSDP2 would "
+            "gather as data; use a row count divisible by the shard count, or gather "
+            "high-precision weights (FSDP2 without enable_low_precision_all_gather)")
 
 
 def in_backward() -> bool:
@@ -351,8 +372,10 @@ def enable_low_precision_all_gather(model: nn.Module, recipe) -> nn.Module:
     (per-tensor FP8, 2D NVFP4) are sharded and gathered as the bytes they are
     (quantized_shards.py); update them through quantize_master_weights."""
     from ..modules.base import FORWARD_SLOTS
+    from .batched_weight_casts import WeightCastBatch, batchable
     from .shard_state_dict import install_state_dict_hooks
 
+    batch = WeightCastBatch()
     for module in model.modules():
         if gemm_weights(module):  # DCP then saves savable values (shard_state_dict.py)
             install_state_dict_hooks(module)
@@ -382,7 +405,9 @@ def enable_low_precision_all_gather(model: nn.Module, recipe) -> nn.Module:
                     "direction is not written: forward gathers only the rowwise copy, and "
                     "delayed scaling needs backward's copy from forward's scale; use current "
                     "scaling in the hybrid, or gather high-precision weights")
-            wrapped = LowPrecisionGatherWeight(weight.detach(), quantizer.copy())
+            member = ((batch, batch.add(module, name, quantizer)) if batchable(quantizer)
+                      else None)
+            wrapped = LowPrecisionGatherWeight(weight.detach(), quantizer.copy(), member)
             setattr(module, name, nn.Parameter(wrapped, requires_grad=weight.requires_grad))
             # backward reads the re-gathered weight instead of a full-size copy kept from
             # forward; delayed scaling keeps its copy (a re-gather would use the scale of the
