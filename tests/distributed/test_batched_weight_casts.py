@@ -49,7 +49,8 @@ def counting_worker(rank: int, world_size: int, recipe_name: str) -> dict:
     model = build()
     enable_low_precision_all_gather(model, recipe)
     shard(model, world_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # foreach (CUDA's default) updates the weights without bumping their version counters
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     generator = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         x = cpu_randn(world_size * 64, HIDDEN, generator=generator).chunk(world_size)[rank]

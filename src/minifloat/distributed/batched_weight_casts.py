@@ -12,10 +12,11 @@ further micro-batches) hands over the bytes already made.
 
 The bytes are those of quantizing each shard alone with its amax reduced over the group: the
 same amaxes, the same MAX reduction, the same cast (the multi-tensor kernels write the
-single-tensor bytes). A shard is stale when the version counter of its parameter moved (the
-optimizer's step, load_state_dict and every in-place op on the parameter bump it); a change
-through `.data`, which bypasses the counter, is not seen, so change sharded weights in place
-only through the parameter itself.
+single-tensor bytes). A shard is stale after any optimizer step (a global step post-hook
+counts them: foreach and fused steps, CUDA's defaults, bump no version counter) and when the
+version counter of its parameter moved (load_state_dict and every other in-place op on the
+parameter bump it). A change through `.data`, or by a foreach op outside an optimizer step, is
+not seen: change sharded weights in place through the parameter itself.
 """
 
 from __future__ import annotations
@@ -36,13 +37,31 @@ def batchable(quantizer: Quantizer) -> bool:
     return type(quantizer) is Float8CurrentScalingQuantizer
 
 
+_OPTIMIZER_STEPS = [0]  # optimizer steps taken in this process (any optimizer)
+_HOOK: list = []
+
+
+def _count_optimizer_step(*_: Any) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+def _watch_optimizer_steps() -> None:
+    """Count optimizer steps (a global post-hook, registered once): foreach and fused optimizer
+    steps (CUDA's defaults) update parameters without bumping their version counters."""
+    if not _HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
+
+
 class WeightCastBatch:
     """The current-scaling weights of one model (module, parameter name) and the gather
     inputs last made for each: (the shard's version when made, the mesh, the inputs)."""
 
     def __init__(self) -> None:
         self.members: list[tuple[nn.Module, str, Quantizer]] = []
-        self.made: dict[int, tuple[int, Any, tuple]] = {}
+        self.made: dict[int, tuple[tuple[int, int], Any, tuple]] = {}
+        _watch_optimizer_steps()
 
     def add(self, module: nn.Module, name: str, quantizer: Quantizer) -> int:
         output = quantizer.copy()  # what the gathered storage records, as a quantize call's
@@ -51,11 +70,12 @@ class WeightCastBatch:
         self.members.append((module, name, output))
         return len(self.members) - 1
 
-    def _version(self, index: int) -> int:
-        """The version counter of member `index`'s parameter (the FSDP2 DTensor): in-place ops
-        on it bump it; the wrappers inside see none (tensor subclasses run below autograd)."""
+    def _version(self, index: int) -> tuple[int, int]:
+        """What changes when member `index`'s weight may have: the optimizer steps taken, and
+        the version counter of its parameter (the FSDP2 DTensor; in-place ops on it bump it,
+        the wrappers inside see none: tensor subclasses run below autograd)."""
         module, name, _ = self.members[index]
-        return getattr(module, name)._version
+        return _OPTIMIZER_STEPS[0], getattr(module, name)._version
 
     def gather_inputs(self, index: int, mesh) -> tuple | None:
         """The (all-gather inputs, metadata) of member `index`, made with the whole batch when
@@ -83,7 +103,7 @@ class WeightCastBatch:
             shard = local._inner
             key = (shard.dtype, shard.device, quantizer.fp8_dtype, quantizer.amax_epsilon,
                    quantizer.power_2_scale)
-            groups.setdefault(key, []).append((index, shard, quantizer, parameter._version))
+            groups.setdefault(key, []).append((index, shard, quantizer, self._version(index)))
         reduce = _all_reduce_max(mesh)
         for members in groups.values():
             shards = [shard.detach() for _, shard, _, _ in members]
