@@ -20,6 +20,8 @@ RECIPES = {
     # stochastic rounding (gradients) and RHT (wgrad copies): SR draws from torch's generator,
     # whose state the checkpoint carries as any training checkpoint does
     "nvfp4": lambda: mf.NVFP4BlockScaling(),
+    "block": lambda: mf.Float8BlockScaling(),
+    "mxfp8": lambda: mf.MXFP8BlockScaling(),
     "hybrid-delayed": lambda: mf.HybridRecipe(fprop=mf.DelayedScaling(amax_history_len=3),
                                               dgrad=mf.MXFP8BlockScaling(),
                                               wgrad=mf.MXFP8BlockScaling()),

@@ -99,8 +99,9 @@ def test_layers_the_recipe_cannot_hold_stay_with_one_warning():
     assert len(caught) == 1, [str(w.message) for w in caught]
     message = str(caught[0].message)
     # each skipped layer by name with its weight shape, and nothing about the layer that fits
-    assert "0 (100, 64)" in message and "2 (64, 100)" in message, message
-    assert "4 (64, 64)" not in message and "(64, 64)" not in message, message
+    assert "0 (Linear)" in message and "[100, 64]" in message, message
+    assert "2 (Linear)" in message and "[64, 100]" in message, message
+    assert "4 (Linear)" not in message and "[64, 64]" not in message, message
     assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear
     assert isinstance(model[4], mf.Linear)
     # 100 features fit per-tensor FP8: nothing skipped, no warning
@@ -156,3 +157,42 @@ def test_readme_flow_convert_and_train(kind):
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+class Experts(nn.Module):
+    """A mixture of experts' fused expert weights (3-D, run with grouped matmuls), as
+    transformers implements them: no nn.Linear inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(4, 128, 64))
+
+    def forward(self, x):
+        return x
+
+
+def test_the_report_names_every_layer_and_its_fate(caplog):
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 40), Experts(), nn.Linear(64, 64))
+    with caplog.at_level("INFO", logger="minifloat"), pytest.warns(UserWarning) as caught:
+        mf.convert_model(model, recipe=mf.NVFP4BlockScaling(),
+                         filter_fn=lambda name, _: name != "3")
+    report = model.minifloat_conversion
+    assert [name for name, _, _ in report.converted] == ["0"]
+    skipped = {name: reason for name, _, reason in report.skipped}
+    assert skipped["1"].startswith("the recipe's formats cannot hold")
+    assert skipped["2"].startswith("unknown module type")
+    assert skipped["3"] == "refused by filter_fn"
+    assert "1 layers converted, 3 skipped" in caplog.text
+    message = str(caught[0].message)  # what stays in high precision unasked, not the filter's
+    assert "1 (Linear)" in message and "2 (Experts)" in message and "3 (" not in message
+
+
+def test_strict_turns_a_skip_into_an_error_and_nothing_converted_warns():
+    with pytest.raises(ValueError, match=r"strict=True.*2 \(Experts\): unknown module type"):
+        mf.convert_model(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), Experts()),
+                         recipe=mf.Float8CurrentScaling(), strict=True)
+    with pytest.warns(UserWarning, match="converted no layer"):
+        mf.convert_model(nn.Sequential(nn.ReLU(), nn.LayerNorm(8)))
+    model = nn.Sequential(nn.Linear(64, 64))
+    mf.convert_model(model, recipe=mf.Float8CurrentScaling(), strict=True)  # nothing skipped
+    assert isinstance(model[0], mf.Linear)

@@ -222,6 +222,10 @@ class QuantizedModule(nn.Module):
                     forward_quantizers[len(FORWARD_SLOTS) * g],
                     forward_quantizers[len(FORWARD_SLOTS) * g + 1],
                     backward_quantizers[len(BACKWARD_SLOTS) * g]) for g in range(self.num_gemms)],
+                row_multiples=[math.lcm(
+                    forward_quantizers[len(FORWARD_SLOTS) * g].row_multiple(),
+                    backward_quantizers[len(BACKWARD_SLOTS) * g].row_multiple())
+                    for g in range(self.num_gemms)],
             )
             for tensor in binding.state:
                 # the ops record amaxes into these in place: CUDA graphs (reduce-overhead) must
@@ -232,6 +236,21 @@ class QuantizedModule(nn.Module):
             self._bindings[token] = binding
             self._compiled_args[token] = (binding.plan, binding.state)
         return binding
+
+    def _run_rows_padded(self, x: torch.Tensor, multiple: int, weights: list[torch.Tensor],
+                         biases: list[torch.Tensor | None], gemms: list[int],
+                         is_first_microbatch: bool | None, amax_reduction) -> torch.Tensor:
+        """Any token count under formats whose blocks run along the rows (MXFP8 32, NVFP4 16):
+        zero rows pad x to the multiple, the output keeps the real rows. Exact: a zero row
+        raises no block's amax and quantizes to zeros, its output rows are dropped, and their
+        gradient is zero, so the weight gradient sums the real rows only. Costs a copy of x
+        (decode steps and ragged batches are small)."""
+        rows = x.numel() // x.shape[-1]
+        padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % multiple))
+        y = self.run_gemms(padded, [padded.shape[0]], weights, biases, gemms,
+                           is_first_microbatch=is_first_microbatch,
+                           amax_reduction=amax_reduction)
+        return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
 
     def _report_dequantized_weights(self, weight: torch.Tensor) -> None:
         """Say (once) that weights built quantized now arrive in high precision. The usual
@@ -358,6 +377,14 @@ class QuantizedModule(nn.Module):
             outputs = [F.linear(piece, plain_weight(w), b)
                        for piece, w, b in zip(pieces, weights, biases, strict=True)]
             return as_output(torch.cat(outputs), (*x.shape[:-1], weights[0].shape[0]))
+        if len(weights) == 1 and input_gather_group is None and output_scatter_group is None:
+            if torch.compiler.is_compiling():
+                bind_live_modules(token)
+            binding = self._bindings.get(token) or self.binding(token)
+            multiple = binding.row_multiples[gemms[0]]
+            if multiple > 1 and m_splits[0] % multiple:
+                return self._run_rows_padded(x, multiple, weights, biases, gemms,
+                                             is_first_microbatch, amax_reduction)
         grad_enabled = torch.is_grad_enabled()
         need_dgrad = grad_enabled and x.requires_grad
         need_wgrad = grad_enabled and any(w.requires_grad for w in weights)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +65,8 @@ class GemmBinding:
     delayed_pair: object  # autocast's registration of the delayed-scaling states, or None
     recipe_states: tuple[RecipeState, RecipeState]
     lean_plans: list  # per GEMM: lean_fp8.LeanPlan, or None (the general path)
+    # per GEMM: the multiple its input's (and output gradient's) rows must be of (1: any)
+    row_multiples: list[int] = field(default_factory=list)
 
 
 @dataclass

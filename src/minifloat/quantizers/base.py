@@ -354,6 +354,11 @@ class Quantizer:
         if len(shape) == 0:
             raise ValueError("cannot quantize a 0-dim tensor: give it at least one dimension")
 
+    def row_multiple(self) -> int:
+        """The multiple the rows M of the 2D view [M, K] must be of (blocks that run along M:
+        MXFP8 32, NVFP4 16); 1 where any M fits. Modules pad activations' rows to it."""
+        return 1
+
     def state_version(self) -> int:
         """Changes whenever state that affects the bytes changes (delayed-scaling scales), so
         caches of quantized weights know to requantize. Stateless quantizers return 0."""

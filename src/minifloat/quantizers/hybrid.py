@@ -10,6 +10,7 @@ asks it for the copy the GEMM needs.
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -299,6 +300,10 @@ class HybridQuantizer(Quantizer):
         super().check_shape(shape)
         for child in self._children_in_use():
             child.check_shape(shape)
+
+    def row_multiple(self) -> int:
+        return math.lcm(self.rowwise_quantizer.row_multiple(),
+                        self.columnwise_quantizer.row_multiple())
 
     def state_version(self) -> int:
         return hash((self.rowwise_quantizer.state_version(),

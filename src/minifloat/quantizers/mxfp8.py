@@ -75,6 +75,9 @@ class MXFP8Quantizer(Quantizer):
         k = shape[-1]
         require_divisible((math.prod(shape) // k if k else 0, k), BLOCK, "MXFP8")
 
+    def row_multiple(self) -> int:
+        return BLOCK
+
     def _quantize_impl(self, x: torch.Tensor, owner: Quantizer) -> MXFP8Storage:
         quantize = numerics.quantize_mxfp8
         if kernels.available(x) and x.is_contiguous() and x.dtype in KERNEL_INPUT_DTYPES:

@@ -116,6 +116,9 @@ class NVFP4Quantizer(Quantizer):
         k = shape[-1]
         require_divisible((math.prod(shape) // k if k else 0, k), BLOCK, "NVFP4")
 
+    def row_multiple(self) -> int:
+        return BLOCK
+
     def is_requantization_safe(self) -> bool:
         return not self.stochastic_rounding
 
