@@ -10,6 +10,7 @@ from .convert import convert_model
 from .gemm import general_gemm
 from .graphs import make_graphed_callables
 from .modules import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
+from .modules.weights import quantize_weights_once
 from .quantizers import (
     Float8BlockQuantizer,
     Float8BlockStorage,
@@ -65,6 +66,7 @@ __all__ = [
     "Recipe",
     "RecipeState",
     "autocast",
+    "quantize_weights_once",
     "checkpoint",
     "convert_model",
     "factories",

@@ -135,3 +135,45 @@ def test_mixture_of_experts_says_what_stays_in_high_precision():
     with pytest.raises(ValueError, match="experts"):
         mf.convert_model(mixtral(), recipe=mf.Float8CurrentScaling(), filter_fn=not_head,
                          strict=True)
+
+
+def weight_quantizations(model: torch.nn.Module, run) -> int:
+    """How many times `run()` quantizes one of the model's weights."""
+    from minifloat.quantizers.base import Quantizer
+
+    pointers = {p.data_ptr() for p in model.parameters()}
+    count, original = [0], Quantizer.quantize
+
+    def counting(self, x):
+        count[0] += x.data_ptr() in pointers
+        return original(self, x)
+
+    Quantizer.quantize = Quantizer.__call__ = counting
+    try:
+        run()
+    finally:
+        Quantizer.quantize = Quantizer.__call__ = original
+    return count[0]
+
+
+@pytest.mark.parametrize("recipe", [mf.Float8CurrentScaling(), mf.MXFP8BlockScaling()],
+                         ids=["current", "mxfp8"])
+def test_generate_quantizes_each_weight_once_inside_quantize_weights_once(recipe):
+    model = build("llama")
+    mf.convert_model(model, recipe=recipe, filter_fn=not_head)
+    prompt = tokens()[:1, :7]
+
+    def generate(once: bool):
+        with torch.no_grad(), mf.autocast(recipe=recipe):
+            if not once:
+                return model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+            with mf.quantize_weights_once():
+                return model.generate(prompt, max_new_tokens=4, do_sample=False,
+                                      pad_token_id=0)
+
+    outputs = {}
+    per_token = weight_quantizations(model, lambda: outputs.update(plain=generate(False)))
+    once = weight_quantizations(model, lambda: outputs.update(once=generate(True)))
+    assert per_token == 14 * 4  # the prompt's forward and 3 decode steps
+    assert once == 14
+    assert torch.equal(outputs["once"], outputs["plain"])  # the same weights' bytes

@@ -111,8 +111,10 @@ def test_linear_close_to_bf16_autograd(kind):
 
 def test_shape_the_format_cannot_hold_is_a_clear_error():
     lin = make_linear()
+    with mf.autocast(recipe=RECIPES["mxfp8"]):  # any token count: rows are padded inside
+        assert lin(torch.randn(48, IN_FEATURES)).shape == (48, lin.out_features)
     with pytest.raises(ValueError, match="32"), mf.autocast(recipe=RECIPES["mxfp8"]):
-        lin(torch.randn(48, IN_FEATURES))  # 48 rows: not a multiple of MXFP8's 32
+        mf.Linear(40, 64)(torch.randn(64, 40))  # 40 features: not a multiple of MXFP8's 32
     with pytest.raises(ValueError, match="in_features|last dim|96"), \
             mf.autocast(recipe=RECIPES["current"]):
         lin(torch.randn(64, IN_FEATURES + 1))

@@ -48,7 +48,7 @@ from .linear_function import (  # noqa: F401 - the slot names are part of base's
     LinearGemms,
     as_output,
 )
-from .weights import weight_cache_for
+from .weights import weight_cache_for, weights_quantized_once
 
 # Every live module, so that the first compiled trace under a recipe can bind them all at once
 # (bind_live_modules): a module whose binding exists before its trace adds no guard of its own.
@@ -422,7 +422,7 @@ class QuantizedModule(nn.Module):
             forward_quantizers, backward_quantizers = _with_amax_group(
                 forward_quantizers, backward_quantizers, *amax_reduction)
         elif (is_first_microbatch is None and len(weights) == 1 and input_gather_group is None
-              and output_scatter_group is None):
+              and output_scatter_group is None and not weights_quantized_once()):
             lean = binding.lean_plans[gemms[0]]
             if lean is not None and lean_applies(x, weights[0]):
                 if binding.delayed_pair is None:

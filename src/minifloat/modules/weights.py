@@ -18,7 +18,9 @@ Two kinds of weight reach a GEMM module:
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -69,7 +71,7 @@ def quantized_weight(
         return storage
     if cache is None:
         return quantizer(weight.detach())
-    key = (weight._version, id(quantizer), quantizer.state_version())
+    key = (weight._version, id(quantizer), quantizer.state_version(), _ONCE["epoch"])
     entry = cache.get(id(weight))
     if reuse and entry is not None and entry["weight"]() is weight and entry["key"] == key:
         storage = entry["storage"]
@@ -80,9 +82,36 @@ def quantized_weight(
     return storage
 
 
+# quantize_weights_once: how deeply nested, and an epoch that every entry and exit moves on,
+# so no kept quantization crosses the border of such a block in either direction
+_ONCE = {"depth": 0, "epoch": 0}
+
+
+@contextlib.contextmanager
+def quantize_weights_once() -> Iterator[None]:
+    """Inside, each module quantizes each weight once and reuses that copy for every later
+    call: generation (a prompt, then a forward per token) or evaluation, where the weights do
+    not change. The caller vouches for that, as with TransformerEngine's
+    `is_first_microbatch=False`: an optimizer step or a write to the weights inside the block
+    is not seen. Kept copies are dropped from use when the block ends. Eager only (a compiled
+    graph quantizes inside the graph)."""
+    _ONCE["depth"] += 1
+    _ONCE["epoch"] += 1
+    try:
+        yield
+    finally:
+        _ONCE["depth"] -= 1
+        _ONCE["epoch"] += 1
+
+
+def weights_quantized_once() -> bool:
+    return _ONCE["depth"] > 0 and not torch.compiler.is_compiling()
+
+
 def weight_cache_for(cache: dict[int, dict], is_first_microbatch: bool | None
                      ) -> tuple[dict[int, dict] | None, bool]:
-    """(cache, reuse) for quantized_weight from a forward's `is_first_microbatch` flag."""
+    """(cache, reuse) for quantized_weight from a forward's `is_first_microbatch` flag (None
+    inside quantize_weights_once: reuse)."""
     if is_first_microbatch is None:
-        return None, False
+        return (cache, True) if weights_quantized_once() else (None, False)
     return cache, not is_first_microbatch
