@@ -1,8 +1,10 @@
 """convert_model: swap a model's GEMM layers for minifloat.Linear in place, keeping their
 weights, and say what it did.
 
-Converted: nn.Linear, and the GPT-2 family's `Conv1D` (transformers.pytorch_utils.Conv1D: a
-Linear whose weight is stored [in, out]). A Conv1D's weight is transposed once, here, into
+Converted: nn.Linear, the GPT-2 family's `Conv1D` (transformers.pytorch_utils.Conv1D: a
+Linear whose weight is stored [in, out]), and transformers' fused mixture-of-experts weights
+(Mixtral, Qwen-MoE: 3-D gate_up_proj / down_proj) onto grouped GEMMs (modules/fused_experts.py).
+A Conv1D's weight is transposed once, here, into
 the [out, in] layout the GEMMs read, so no step copies it; state-dict hooks keep its saved
 layout and key, so `save_pretrained` / `from_pretrained` and plain-model checkpoints still
 match.
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from .modules import Linear, QuantizedModule
+from .modules.fused_experts import FusedExperts, computes_like, fused_experts_layout
 from .recipe_state import RecipeState
 from .recipes import Recipe
 
@@ -131,6 +134,10 @@ def convert_model(
         for child_name, child in list(parent.named_children()):
             full_name = f"{parent_name}.{child_name}" if parent_name else child_name
             kind = type(child).__name__
+            if fused_experts_layout(child):
+                _convert_experts(parent, child_name, child, full_name, recipe, filter_fn,
+                                 report)
+                continue
             if type(child) is not nn.Linear and not _is_conv1d(child):
                 if _unknown_gemm(child) and "Router" in kind:
                     report.skipped.append((full_name, kind, _ROUTER))
@@ -154,6 +161,30 @@ def convert_model(
     LOGGER.info("%s", report)
     _complain(report, strict)
     return model
+
+
+def _convert_experts(parent: nn.Module, child_name: str, child: nn.Module, name: str,
+                     recipe: Recipe | None, filter_fn, report: ConversionReport) -> None:
+    """transformers' fused experts (3-D gate_up_proj / down_proj) -> FusedExperts, if the
+    filter and the recipe accept both expert GEMMs and the module computes what FusedExperts
+    does (checked on a few tokens)."""
+    kind = type(child).__name__
+    if filter_fn is not None and not filter_fn(name, child):
+        report.skipped.append((name, kind, _FILTERED))
+        return
+    shapes = [tuple(child.gate_up_proj.shape[1:]), tuple(child.down_proj.shape[1:])]
+    for shape in shapes:
+        if not _fits_recipe(shape, recipe, name):
+            report.skipped.append((name, kind, "the recipe's formats cannot hold an expert "
+                                   f"weight of shape {list(shape)}: high precision"))
+            return
+    replacement = FusedExperts(child, name=name)
+    if not computes_like(child, replacement):
+        report.skipped.append((name, kind, "fused experts that do not compute as Mixtral's "
+                               "(gate/up halves, layout): high precision"))
+        return
+    setattr(parent, child_name, replacement)
+    report.converted.append((name, kind, tuple(child.gate_up_proj.shape)))
 
 
 def _keep_recipe_state_out_of_hf_checkpoints(model: nn.Module, report: ConversionReport

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import minifloat as mf
+from minifloat.modules.fused_experts import FusedExperts
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,10 +26,17 @@ MODELS = {
     "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL)),
     "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)),
+    # mixtures of experts: fused 3-D expert weights on grouped GEMMs, routers in high precision
+    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **SMALL, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3-moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **SMALL, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+        head_dim=16)),
 }
 # linear layers a converted model holds per block: q, k, v, o, gate, up, down (Llama family);
 # c_attn, c_proj (attention), c_fc, c_proj (MLP) for GPT-2's Conv1D
-CONVERTED = {"llama": 14, "qwen2": 14, "mistral": 14, "gpt2": 8}
+CONVERTED = {"llama": 14, "qwen2": 14, "mistral": 14, "gpt2": 8,
+             "mixtral": 10, "qwen3-moe": 10}  # MoE: q, k, v, o and the experts, per block
 RECIPES = {
     "delayed": mf.DelayedScaling,
     "current": mf.Float8CurrentScaling,
@@ -96,8 +104,10 @@ def test_converted_models_train_generate_and_round_trip(name, tmp_path):
         assert torch.equal(converted_state[key], plain_state[key]), key
     batch = tokens()
     model.eval()  # from_pretrained returns an eval-mode model (GPT-2 has dropout)
-    with torch.no_grad():  # outside autocast the converted model is the plain model
-        assert torch.equal(model(input_ids=batch).logits, plain(input_ids=batch).logits)
+    with torch.no_grad():  # outside autocast the converted model is the plain model (MoE:
+        # grouped GEMMs sum a token's experts in another order than transformers' loop)
+        assert torch.allclose(model(input_ids=batch).logits, plain(input_ids=batch).logits,
+                              rtol=0, atol=1e-5)
 
 
 def test_gpt2_conv1d_is_converted_with_its_layout_kept():
@@ -116,25 +126,40 @@ def test_gpt2_conv1d_is_converted_with_its_layout_kept():
         assert torch.allclose(model(input_ids=x).logits, expected, atol=1e-5)
 
 
-def mixtral() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2)
-    return transformers.MixtralForCausalLM(config)
+def test_fused_experts_compute_as_transformers_does_and_keep_their_keys():
+    """Outside autocast the converted experts compute what transformers' own loop does (to
+    float summation order); the parameters keep their names; the routers stay; a fused-expert
+    module of another layout (here: gate/up halves swapped) is left in high precision, said."""
+    model = build("mixtral").eval()
+    keys = set(model.state_dict())
+    x = tokens()
+    with torch.no_grad():
+        expected = model(input_ids=x).logits
+    mf.convert_model(model, recipe=mf.MXFP8BlockScaling(), filter_fn=not_head)
+    assert isinstance(model.model.layers[0].mlp.experts, FusedExperts)
+    assert type(model.model.layers[0].mlp.gate).__name__ == "MixtralTopKRouter"
+    assert {k for k in model.state_dict() if not k.endswith("_extra_state")} == keys
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=x).logits, expected, atol=1e-5)
 
+    other = build("mixtral")
+    experts = other.model.layers[0].mlp.experts
 
-def test_mixture_of_experts_says_what_stays_in_high_precision():
-    """Fused 3-D expert weights (grouped matmuls) are not converted yet: the report and a
-    warning say so, strict=True refuses; the router stays in high precision unasked."""
-    model = mixtral()
-    with pytest.warns(UserWarning, match=r"model\.layers\.0\.mlp\.experts \(MixtralExperts\)"):
-        mf.convert_model(model, recipe=mf.Float8CurrentScaling(), filter_fn=not_head)
-    skipped = {name: reason for name, _, reason in model.minifloat_conversion.skipped}
-    assert skipped["model.layers.1.mlp.gate"].startswith("router")
-    assert skipped["model.layers.1.mlp.experts"].startswith("unknown module type")
-    assert len(model.minifloat_conversion.converted) == 8  # attention: q, k, v, o x 2
-    with pytest.raises(ValueError, match="experts"):
-        mf.convert_model(mixtral(), recipe=mf.Float8CurrentScaling(), filter_fn=not_head,
-                         strict=True)
+    def swapped_halves(hidden_states, top_k_index, top_k_weights):  # up first, then gate
+        out = torch.zeros_like(hidden_states)
+        for k in range(top_k_index.shape[1]):
+            for t in range(hidden_states.shape[0]):
+                e = int(top_k_index[t, k])
+                up, gate = (hidden_states[t] @ experts.gate_up_proj[e].t()).chunk(2)
+                h = (experts.act_fn(gate) * up) @ experts.down_proj[e].t()
+                out[t] += h * top_k_weights[t, k]
+        return out
+
+    experts.forward = swapped_halves
+    with pytest.warns(UserWarning, match="do not compute as Mixtral"):
+        mf.convert_model(other, recipe=mf.Float8CurrentScaling(), filter_fn=not_head)
+    assert not isinstance(other.model.layers[0].mlp.experts, FusedExperts)
+    assert isinstance(other.model.layers[1].mlp.experts, FusedExperts)
 
 
 def weight_quantizations(model: torch.nn.Module, run) -> int:

@@ -1,0 +1,123 @@
+"""A mixture of experts' fused expert weights on minifloat's grouped GEMMs.
+
+transformers keeps the experts of Mixtral, Qwen-MoE and their kin as two 3-D parameters,
+`gate_up_proj` [E, 2F, D] and `down_proj` [E, D, F], and runs them token group by token group
+(`forward(hidden_states, top_k_index, top_k_weights)`). `FusedExperts` takes those parameters
+as they are (same names, so state dicts and save_pretrained keep their keys) and runs the same
+computation as two grouped GEMMs: the tokens sorted by expert, each expert's rows through its
+slice of each weight, with a quantizer per expert and GEMM (QuantizerRole module_type
+"grouped_linear", names `<name>.gate_up_proj` and `<name>.down_proj`). The router stays in high
+precision (convert_model does not touch it).
+
+Where a format's blocks run along the rows (MXFP8 32, NVFP4 16), each expert's rows are padded
+with zero rows to the multiple (exact: a zero row changes no amax and its output is dropped).
+The token counts per expert are read on the host, as transformers' own loop does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..autocast import active_token
+from .base import QuantizedModule
+
+
+class FusedExperts(QuantizedModule):
+    """Experts of transformers' fused layout on grouped GEMMs: GEMM e is expert e's gate_up
+    projection, GEMM E + e its down projection."""
+
+    module_type = "grouped_linear"
+
+    def __init__(self, experts: nn.Module, name: str | None = None) -> None:
+        super().__init__(name)
+        self.gate_up_proj = experts.gate_up_proj
+        self.down_proj = experts.down_proj
+        self.act_fn = experts.act_fn
+        self.num_experts = self.gate_up_proj.shape[0]
+        self.num_gemms = 2 * self.num_experts
+
+    def gemm_name(self, gemm: int) -> str:
+        part = "gate_up_proj" if gemm < self.num_experts else "down_proj"
+        return f"{self.name}.{part}" if self.name else part
+
+    def _row_multiple(self) -> int:
+        token = active_token()
+        if token == 0:
+            return 1
+        binding = self._bindings.get(token) or self.binding(token)
+        return math.lcm(*binding.row_multiples)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        experts, top_k = self.num_experts, top_k_index.shape[-1]
+        chosen = top_k_index.reshape(-1)
+        order = torch.argsort(chosen, stable=True)  # (token, slot) pairs grouped by expert
+        token, slot = order // top_k, order % top_k
+        counts = torch.bincount(chosen, minlength=experts).tolist()
+        multiple = self._row_multiple()
+        padded = [-(-count // multiple) * multiple for count in counts]
+        # row r of the padded layout reads sorted row source[r], or a zero row (index len)
+        source = torch.full((sum(padded),), len(order), dtype=torch.long,
+                            device=hidden_states.device)
+        real = torch.cat([torch.arange(start, start + count, device=hidden_states.device)
+                          for start, count in zip(_starts(padded), counts, strict=True)])
+        source[real] = torch.arange(len(order), device=hidden_states.device)
+        rows = torch.cat([hidden_states[token], hidden_states.new_zeros(1, hidden_states.shape[1])])
+        x = rows[source]
+        hidden = self.run_gemms(x, padded, [self.gate_up_proj[e] for e in range(experts)],
+                                [None] * experts, gemms=list(range(experts)))
+        gate, up = hidden.chunk(2, dim=-1)
+        out = self.run_gemms(self.act_fn(gate) * up, padded,
+                             [self.down_proj[e] for e in range(experts)], [None] * experts,
+                             gemms=list(range(experts, 2 * experts)))[real]
+        out = out * top_k_weights[token, slot, None]
+        return torch.zeros_like(hidden_states).index_add_(0, token, out.to(hidden_states.dtype))
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, gate_up_proj={list(self.gate_up_proj.shape)}, "
+                f"down_proj={list(self.down_proj.shape)}, name={self.name!r}")
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total)
+        total += size
+    return starts
+
+
+def fused_experts_layout(module: nn.Module) -> bool:
+    """Whether `module` holds transformers' fused experts in the layout FusedExperts runs:
+    gate_up_proj [E, 2F, D], down_proj [E, D, F], an act_fn, no biases."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)):
+        return False
+    if gate_up.dim() != 3 or down.dim() != 3 or not hasattr(module, "act_fn"):
+        return False
+    experts, double_ffn, hidden = gate_up.shape
+    return (down.shape == (experts, hidden, double_ffn // 2) and double_ffn % 2 == 0
+            and sum(1 for _ in module.parameters(recurse=False)) == 2)
+
+
+@torch.no_grad()
+def computes_like(original: nn.Module, converted: FusedExperts) -> bool:
+    """Run both on a few random tokens outside autocast: the conversion holds only if the
+    module computes what FusedExperts does (a model with interleaved gate/up halves, or
+    another routine, would not)."""
+    experts, _, hidden = converted.gate_up_proj.shape
+    generator = torch.Generator().manual_seed(0)
+    device, dtype = converted.gate_up_proj.device, converted.gate_up_proj.dtype
+    if device.type == "meta":
+        return False
+    tokens = torch.randn(8, hidden, generator=generator).to(device, dtype)
+    top_k = min(2, experts)
+    index = torch.stack([torch.randperm(experts, generator=generator)[:top_k]
+                         for _ in range(8)]).to(device)
+    weights = torch.rand(8, top_k, generator=generator).to(device, dtype)
+    want = original(tokens, index, weights)
+    got = converted(tokens, index, weights)
+    return want.shape == got.shape and torch.allclose(want.float(), got.float(), rtol=1e-3,
+                                                      atol=1e-4)
