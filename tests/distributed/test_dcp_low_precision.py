@@ -22,7 +22,7 @@ from . import test_fsdp2 as fsdp2_case
 from . import test_quantized_shards as shards_case
 from .launch import cpu_randn, device_mesh, run_ranks
 
-SHARD_CASES = ["current", "block", "mxfp8", "nvfp4-cut-tiles"]
+SHARD_CASES = ["current", "block", "mxfp8", "nvfp4-cut-tiles", "hybrid-mxfp8-nvfp4"]
 
 
 def probe(name: str) -> torch.Tensor:

@@ -36,6 +36,14 @@ CASES = {  # recipe, width (each rank holds width / 2 rows of each weight)
     "mxfp8": (mf.MXFP8BlockScaling, 96),  # 48 rows a rank: a 32-row columnwise block on both
     "nvfp4": (lambda: NVFP4, 64),
     "nvfp4-cut-tiles": (lambda: NVFP4, 48),  # 24 rows a rank: a 16x16 tile on both ranks
+    # hybrid weights (seed 000): a format per direction, each part sharded and gathered as it
+    # is (hybrid_shards.py); MXFP8 forward, NVFP4 backward; current forward, blocks backward
+    # with 96 rows a rank (a 128x128 tile on both ranks)
+    "hybrid-mxfp8-nvfp4": (lambda: mf.HybridRecipe(fprop=mf.MXFP8BlockScaling(), dgrad=NVFP4,
+                                                   wgrad=NVFP4), 64),
+    "hybrid-current-block": (lambda: mf.HybridRecipe(
+        fprop=mf.Float8CurrentScaling(), dgrad=mf.Float8BlockScaling(),
+        wgrad=mf.Float8CurrentScaling()), 192),
 }
 # the rowwise buffers a shard holds (row slices of the full weight's) and the shared ones
 ROW_FIELDS = {"fp8": ("data",), "block": ("rowwise_data",),
@@ -68,13 +76,38 @@ def batches(name: str) -> list[torch.Tensor]:
     return [cpu_randn(WORLD * ROWS, hidden, generator=generator) for _ in range(STEPS)]
 
 
+# a hybrid weight's sub-storages and their (row fields, shared fields): the dgrad part keeps the
+# rowwise copy its columnwise one derives from
+HYBRID_FIELDS = {
+    "hybrid-mxfp8-nvfp4": {"rowwise_storage": (("rowwise_data", "rowwise_scale"), ()),
+                           "columnwise_storage": (("rowwise_data", "rowwise_scale"),
+                                                  ("amax_rowwise",))},
+    "hybrid-current-block": {"rowwise_storage": (("data",), ("scale_inv",)),
+                             "columnwise_storage": (("rowwise_data",), ("rowwise_scale_inv",))},
+}
+
+
 def kind_of(name: str) -> str:
+    if name.startswith("hybrid"):
+        return name
     return name.split("-")[0] if name.startswith(("nvfp4", "block", "mxfp8")) else "fp8"
+
+
+for _name, _subs in HYBRID_FIELDS.items():  # flattened as "<sub-storage>.<field>"
+    ROW_FIELDS[_name] = tuple(f"{sub}.{f}" for sub, (rows, _) in _subs.items() for f in rows)
+    SHARED_FIELDS[_name] = tuple(f"{sub}.{f}" for sub, (_, shared) in _subs.items()
+                                 for f in shared)
+
+
+def _field(storage, path: str) -> torch.Tensor:
+    for attribute in path.split("."):
+        storage = getattr(storage, attribute)
+    return storage
 
 
 def fields(storage, name: str) -> dict[str, torch.Tensor]:
     kind = kind_of(name)
-    return {field: getattr(storage, field).clone()
+    return {field: _field(storage, field).clone()
             for field in ROW_FIELDS[kind] + SHARED_FIELDS[kind]}
 
 
@@ -162,7 +195,7 @@ def test_sharded_quantized_weights_train_like_one_process_bitwise(name):
             quantizer = shard.shard_storage().quantizer
             assert getattr(quantizer, "amax_reduction_group", None) is None
             first = ROW_FIELDS[kind][0]
-            unpickled = getattr(shard.shard_storage(), first)  # on the rank's device (NCCL)
+            unpickled = _field(shard.shard_storage(), first)  # on the rank's device (NCCL)
             assert torch.equal(_bits(unpickled.to(storage[first].device)), _bits(storage[first]))
 
 

@@ -37,10 +37,20 @@ def hybrid_gather_inputs(shard: torch.Tensor, hybrid: HybridQuantizer, mesh, out
     backward = in_backward()
     child = hybrid.columnwise_quantizer if backward else hybrid.rowwise_quantizer
     inputs, inner = format_gather_inputs(shard, child, mesh, outer_size, backward)
-    rows, columns = shard.shape
+    return packed_hybrid_inputs(inputs, inner, hybrid, shard.shape, backward, mesh.size())
+
+
+def packed_hybrid_inputs(inputs: tuple[torch.Tensor, ...], inner: tuple,
+                         hybrid: HybridQuantizer, shape: tuple[int, int], backward: bool,
+                         world: int) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """One direction's gather inputs packed into the rank's fixed-size blob, and the metadata
+    hybrid_gathered_storage unpacks it with (also for quantized_model_init hybrid weights
+    sharded as bytes: hybrid_shards.py)."""
+    rows, columns = shape
+    child = hybrid.columnwise_quantizer if backward else hybrid.rowwise_quantizer
     row_bytes = max(_row_bytes_bound(q, columns, rows)
                     for q in (hybrid.rowwise_quantizer, hybrid.columnwise_quantizer))
-    blob = shard.new_zeros(rows * row_bytes, dtype=torch.uint8)
+    blob = inputs[0].new_zeros(rows * row_bytes, dtype=torch.uint8)
     layout, offset = [], 0
     for tensor in inputs:
         flat = tensor.contiguous().view(-1).view(torch.uint8)
@@ -56,7 +66,7 @@ def hybrid_gather_inputs(shard: torch.Tensor, hybrid: HybridQuantizer, mesh, out
     for quantizer in (hybrid_copy, hybrid_copy.rowwise_quantizer,
                       hybrid_copy.columnwise_quantizer):
         quantizer.amax_reduction_group = None  # nothing in the metadata holds a group
-    metadata = ("hybrid", backward, hybrid_copy, mesh.size(), rows, tuple(layout), inner)
+    metadata = ("hybrid", backward, hybrid_copy, world, rows, tuple(layout), inner)
     return (blob.view(rows, row_bytes),), metadata
 
 

@@ -16,7 +16,7 @@ shard with the maxima all-reduced over the group, so every shard keeps the share
 the gathered weight is the full master's cast, bit for bit.
 
 Per-tensor FP8 (current and delayed scaling), 128x128 block FP8, MXFP8 (both copies) and 2D NVFP4
-weights; other formats are refused.
+weights, and hybrids of them (hybrid_shards.py); other formats are refused.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from ..quantizers import (
     Float8BlockStorage,
     Float8Storage,
+    HybridStorage,
     MXFP8Storage,
     NVFP4Storage,
     QuantizedTensor,
@@ -71,35 +72,11 @@ class QuantizedShardWeight(torch.Tensor):
     @staticmethod
     def of(weight: QuantizedTensor) -> QuantizedShardWeight:
         storage = weight.quantized_storage
-        quantizer = storage.quantizer.copy() if storage.quantizer is not None else None
-        columns, nominal = storage.shape[-1], storage.dtype
-        if isinstance(storage, Float8Storage) and storage.data is not None:
-            return QuantizedShardWeight((storage.data.view(torch.uint8),), storage.scale_inv,
-                                        ("fp8", storage.fp8_dtype, quantizer, nominal, columns))
-        if (isinstance(storage, Float8BlockStorage) and storage.block_scaling_dim == 2
-                and storage.rowwise_data is not None):  # the tile grid is shared, whole
-            data = storage.rowwise_data
-            return QuantizedShardWeight((data.view(torch.uint8),), storage.rowwise_scale_inv,
-                                        ("block", data.dtype, quantizer, nominal, columns))
-        if (isinstance(storage, NVFP4Storage) and storage.two_dimensional
-                and storage.rowwise_data is not None):
-            scale = storage.rowwise_scale
-            return QuantizedShardWeight((storage.rowwise_data, scale.view(torch.uint8)),
-                                        storage.amax_rowwise,
-                                        ("nvfp4", scale.dtype, quantizer, nominal, columns))
-        if (isinstance(storage, MXFP8Storage) and storage.rowwise_data is not None
-                and storage.columnwise_data is not None):
-            rows = (storage.rowwise_data.view(torch.uint8), storage.rowwise_scale,
-                    storage.columnwise_data.view(torch.uint8))
-            return QuantizedShardWeight(rows, storage.columnwise_scale,
-                                        ("mxfp8", storage.fp8_dtype, quantizer, nominal,
-                                         columns))
-        raise NotImplementedError(
-            f"FSDP2 sharding of quantized_model_init weights covers per-tensor FP8, 128x128 "
-            f"block FP8, MXFP8 (both copies) and 2D NVFP4 with a rowwise copy; this weight is "
-            f"{storage!r}. Build the model without quantized_model_init to shard it (FSDP2 "
-            "then gathers high-precision weights, or quantized ones with "
-            "enable_low_precision_all_gather)")
+        if isinstance(storage, HybridStorage):
+            from .hybrid_shards import hybrid_parts
+
+            return QuantizedShardWeight(*hybrid_parts(storage))
+        return QuantizedShardWeight(*single_format_parts(storage))
 
     def __repr__(self) -> str:
         return f"QuantizedShardWeight({tuple(self.shape)}, {self._meta[0]})"
@@ -136,9 +113,9 @@ class QuantizedShardWeight(torch.Tensor):
         a weight's first gather buffers)."""
         from .fsdp import packed_for_one_rank
 
-        return packed_for_one_rank(*self._rank_gather_inputs(), mesh)
+        return packed_for_one_rank(*self._rank_gather_inputs(mesh.size()), mesh)
 
-    def _rank_gather_inputs(self) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    def _rank_gather_inputs(self, world: int = 1) -> tuple[tuple[torch.Tensor, ...], tuple]:
         kind, element_dtype, quantizer, _, _ = self._meta
         if kind == "fp8":
             return (self._data,), ("fp8", quantizer, element_dtype, self._shared)
@@ -146,8 +123,18 @@ class QuantizedShardWeight(torch.Tensor):
             return (self._data,), ("block_grid", quantizer, element_dtype, self._shared)
         if kind == "nvfp4":
             return self._rows, ("nvfp4", quantizer, element_dtype, self._shared)
+        if kind == "mxfp8_rowwise":  # a hybrid weight's forward part
+            data, scale = self._rows
+            return (data, scale), ("mxfp8", quantizer, (element_dtype, scale.dtype), "rowwise")
+        if kind == "mxfp8_columnwise":  # a hybrid weight's backward part; the whole grid
+            return self._rows, ("mxfp8_grid", quantizer, (element_dtype, torch.uint8),
+                                self._shared)
         from .fsdp import in_backward
 
+        if kind == "hybrid":
+            from .hybrid_shards import hybrid_rank_gather_inputs
+
+            return hybrid_rank_gather_inputs(self, in_backward(), world)
         data, scale, columnwise = self._rows
         if in_backward():  # backward's re-gather
             return ((columnwise, torch.zeros_like(scale)),
@@ -159,10 +146,23 @@ class QuantizedShardWeight(torch.Tensor):
 
         return refill_or_wrap(all_gather_outputs, metadata, self._meta[4], param_dtype, out)
 
-    def shard_storage(self) -> Float8Storage | Float8BlockStorage | NVFP4Storage | MXFP8Storage:
+    def shard_storage(self) -> (Float8Storage | Float8BlockStorage | NVFP4Storage | MXFP8Storage
+                                | HybridStorage):
         """A storage over these bytes (quantize_master_weights writes into it in place)."""
         kind, element_dtype, quantizer, dtype, columns = self._meta
         shape = (self._data.shape[0], columns)
+        if kind == "hybrid":
+            from .hybrid_shards import hybrid_shard_storage
+
+            return hybrid_shard_storage(self)
+        if kind in ("mxfp8_rowwise", "mxfp8_columnwise"):
+            rowwise = kind == "mxfp8_rowwise"
+            return MXFP8Storage(
+                shape=shape, dtype=dtype, quantizer=quantizer, fp8_dtype=element_dtype,
+                rowwise_data=self._data.view(element_dtype) if rowwise else None,
+                rowwise_scale=self._rows[1] if rowwise else None,
+                columnwise_data=None if rowwise else self._data.view(element_dtype),
+                columnwise_scale=None if rowwise else self._shared)
         if kind == "fp8":
             return Float8Storage(shape=shape, dtype=dtype, quantizer=quantizer,
                                  data=self._data.view(element_dtype), data_transpose=None,
@@ -186,8 +186,48 @@ class QuantizedShardWeight(torch.Tensor):
                             columnwise_scale=self._shared)
 
 
+def single_format_parts(storage, columnwise_only: bool = False) -> tuple[tuple, torch.Tensor,
+                                                                           tuple]:
+    """(row tensors, shared tensor, meta) of one format's storage: what a QuantizedShardWeight
+    holds. columnwise_only: a hybrid weight's columnwise MXFP8 sub-storage (its columnwise
+    bytes alone; the other formats keep a rowwise copy there, the columnwise one derived)."""
+    quantizer = storage.quantizer.copy() if storage.quantizer is not None else None
+    columns, nominal = storage.shape[-1], storage.dtype
+    if isinstance(storage, Float8Storage) and storage.data is not None:
+        return ((storage.data.view(torch.uint8),), storage.scale_inv,
+                ("fp8", storage.fp8_dtype, quantizer, nominal, columns))
+    if (isinstance(storage, Float8BlockStorage) and storage.block_scaling_dim == 2
+            and storage.rowwise_data is not None):  # the tile grid is shared, whole
+        data = storage.rowwise_data
+        return ((data.view(torch.uint8),), storage.rowwise_scale_inv,
+                ("block", data.dtype, quantizer, nominal, columns))
+    if (isinstance(storage, NVFP4Storage) and storage.two_dimensional
+            and storage.rowwise_data is not None):
+        scale = storage.rowwise_scale
+        return ((storage.rowwise_data, scale.view(torch.uint8)), storage.amax_rowwise,
+                ("nvfp4", scale.dtype, quantizer, nominal, columns))
+    if (isinstance(storage, MXFP8Storage) and columnwise_only
+            and storage.columnwise_data is not None):
+        return ((storage.columnwise_data.view(torch.uint8),), storage.columnwise_scale,
+                ("mxfp8_columnwise", storage.fp8_dtype, quantizer, nominal, columns))
+    if isinstance(storage, MXFP8Storage) and storage.rowwise_data is not None:
+        rows = (storage.rowwise_data.view(torch.uint8), storage.rowwise_scale)
+        if storage.columnwise_data is None:  # a hybrid weight's forward (rowwise) part
+            return (rows, storage.rowwise_scale.new_zeros(1),
+                    ("mxfp8_rowwise", storage.fp8_dtype, quantizer, nominal, columns))
+        return ((*rows, storage.columnwise_data.view(torch.uint8)), storage.columnwise_scale,
+                ("mxfp8", storage.fp8_dtype, quantizer, nominal, columns))
+    raise NotImplementedError(
+        f"FSDP2 sharding of quantized_model_init weights covers per-tensor FP8, 128x128 "
+        f"block FP8, MXFP8 and 2D NVFP4 with a rowwise copy, and hybrids of them; this weight "
+        f"is {storage!r}. Build the model without quantized_model_init to shard it (FSDP2 "
+        "then gathers high-precision weights, or quantized ones with "
+        "enable_low_precision_all_gather)")
+
+
 # elements per stored byte of the rowwise bytes: FP8 one, NVFP4 two (packed nibbles)
-_ELEMENTS = {"fp8": 1, "block": 1, "mxfp8": 1, "nvfp4": 2}
+_ELEMENTS = {"fp8": 1, "block": 1, "mxfp8": 1, "mxfp8_rowwise": 1, "mxfp8_columnwise": 1,
+             "nvfp4": 2, "hybrid": 1}
 
 
 def _relabeled(weight: QuantizedShardWeight, *, dtype: torch.dtype | None = None,
