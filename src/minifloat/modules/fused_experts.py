@@ -17,6 +17,7 @@ The token counts per expert are read on the host, as transformers' own loop does
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 import torch
 from torch import nn
@@ -62,8 +63,9 @@ class FusedExperts(QuantizedModule):
         # row r of the padded layout reads sorted row source[r], or a zero row (index len)
         source = torch.full((sum(padded),), len(order), dtype=torch.long,
                             device=hidden_states.device)
+        starts = accumulate([0, *padded[:-1]])  # each expert's first padded row
         real = torch.cat([torch.arange(start, start + count, device=hidden_states.device)
-                          for start, count in zip(_starts(padded), counts, strict=True)])
+                          for start, count in zip(starts, counts, strict=True)])
         source[real] = torch.arange(len(order), device=hidden_states.device)
         rows = torch.cat([hidden_states[token], hidden_states.new_zeros(1, hidden_states.shape[1])])
         x = rows[source]
@@ -79,14 +81,6 @@ class FusedExperts(QuantizedModule):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, gate_up_proj={list(self.gate_up_proj.shape)}, "
                 f"down_proj={list(self.down_proj.shape)}, name={self.name!r}")
-
-
-def _starts(sizes: list[int]) -> list[int]:
-    starts, total = [], 0
-    for size in sizes:
-        starts.append(total)
-        total += size
-    return starts
 
 
 def fused_experts_layout(module: nn.Module) -> bool:
