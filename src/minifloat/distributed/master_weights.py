@@ -51,6 +51,7 @@ from ..quantizers import (
     NVFP4Storage,
     QuantizedTensor,
 )
+from .master_cast_batched import batchable, cast_current_scaling
 from .quantized_shards import local_shard
 
 _MX_BLOCK = 32
@@ -318,28 +319,31 @@ def quantize_master_weights(
         raise ValueError(
             f"model_weights, master_weights and start_offsets differ in length "
             f"({len(model_weights)}, {len(master_weights)}, {len(start_offsets)})")
-    casts: list[_Cast] = []
-    pieces: list[torch.Tensor] = []
-    offset = 0
-    shapes: list[tuple[int, int]] = []
+    casts: list[tuple[_Cast, tuple[int, int]]] = []
     for index, (weight, master, start) in enumerate(
             zip(model_weights, master_weights, start_offsets, strict=True)):
         storage, base = _check(weight, master, int(start), index)
         for sub in _cast_targets(storage):
-            cast = _Cast(sub, None if master is None else master.detach(), int(start),
-                         _kind(sub), base=base)
-            maxima = _partial_maxima(cast, _shape(weight))
-            cast.offset, cast.count = offset, maxima.numel()
-            offset += maxima.numel()
-            casts.append(cast)
-            shapes.append(_shape(weight))
-            pieces.append(maxima)
-    if not casts:
-        return
-    reduced = all_reduce_max_keep_nan(torch.cat(pieces).float(), group)
-    for cast, shape in zip(casts, shapes, strict=True):
-        _cast(cast, reduced[cast.offset:cast.offset + cast.count], shape)
-        if not manual_post_all_gather_processing:
+            casts.append((_Cast(sub, None if master is None else master.detach(), int(start),
+                                _kind(sub), base=base), _shape(weight)))
+    # GPU, FP8 current scaling: every such weight in a fixed number of launches
+    batched = [cast for cast, _ in casts if batchable(cast)]
+    if batched:
+        cast_current_scaling(batched, group)
+    done = {id(cast) for cast in batched}
+    rest = [(cast, shape) for cast, shape in casts if id(cast) not in done]
+    pieces, offset = [], 0
+    for cast, shape in rest:
+        maxima = _partial_maxima(cast, shape)
+        cast.offset, cast.count = offset, maxima.numel()
+        offset += maxima.numel()
+        pieces.append(maxima)
+    if pieces:
+        reduced = all_reduce_max_keep_nan(torch.cat(pieces).float(), group)
+        for cast, shape in rest:
+            _cast(cast, reduced[cast.offset:cast.offset + cast.count], shape)
+    if not manual_post_all_gather_processing:
+        for cast, _ in casts:
             _drop_derived_copies(cast.storage)
 
 
