@@ -178,6 +178,10 @@ def _convert_experts(parent: nn.Module, child_name: str, child: nn.Module, name:
             report.skipped.append((name, kind, "the recipe's formats cannot hold an expert "
                                    f"weight of shape {list(shape)}: high precision"))
             return
+    if child.gate_up_proj.device.type == "meta":
+        report.skipped.append((name, kind, "fused experts on the meta device cannot be checked "
+                               "against FusedExperts: convert after the weights are loaded"))
+        return
     replacement = FusedExperts(child, name=name)
     if not computes_like(child, replacement):
         report.skipped.append((name, kind, "fused experts that do not compute as Mixtral's "
