@@ -103,7 +103,8 @@ class WeightCastBatch:
             shard = local._inner
             key = (shard.dtype, shard.device, quantizer.fp8_dtype, quantizer.amax_epsilon,
                    quantizer.power_2_scale)
-            groups.setdefault(key, []).append((index, shard, quantizer, self._version(index)))
+            version = (_OPTIMIZER_STEPS[0], parameter._version)  # what _version(index) reads
+            groups.setdefault(key, []).append((index, shard, quantizer, version))
         reduce = _all_reduce_max(mesh)
         for members in groups.values():
             shards = [shard.detach() for _, shard, _, _ in members]

@@ -193,14 +193,21 @@ def packed_for_one_rank(inputs: tuple[torch.Tensor, ...], metadata: tuple, mesh
     """
     if mesh.size() != 1 or len(inputs) == 1:
         return inputs, metadata
+    flat, layout = aligned_bytes(inputs)
+    return (flat,), ("packed", tuple(layout), metadata)
+
+
+def aligned_bytes(tensors) -> tuple[torch.Tensor, list[tuple]]:
+    """The tensors' bytes in one uint8 tensor, each at a 16-byte aligned offset, and each
+    one's (offset, bytes, dtype, shape), with which unpacked()-style views read it back."""
     parts, layout, offset = [], [], 0
-    for tensor in inputs:
+    for tensor in tensors:
         flat = tensor.contiguous().view(-1).view(torch.uint8)
         padding = -flat.numel() % 16
         parts += [flat, flat.new_zeros(padding)] if padding else [flat]
         layout.append((offset, flat.numel(), tensor.dtype, tuple(tensor.shape)))
         offset += flat.numel() + padding
-    return (torch.cat(parts),), ("packed", tuple(layout), metadata)
+    return torch.cat(parts), layout
 
 
 def unpacked(outputs: tuple[torch.Tensor, ...], metadata: tuple

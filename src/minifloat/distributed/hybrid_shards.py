@@ -17,37 +17,24 @@ from __future__ import annotations
 
 import torch
 
-from ..quantizers import (
-    Float8BlockStorage,
-    Float8Storage,
-    HybridStorage,
-    MXFP8Storage,
-    NVFP4Storage,
-)
+from ..quantizers import HybridStorage, MXFP8Storage
+from .fsdp import aligned_bytes
+from .master_weights import cast_targets
 from .quantized_shards import QuantizedShardWeight, single_format_parts
-
-_ALIGN = 16
-
-
-def _derives_columnwise(storage) -> bool:
-    return isinstance(storage, Float8Storage | Float8BlockStorage) or (
-        isinstance(storage, NVFP4Storage) and storage.two_dimensional)
 
 
 def hybrid_parts(storage: HybridStorage) -> tuple[tuple, torch.Tensor, tuple]:
     """(row tensors, shared bytes, meta) of a hybrid weight for QuantizedShardWeight."""
-    parts = []
-    for columnwise, sub in ((False, storage.rowwise_storage),
-                            (True, storage.columnwise_storage)):
-        if sub is None:
-            raise NotImplementedError(
-                "FSDP2 sharding of a hybrid quantized_model_init weight needs both "
-                "directions' sub-storages; this weight holds only one")
-        if columnwise and _derives_columnwise(sub) and not sub.has_rowwise():
-            sub.update_usage(rowwise=True)  # the bytes ranks own and gather, by rows
-        parts.append(single_format_parts(sub, columnwise_only=columnwise
-                                         and isinstance(sub, MXFP8Storage)))
-    shared, layouts = _packed([part[1] for part in parts])
+    if storage.rowwise_storage is None or storage.columnwise_storage is None:
+        raise NotImplementedError(
+            "FSDP2 sharding of a hybrid quantized_model_init weight needs both directions' "
+            "sub-storages; this weight holds only one")
+    # the bytes ranks own and gather, by rows: the dgrad part gets the rowwise copy its
+    # columnwise one derives from, as the master-weight cast writes it
+    fprop, dgrad = cast_targets(storage)
+    parts = [single_format_parts(fprop),
+             single_format_parts(dgrad, columnwise_only=isinstance(dgrad, MXFP8Storage))]
+    shared, layouts = aligned_bytes([part[1] for part in parts])
     quantizer = storage.quantizer.copy() if storage.quantizer is not None else None
     if quantizer is not None:
         quantizer.amax_reduction_group = None
@@ -55,19 +42,6 @@ def hybrid_parts(storage: HybridStorage) -> tuple[tuple, torch.Tensor, tuple]:
                  for (rows, _, meta), layout in zip(parts, layouts, strict=True))
     rows = parts[0][0] + parts[1][0]
     return rows, shared, ("hybrid", subs, quantizer, storage.dtype, storage.shape[-1])
-
-
-def _packed(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple]]:
-    """The tensors' bytes in one uint8 tensor, each at a 16-byte aligned offset, and each
-    one's (offset, bytes, dtype, shape) to view it back."""
-    pieces, layouts, offset = [], [], 0
-    for tensor in tensors:
-        flat = tensor.contiguous().view(-1).view(torch.uint8)
-        padding = -flat.numel() % _ALIGN
-        pieces += [flat, flat.new_zeros(padding)] if padding else [flat]
-        layouts.append((offset, flat.numel(), tensor.dtype, tuple(tensor.shape)))
-        offset += flat.numel() + padding
-    return torch.cat(pieces), layouts
 
 
 def _part(weight: QuantizedShardWeight, index: int) -> QuantizedShardWeight:

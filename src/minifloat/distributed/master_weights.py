@@ -26,7 +26,7 @@ nibbles (each rank's other nibble is left as it was).
 
 Hybrid weights (HybridRecipe: one format per direction) cast each sub-storage in its own
 format; a columnwise sub-storage of a format that derives its transposed copy keeps a rowwise
-copy for the ranges and the gather (_cast_targets).
+copy for the ranges and the gather (cast_targets).
 
 This is the reference implementation (pure torch, any device): a block format rebuilds a zero
 weight-sized fp32 buffer per weight to find the tile maxima of its range.
@@ -323,7 +323,7 @@ def quantize_master_weights(
     for index, (weight, master, start) in enumerate(
             zip(model_weights, master_weights, start_offsets, strict=True)):
         storage, base = _check(weight, master, int(start), index)
-        for sub in _cast_targets(storage):
+        for sub in cast_targets(storage):
             casts.append((_Cast(sub, None if master is None else master.detach(), int(start),
                                 _kind(sub), base=base), _shape(weight)))
     # GPU, FP8 current scaling: every such weight in a fixed number of launches
@@ -371,7 +371,7 @@ def cast_master_weights_to_nvfp4(
                             fsdp_shard_model_weights=fsdp_shard_model_weights)
 
 
-def _cast_targets(storage) -> list:
+def cast_targets(storage) -> list:
     """The storages a weight's cast writes: the weight's own, or a hybrid weight's two
     sub-storages, each in its own format (seed 000).
 
@@ -388,7 +388,7 @@ def _cast_targets(storage) -> list:
                             (True, storage.columnwise_storage)):
         if sub is None:
             continue
-        if columnwise and _derives_columnwise(sub) and not sub.has_rowwise():
+        if columnwise and sub.derives_columnwise() and not sub.has_rowwise():
             sub.update_usage(rowwise=True)
         targets.append(sub)
     return targets
@@ -400,7 +400,7 @@ def _shape(weight: torch.Tensor) -> tuple[int, int]:
 
 def _drop_derived_copies(storage) -> None:
     """Drop transposed copies that the cast left stale (rebuilt on next use)."""
-    if _derives_columnwise(storage) and storage.has_rowwise():
+    if storage.derives_columnwise() and storage.has_rowwise():
         storage.update_usage(columnwise=False)
 
 
@@ -413,11 +413,7 @@ def post_all_gather_processing(model_weights: Sequence[torch.Tensor]) -> None:
         subs = ([storage.columnwise_storage] if isinstance(storage, HybridStorage)
                 else [storage])  # a hybrid's rowwise sub-storage has no transposed copy
         for sub in subs:
-            if (sub is not None and _derives_columnwise(sub) and sub.has_columnwise()
+            if (sub is not None and sub.derives_columnwise() and sub.has_columnwise()
                     and sub.has_rowwise()):
                 sub._derive_columnwise()
 
-
-def _derives_columnwise(storage) -> bool:
-    return isinstance(storage, Float8Storage | Float8BlockStorage) or (
-        isinstance(storage, NVFP4Storage) and storage.two_dimensional)

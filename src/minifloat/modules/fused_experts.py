@@ -60,15 +60,16 @@ class FusedExperts(QuantizedModule):
         counts = torch.bincount(chosen, minlength=experts).tolist()
         multiple = self._row_multiple()
         padded = [-(-count // multiple) * multiple for count in counts]
-        # row r of the padded layout reads sorted row source[r], or a zero row (index len)
-        source = torch.full((sum(padded),), len(order), dtype=torch.long,
+        # row r of the padded layout is token source[r]'s hidden state, or the zero row that
+        # follows the tokens (index T): one gather of the expert-sorted, padded input
+        tokens = hidden_states.shape[0]
+        source = torch.full((sum(padded),), tokens, dtype=torch.long,
                             device=hidden_states.device)
         starts = accumulate([0, *padded[:-1]])  # each expert's first padded row
         real = torch.cat([torch.arange(start, start + count, device=hidden_states.device)
                           for start, count in zip(starts, counts, strict=True)])
-        source[real] = torch.arange(len(order), device=hidden_states.device)
-        rows = torch.cat([hidden_states[token], hidden_states.new_zeros(1, hidden_states.shape[1])])
-        x = rows[source]
+        source[real] = token
+        x = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[1])])[source]
         hidden = self.run_gemms(x, padded, [self.gate_up_proj[e] for e in range(experts)],
                                 [None] * experts, gemms=list(range(experts)))
         gate, up = hidden.chunk(2, dim=-1)

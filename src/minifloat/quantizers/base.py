@@ -279,7 +279,7 @@ class QuantizedStorage:
                 fp8_fields[name] = buffer.dtype
                 state[name] = buffer.view(torch.uint8)
         state["_fp8_fields"] = fp8_fields
-        if self.has_rowwise() and self.has_columnwise() and self._columnwise_is_derived():
+        if self.has_rowwise() and self.has_columnwise() and self.derives_columnwise():
             # a checkpoint holds the bytes once: the transposed copy is rebuilt on load, the
             # same bytes (NUMERICS.md §9), so a quantized weight saves at 1 byte per element
             for name in self.columnwise_fields:
@@ -298,9 +298,10 @@ class QuantizedStorage:
         if derive:
             self._derive_columnwise()
 
-    def _columnwise_is_derived(self) -> bool:
-        """Whether the columnwise copy is exactly a rearrangement of the rowwise one (pickling
-        then leaves it out)."""
+    def derives_columnwise(self) -> bool:
+        """Whether the format's columnwise copy is exactly a rearrangement of the rowwise one
+        (NUMERICS.md §9): pickling then leaves it out, and distributed casts write only the
+        rowwise bytes and rebuild it after the all-gather."""
         return False
 
     def __repr__(self) -> str:

@@ -55,7 +55,7 @@ class Float8BlockStorage(QuantizedStorage):
             self.rowwise_data, self.rowwise_scale_inv
         )
 
-    def _columnwise_is_derived(self) -> bool:
+    def derives_columnwise(self) -> bool:
         return self.block_scaling_dim == 2
 
 

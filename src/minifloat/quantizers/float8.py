@@ -38,8 +38,8 @@ class Float8Storage(QuantizedStorage):
     def _derive_columnwise(self) -> None:
         self.data_transpose = self.data.t().contiguous()
 
-    def _columnwise_is_derived(self) -> bool:
-        return self.data is not None and self.data.dim() == 2
+    def derives_columnwise(self) -> bool:
+        return True
 
 
 def _per_tensor_storage(

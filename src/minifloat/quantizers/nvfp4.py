@@ -77,7 +77,7 @@ class NVFP4Storage(QuantizedStorage):
         )
         self.amax_columnwise = self.amax_rowwise.clone()
 
-    def _columnwise_is_derived(self) -> bool:
+    def derives_columnwise(self) -> bool:
         return self.two_dimensional and not self.with_rht
 
 
