@@ -13,6 +13,12 @@ in one process, from the same seed (equal initial weights) on the same random to
                                          the LM head in bf16), steps under minifloat.autocast;
                                          recipe in fp8-current, fp8-delayed, fp8-block, mxfp8,
                                          nvfp4
+  <recipe>-lowmem-<mode>                 the recipe with minifloat's memory options: the modules
+                                         keep their high-precision inputs and no weight copies
+                                         for backward (save_original_inputs,
+                                         rebuild_weight_copies_in_backward; under torch.compile
+                                         the norm and GELU outputs are then recomputed in
+                                         backward instead of kept, as torchao's are)
   <any>-compiled-reduce-overhead         the same with torch.compile(mode="reduce-overhead")
                                          (--compile-mode reduce-overhead|both adds them)
   <kind>-graphed                         eager, forward+loss+backward captured as CUDA graphs
@@ -78,7 +84,9 @@ import tables  # noqa: E402
 from minifloat.models.torch_gpt import PRESETS, TorchGPT, TorchGPTConfig, not_head  # noqa: E402
 
 RECIPE_NAMES = ("fp8-current", "fp8-delayed", "fp8-block", "mxfp8", "nvfp4")
-KINDS = ("bf16", "torchao-tensorwise", *RECIPE_NAMES)
+LOW_MEMORY = "-lowmem"
+KINDS = ("bf16", "torchao-tensorwise", *RECIPE_NAMES,
+         *(name + LOW_MEMORY for name in RECIPE_NAMES))
 # each recipe eager, eager with CUDA graphs, and compiled with CUDA graphs (default-mode compiled
 # rows are host-bound, BENCHMARKS.md 2026-11-25: ask for them by name)
 DEFAULT_ROWS = ["bf16-eager", "bf16-graphed", "bf16-compiled", "torchao-tensorwise-compiled"] + [
@@ -226,8 +234,10 @@ def prepare_row(spec: RowSpec, model: torch.nn.Module, device: str,
     elif spec.kind != "bf16":
         import minifloat as mf
 
-        recipe = minifloat_recipe(spec.kind)
+        recipe = minifloat_recipe(spec.kind.removesuffix(LOW_MEMORY))
         mf.convert_model(model, recipe=recipe, filter_fn=not_head)
+        if spec.kind.endswith(LOW_MEMORY):
+            mf.rebuild_weight_copies_in_backward(mf.save_original_inputs(model))
     loss_fn = model.loss
     if spec.graphed:
         loss_fn = graphed_loss(model, recipe, sample_tokens)

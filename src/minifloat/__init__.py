@@ -9,7 +9,14 @@ from .checkpoint import checkpoint
 from .convert import convert_model
 from .gemm import general_gemm
 from .graphs import make_graphed_callables
-from .modules import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
+from .modules import (
+    GroupedLinear,
+    LayerNormLinear,
+    LayerNormMLP,
+    Linear,
+    rebuild_weight_copies_in_backward,
+    save_original_inputs,
+)
 from .modules.weights import quantize_weights_once
 from .quantizers import (
     Float8BlockQuantizer,
@@ -73,6 +80,8 @@ __all__ = [
     "general_gemm",
     "make_graphed_callables",
     "quantized_model_init",
+    "rebuild_weight_copies_in_backward",
+    "save_original_inputs",
     "Float8BlockQuantizer",
     "Float8BlockStorage",
     "Float8CurrentScalingQuantizer",

@@ -8,12 +8,9 @@ weights sharded between forward and backward (no full-size weight copy kept for 
 Delayed scaling reduces its amaxes over `minifloat.autocast(amax_reduction_group=...)`.
 """
 
+from ..modules.memory import rebuild_weight_copies_in_backward
 from .collective_bytes import count_collective_bytes
-from .fsdp import (
-    LowPrecisionGatherWeight,
-    enable_low_precision_all_gather,
-    rebuild_weight_copies_in_backward,
-)
+from .fsdp import LowPrecisionGatherWeight, enable_low_precision_all_gather
 from .master_weights import (
     cast_master_weights_to_nvfp4,
     post_all_gather_processing,

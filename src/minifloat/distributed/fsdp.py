@@ -421,16 +421,3 @@ def enable_low_precision_all_gather(model: nn.Module, recipe) -> nn.Module:
             # next step, updated when forward's autocast exits)
             module.rebuild_weight_copy_in_backward = not isinstance(quantizer, Float8Quantizer)
     return model
-
-
-def rebuild_weight_copies_in_backward(model: nn.Module, enabled: bool = True) -> nn.Module:
-    """Make model's minifloat modules keep no weight copy from forward to backward: backward
-    quantizes the (FSDP2 re-gathered) weight again for its data gradient, with the bytes the kept
-    copy would have had. Why: under FSDP2 a kept copy is a full-size weight per layer, alive from
-    forward to backward, which undoes the sharding of the weights (torchao's
-    force_recompute_fp8_weight_in_bwd). Costs one columnwise cast per weight in backward.
-    enable_low_precision_all_gather sets it for the weights it wraps."""
-    for module in model.modules():
-        if gemm_weights(module):
-            module.rebuild_weight_copy_in_backward = enabled
-    return model

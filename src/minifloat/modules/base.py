@@ -82,6 +82,13 @@ class QuantizedModule(nn.Module):
     # undoes; distributed.rebuild_weight_copies_in_backward sets it on a model's modules. Under
     # torch.compile the ops honour it for stateless recipes (delayed scaling keeps its copy).
     rebuild_weight_copy_in_backward = False
+    # True (TransformerEngine's save_original_input): keep the high-precision input for wgrad
+    # instead of its columnwise copy; backward quantizes it again
+    # (linear_function.rebuild_input_copies). Eagerly it keeps 2 bytes an element where the
+    # copy keeps 1 (a win only where the input is kept anyway, e.g. SDPA's output); under
+    # torch.compile the partitioner recomputes a norm's or an activation's output from what
+    # those keep anyway, so nothing input-sized is kept at all. Set by save_original_inputs.
+    save_original_input = False
     # set by new_weight under quantized_model_init: a plain weight arriving later is reported once
     _built_with_quantized_weights = False
 
@@ -402,7 +409,8 @@ class QuantizedModule(nn.Module):
             plan, state = self._compiled_args[token]
             return compiled_gemms(x, weights, biases, plan, state, gemms, m_splits,
                                   need_dgrad=need_dgrad, need_wgrad=need_wgrad,
-                                  rebuild=self.rebuild_weight_copy_in_backward)
+                                  rebuild=self.rebuild_weight_copy_in_backward,
+                                  save_original_input=self.save_original_input)
         binding = self._bindings.get(token) or self.binding(token)
         if self._built_with_quantized_weights and not isinstance(weights[0], QuantizedTensor):
             self._report_dequantized_weights(weights[0])
@@ -427,11 +435,11 @@ class QuantizedModule(nn.Module):
             if lean is not None and lean_applies(x, weights[0]):
                 if binding.delayed_pair is None:
                     return LeanFP8Gemm.apply(x, weights[0], biases[0], lean, need_dgrad,
-                                             need_wgrad, rebuild)
+                                             need_wgrad, rebuild, self.save_original_input)
                 if get_autocast_state().recompute_record is None:
                     note_delayed_use(binding.delayed_pair)
                     return LeanFP8Gemm.apply(x, weights[0], biases[0], lean, need_dgrad,
-                                             need_wgrad, rebuild)
+                                             need_wgrad, rebuild, self.save_original_input)
         if isinstance(x, DTensor) or isinstance(weights[0], DTensor):
             raise TypeError(
                 f"{self.name or type(self).__name__}: a DTensor operand (torch's "
@@ -445,6 +453,7 @@ class QuantizedModule(nn.Module):
             forward_quantizers, backward_quantizers, gemms, m_splits,
             need_dgrad=need_dgrad, need_wgrad=need_wgrad, weight_cache=weight_cache,
             reuse_weights=reuse_weights, rebuild_weights=rebuild,
+            save_original_input=self.save_original_input,
             input_gather_group=input_gather_group,
             output_scatter_group=output_scatter_group)
         if binding.delayed_pair is not None:

@@ -44,6 +44,7 @@ from ..autocast import note_delayed_use
 from ..kernels import is_fake
 from ..quantizers import QuantizedStorage, QuantizedTensor, Quantizer
 from ..recipe_state import RecipeState
+from .input_recast import input_copy_buffers
 from .linear_function import (
     GemmCall,
     SavedForBackward,
@@ -138,7 +139,8 @@ def register_plan(forward: RecipeState, backward: RecipeState,
 
 
 def _gemm_call(plan_id: int, state: list[torch.Tensor], gemms: list[int], m_splits: list[int],
-               need_dgrad: bool, need_wgrad: bool, rebuild: bool = False) -> GemmCall:
+               need_dgrad: bool, need_wgrad: bool, rebuild: bool = False,
+               save_original: bool = False) -> GemmCall:
     plan = _PLANS.get(plan_id)
     if plan is None:
         raise RuntimeError(
@@ -153,13 +155,13 @@ def _gemm_call(plan_id: int, state: list[torch.Tensor], gemms: list[int], m_spli
                                                    backward.make_quantizers())
     return GemmCall.from_slots(forward_quantizers, backward_quantizers, gemms, m_splits,
                                need_dgrad=need_dgrad, need_wgrad=need_wgrad,
-                               rebuild_weights=rebuild)
+                               rebuild_weights=rebuild, save_original_input=save_original)
 
 
 def rebuild_applies(plan_id: int) -> bool:
-    """Whether the compiled ops can rebuild this plan's weight copies in backward: for stateless
-    recipes only (a delayed-scaling rebuild needs forward's scale, which the ops do not carry;
-    those keep their copies)."""
+    """Whether the compiled ops can rebuild this plan's weight or input copies in backward: for
+    stateless recipes only (a delayed-scaling rebuild needs forward's scale, which the ops do
+    not carry; those keep their copies)."""
     return _PLANS[plan_id].stateless is not None
 
 
@@ -189,16 +191,18 @@ def _unaliased(tensors: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[
 def _gemms_forward(
     x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
     has_bias: list[bool], state: list[torch.Tensor], plan: int, gemms: list[int],
-    m_splits: list[int], need_dgrad: bool, need_wgrad: bool, rebuild: bool,
+    m_splits: list[int], need_dgrad: bool, need_wgrad: bool, rebuild: bool, save_original: bool,
 ) -> list[torch.Tensor]:
     """[y, the buffers backward keeps (present ones, in order)]; with `rebuild` no weight
-    copy is kept (backward quantizes the weights again)."""
+    copy is kept, with `save_original` no input copy (backward quantizes them again; the
+    autograd context keeps the weights and the input themselves)."""
     if state and not is_fake(x):
         pair = _DELAYED_BY_STATE.get(state[0].data_ptr())
         if pair is not None:
             note_delayed_use(pair)
         state = [detached_alias(t) for t in state]
-    call = _gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad, rebuild)
+    call = _gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad, rebuild,
+                      save_original)
     y, _, saved = gemms_forward(x, call, weights, _with_biases(biases, has_bias))
     # contiguous: the kernels write row-major buffers where the reference path (which the fake
     # implementation runs) may hand over a transposed view; inductor asserts the fake strides
@@ -216,11 +220,12 @@ _gemms_forward_op.register_fake(_gemms_forward)
 def _layout(plan: int, gemms: list[int], m_splits: list[int], x_shape: list[int],
             weight_shapes: list[int], has_bias: list[bool], need_dgrad: bool, need_wgrad: bool,
             dtype: torch.dtype, device: torch.device, state: list[torch.Tensor],
-            rebuild: bool = False) -> tuple[SavedForBackward, list[bool]]:
+            rebuild: bool = False, save_original: bool = False
+            ) -> tuple[SavedForBackward, list[bool]]:
     """The metadata of what forward kept (storages without buffers, and which buffers are
     present): the forward run once on fake tensors of these shapes, cached."""
     key = (plan, tuple(gemms), tuple(m_splits), tuple(x_shape), tuple(weight_shapes),
-           tuple(has_bias), need_dgrad, need_wgrad, dtype, str(device), rebuild)
+           tuple(has_bias), need_dgrad, need_wgrad, dtype, str(device), rebuild, save_original)
     layout = _LAYOUTS.get(key)
     if layout is not None:
         return layout
@@ -231,7 +236,8 @@ def _layout(plan: int, gemms: list[int], m_splits: list[int], x_shape: list[int]
         weights = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
         biases = [torch.empty(shape[0], dtype=dtype, device=device) if flag else None
                   for shape, flag in zip(shapes, has_bias, strict=True)]
-        call = _gemm_call(plan, fake_state, gemms, m_splits, need_dgrad, need_wgrad, rebuild)
+        call = _gemm_call(plan, fake_state, gemms, m_splits, need_dgrad, need_wgrad, rebuild,
+                          save_original)
         _, _, saved = gemms_forward(x, call, weights, biases)
     present = [t is not None for t in saved.tensors]
     storages = [_without_tensors(s) for s in saved.x_storages + saved.w_storages]
@@ -271,7 +277,8 @@ def _gemms_backward_op(
     has_bias: list[bool], need_dgrad: bool, need_wgrad: bool, rebuild_from: list[torch.Tensor],
 ) -> list[torch.Tensor]:
     """[dx if need_dgrad] + [dW_i if need_wgrad] + [db_i where has_bias]; `rebuild_from`: the
-    weights, when forward kept no copy of them (empty otherwise)."""
+    weights, when forward kept no copy of them (empty otherwise). `saved` is in the layout of a
+    forward that kept the input's copy (with save_original_input, _backward made it)."""
     rebuild = bool(rebuild_from)
     layout, present = _layout(plan, gemms, m_splits, x_shape, weight_shapes, has_bias,
                               need_dgrad, need_wgrad, grad_output.dtype, grad_output.device,
@@ -315,11 +322,14 @@ def _gemms_backward_fake(grad_output, saved, state, plan, gemms, m_splits, x_sha
 
 def _setup_context(ctx, inputs, output) -> None:
     (x, weights, biases, has_bias, state, plan, gemms, m_splits, need_dgrad, need_wgrad,
-     rebuild) = inputs
+     rebuild, save_original) = inputs
     rebuild_from = list(weights) if rebuild and need_dgrad else []
-    # state: aliases, see detached_alias; weights (rebuild): as F.linear keeps them
-    ctx.save_for_backward(*output[1:], *state, *rebuild_from)
+    originals = [x] if save_original and need_wgrad else []
+    # state: aliases, see detached_alias; weights (rebuild) and input (save_original): as
+    # F.linear keeps them
+    ctx.save_for_backward(*output[1:], *state, *rebuild_from, *originals)
     ctx.saved_count, ctx.bias_count = len(output) - 1, len(biases)
+    ctx.rebuild_count = len(rebuild_from)
     ctx.constants = (plan, list(gemms), list(m_splits), list(x.shape),
                      [d for w in weights for d in w.shape], list(has_bias), need_dgrad,
                      need_wgrad)
@@ -332,7 +342,11 @@ def _backward(ctx, grads):
     tensors = list(ctx.saved_tensors)
     saved = tensors[:ctx.saved_count]
     state = tensors[ctx.saved_count:ctx.saved_count + ctx.state_count]
-    rebuild_from = tensors[ctx.saved_count + ctx.state_count:]
+    rest = tensors[ctx.saved_count + ctx.state_count:]
+    rebuild_from, originals = rest[:ctx.rebuild_count], rest[ctx.rebuild_count:]
+    if originals:  # save_original_input: the input's copies, made here (input_recast.py)
+        call = _gemm_call(plan, [], gemms, m_splits, need_dgrad=False, need_wgrad=True)
+        saved = input_copy_buffers(originals[0], list(m_splits), call.input_quantizers) + saved
     outputs = iter(_gemms_backward_op(grads[0].contiguous(), saved, state, plan, gemms,
                                       m_splits, x_shape, weight_shapes, has_bias, need_dgrad,
                                       need_wgrad, rebuild_from))
@@ -341,7 +355,7 @@ def _backward(ctx, grads):
                     else [None] * ctx.weight_count)
     grad_biases = [next(outputs) for _ in range(ctx.bias_count)]
     return (grad_x, grad_weights, grad_biases, None, [None] * ctx.state_count, None, None,
-            None, None, None, None)
+            None, None, None, None, None)
 
 
 _gemms_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -350,10 +364,11 @@ _gemms_forward_op.register_autograd(_backward, setup_context=_setup_context)
 def compiled_gemms(
     x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
     plan: int, state: list[torch.Tensor], gemms: list[int], m_splits: list[int], *,
-    need_dgrad: bool, need_wgrad: bool, rebuild: bool = False,
+    need_dgrad: bool, need_wgrad: bool, rebuild: bool = False, save_original_input: bool = False,
 ) -> torch.Tensor:
     """The module's GEMMs through the custom ops (the path torch.compile traces); `rebuild`:
-    keep no weight copy for backward (stateless recipes; see rebuild_applies)."""
+    keep no weight copy for backward, `save_original_input`: no input copy (stateless recipes;
+    see rebuild_applies)."""
     for weight in weights:
         if isinstance(weight, QuantizedTensor):
             raise NotImplementedError(
@@ -367,5 +382,6 @@ def compiled_gemms(
     present = [b for b in biases if b is not None]
     outputs = _gemms_forward_op(x, list(weights), present, has_bias, list(state),
                                 plan, list(gemms), [int(m) for m in m_splits],
-                                need_dgrad, need_wgrad, rebuild and rebuild_applies(plan))
+                                need_dgrad, need_wgrad, rebuild and rebuild_applies(plan),
+                                save_original_input and rebuild_applies(plan))
     return outputs[0]

@@ -66,6 +66,7 @@ class GroupedLinear(ExpertParameters, QuantizedModule):
     Tensor parallelism as Linear's (TE's arguments), each expert's weight split alike
     ("column": output features, "row": input features); no sequence parallelism (the row
     splits count a rank's tokens per expert; experts shard over ranks by expert parallelism).
+    `save_original_input` as Linear's.
     """
 
     module_type = "grouped_linear"
@@ -83,8 +84,10 @@ class GroupedLinear(ExpertParameters, QuantizedModule):
         tp_size: int = 1,
         parallel_mode: str | None = None,
         tp_amax_reduction: bool = True,
+        save_original_input: bool = False,
     ) -> None:
         super().__init__(name)
+        self.save_original_input = save_original_input
         self.tp = TensorParallelConfig(tp_group, tp_size, parallel_mode, False,
                                        tp_amax_reduction)
         local_out, local_in = out_features, in_features

@@ -29,7 +29,8 @@ on an H200, BENCHMARKS.md 2026-11-26.)
 What is kept for backward is what LinearGemms keeps: the input's columnwise copy through
 save_for_backward (offload and recompute hooks see it), the weight's columnwise copy on ctx,
 dropped once backward has read it unless the graph is retained; with the module's
-rebuild_weight_copy_in_backward (FSDP2), the weight itself instead, cast again in backward.
+rebuild_weight_copy_in_backward (FSDP2), the weight itself instead, cast again in backward; with
+its save_original_input, the input itself instead of its copy, cast again in backward.
 """
 
 from __future__ import annotations
@@ -162,11 +163,13 @@ class LeanFP8Gemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 plan: LeanPlan, need_dgrad: bool, need_wgrad: bool,
-                rebuild: bool = False) -> torch.Tensor:
+                rebuild: bool = False, save_original: bool = False) -> torch.Tensor:
         n, k = weight.shape
         x2d = x.reshape(-1, k)
         rebuild = rebuild and need_dgrad
-        x_data, x_t, x_scale_inv = plan.input(x2d, rowwise=True, columnwise=need_wgrad)
+        save_original = save_original and need_wgrad
+        x_data, x_t, x_scale_inv = plan.input(x2d, rowwise=True,
+                                              columnwise=need_wgrad and not save_original)
         stored = fp8_weight_storage(weight)
         if stored is not None:  # already FP8: its bytes, the transpose derived as LinearGemms does
             stored.update_usage(rowwise=True, columnwise=True if need_dgrad and not rebuild
@@ -177,7 +180,12 @@ class LeanFP8Gemm(torch.autograd.Function):
                                                    columnwise=need_dgrad and not rebuild)
         y = scaled_mm_bytes(x_data, w_data, x_scale_inv, w_scale_inv, out_dtype=x.dtype,
                             bias=bias, fast_accumulation=True)
-        kept = (x_t, x_scale_inv) if need_wgrad else ()
+        # save_original_input: the input itself (backward casts it again, with forward's scale
+        # under delayed scaling, the recipe state's slot being updated before backward runs)
+        kept = (x,) if save_original else (x_t, x_scale_inv) if need_wgrad else ()
+        ctx.save_original = save_original
+        ctx.input_scale = (plan.input.scale.clone()
+                           if save_original and plan.input.scale is not None else None)
         # rebuild (FSDP2): keep the weight itself, as F.linear does, and the scale a delayed
         # cast used (the recipe state's slot is updated before backward runs). A quantized
         # weight is kept by reference: FSDP2's re-gather refills that very object for backward,
@@ -203,7 +211,7 @@ class LeanFP8Gemm(torch.autograd.Function):
             dy2d = dy2d.contiguous()  # the kernels read it as is; the bytes do not change
         grad_x = grad_weight = None
         if not (ctx.need_dgrad or ctx.need_wgrad):  # only the bias needs a gradient
-            return grad_x, grad_weight, grad_bias, None, None, None, None
+            return grad_x, grad_weight, grad_bias, None, None, None, None, None
         dy_data, dy_t, dy_scale_inv = ctx.plan.grad_output(
             dy2d, rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad)
         saved = ctx.saved_tensors
@@ -232,9 +240,18 @@ class LeanFP8Gemm(torch.autograd.Function):
             grad_x = as_output(grad_x2d, ctx.x_shape)
             if not graph_kept():
                 ctx.weight_copy = None  # as LinearGemms: freed once read
-        if ctx.need_wgrad:
+        if ctx.need_wgrad and ctx.save_original:  # the copy forward would have kept, made now
+            cast = ctx.plan.input
+            if ctx.input_scale is not None:  # forward's scale; record no amax
+                cast = Cast(cast.fp8_dtype, scale=ctx.input_scale,
+                            amax=torch.zeros_like(cast.amax))
+            x = saved[0].detach()
+            _, x_t, x_scale_inv = cast(x.reshape(-1, x.shape[-1]), rowwise=False,
+                                       columnwise=True)
+        elif ctx.need_wgrad:
             x_t, x_scale_inv = saved[:2]
+        if ctx.need_wgrad:
             grad_weight = scaled_mm_bytes(dy_t, x_t, dy_scale_inv, x_scale_inv,
                                           out_dtype=ctx.weight_dtype, bias=None,
                                           fast_accumulation=False)
-        return grad_x, grad_weight, grad_bias, None, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None

@@ -33,6 +33,10 @@ class Linear(QuantizedModule):
     reduce-scatters a row-parallel layer's output). `tp_amax_reduction` reduces the amax of
     the split operands of per-tensor formats over the group, so that the bytes are the
     single-rank run's; without it each shard is scaled by its own amax.
+
+    `save_original_input` (TransformerEngine's argument) keeps the high-precision input for the
+    weight gradient instead of its quantized columnwise copy (QuantizedModule's attribute of
+    that name says when it saves memory).
     """
 
     def __init__(
@@ -48,8 +52,10 @@ class Linear(QuantizedModule):
         parallel_mode: str | None = None,
         sequence_parallel: bool = False,
         tp_amax_reduction: bool = True,
+        save_original_input: bool = False,
     ) -> None:
         super().__init__(name)
+        self.save_original_input = save_original_input
         self.in_features, self.out_features = in_features, out_features
         self.tp = TensorParallelConfig(tp_group, tp_size, parallel_mode, sequence_parallel,
                                        tp_amax_reduction)

@@ -8,10 +8,13 @@ For split i of the input (its rows m_splits[i]) and weight i:
 
 Forward quantizes every split in one split_quantize call, rowwise plus columnwise when the
 weights need gradients, and saves only the columnwise copies, through save_for_backward (so
-saved-tensor hooks such as CPU offload and activation recompute see them). Backward quantizes dy
-in the directions its GEMMs need. Linear is the case of one split. Which copies are made is
-decided in the module's forward from torch.is_grad_enabled(), not from ctx.needs_input_grad
-(which ignores torch.no_grad): under no_grad no columnwise copy is made and nothing is saved.
+saved-tensor hooks such as CPU offload and activation recompute see them). With
+save_original_input (TransformerEngine's name) forward makes only the rowwise copy and saves the
+high-precision input itself; backward makes the columnwise copy from it (rebuild_input_copies).
+Backward quantizes dy in the directions its GEMMs need. Linear is the case of one split. Which
+copies are made is decided in the module's forward from torch.is_grad_enabled(), not from
+ctx.needs_input_grad (which ignores torch.no_grad): under no_grad no columnwise copy is made
+and nothing is saved.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ class GemmCall:
     # keep no weight copy for dgrad: backward quantizes the weight again (or reads the copy an
     # FSDP2 re-gather brought); see rebuild_weight_copy
     rebuild_weights: bool = False
+    # keep the high-precision input for wgrad instead of its columnwise copy: backward
+    # quantizes it again (rebuild_input_copies); see QuantizedModule.save_original_input
+    save_original_input: bool = False
     # sequence parallelism: the TP group to all-gather the input's rows over as FP8 bytes
     # (distributed/sequence_gather.py); backward reduce-scatters the input gradient
     input_gather_group: Any = None
@@ -64,23 +70,27 @@ class GemmCall:
         cls, forward_quantizers: list[Quantizer], backward_quantizers: list[Quantizer],
         gemms: list[int], m_splits: list[int], *, need_dgrad: bool, need_wgrad: bool,
         weight_cache: dict | None = None, reuse_weights: bool = False,
-        rebuild_weights: bool = False, input_gather_group: Any = None,
-        output_scatter_group: Any = None,
+        rebuild_weights: bool = False, save_original_input: bool = False,
+        input_gather_group: Any = None, output_scatter_group: Any = None,
     ) -> GemmCall:
         """The call of GEMMs `gemms`, picking each one's quantizers from a module's slot lists
         (forward: input, weight, output per GEMM; backward: grad_output, grad_input)."""
         per_forward, per_backward = len(FORWARD_SLOTS), len(BACKWARD_SLOTS)
+        input_quantizers = [forward_quantizers[per_forward * g] for g in gemms]
         return cls(
             m_splits=list(m_splits),
             weight_cache=weight_cache,
             reuse_weights=reuse_weights,
-            input_quantizers=[forward_quantizers[per_forward * g] for g in gemms],
+            input_quantizers=input_quantizers,
             weight_quantizers=[forward_quantizers[per_forward * g + 1] for g in gemms],
             grad_output_quantizers=[backward_quantizers[per_backward * g] for g in gemms],
             need_dgrad=need_dgrad,
             need_wgrad=need_wgrad,
             rebuild_weights=rebuild_weights and need_dgrad and all(
                 can_rebuild(forward_quantizers[per_forward * g + 1]) for g in gemms),
+            # a sequence-parallel input is gathered as quantized bytes: those are kept
+            save_original_input=save_original_input and need_wgrad
+            and input_gather_group is None and all(can_rebuild(q) for q in input_quantizers),
             input_gather_group=input_gather_group,
             output_scatter_group=output_scatter_group,
         )
@@ -250,13 +260,13 @@ def gemms_forward(
     else:
         splits = check_splits(x2d.shape[0], call.m_splits, len(weights))
         x_qs = quantize_for_gemms(x2d, splits, call.input_quantizers, rowwise=True,
-                                  columnwise=call.need_wgrad)
+                                  columnwise=call.need_wgrad and not call.save_original_input)
     keep_weights = call.need_dgrad and not call.rebuild_weights
     y, w_qs = fprop_gemms(x_qs, weights, biases, call.weight_quantizers, call.weight_cache,
                           need_dgrad=keep_weights, out_dtype=x.dtype,
                           reuse_weights=call.reuse_weights)
     saved = keep_for_backward(x_qs, w_qs, need_dgrad=keep_weights,
-                              need_wgrad=call.need_wgrad)
+                              need_wgrad=call.need_wgrad and not call.save_original_input)
     if call.output_scatter_group is not None:  # sequence parallelism: this rank's rows
         from ..distributed.sequence_gather import scatter_rows
 
@@ -322,17 +332,22 @@ class LinearGemms(torch.autograd.Function):
         weights, biases = params[:count], params[count:]
         y, splits, saved = gemms_forward(x, call, list(weights), list(biases))
         x_count = saved.x_tensor_count
+        # save_original_input: the input itself, as F.linear saves it
+        originals = [x] if call.save_original_input else []
+        ctx.original_count = len(originals)
+        if call.save_original_input:
+            ctx.input_scales = [forward_scale(q) for q in call.input_quantizers]
         ctx.weights_by_reference = None
         if call.rebuild_weights and any(isinstance(w, QuantizedTensor) for w in weights):
             # FSDP2's low-precision gather refills these very objects for backward (with the
             # backward direction's copy): kept by reference, since a saved-tensor hook (CPU
             # offload) would hand backward a copy of what forward saw
             ctx.weights_by_reference = weights
-            ctx.save_for_backward(*saved.tensors[:x_count])
+            ctx.save_for_backward(*saved.tensors[:x_count], *originals)
         elif call.rebuild_weights:  # the weights themselves, as F.linear saves them
-            ctx.save_for_backward(*saved.tensors[:x_count], *weights)
+            ctx.save_for_backward(*saved.tensors[:x_count], *originals, *weights)
         else:
-            ctx.save_for_backward(*saved.tensors[:x_count])
+            ctx.save_for_backward(*saved.tensors[:x_count], *originals)
         if call.rebuild_weights:
             ctx.forward_scales = [forward_scale(q) for q in call.weight_quantizers]
         ctx.w_tensors = saved.tensors[x_count:]
@@ -354,7 +369,12 @@ class LinearGemms(torch.autograd.Function):
         if ctx.call.rebuild_weights and weights is None:
             count = len(ctx.call.weight_quantizers)
             weights, saved_tensors = saved_tensors[-count:], saved_tensors[:-count]
+        originals = saved_tensors[len(saved_tensors) - ctx.original_count:]
+        saved_tensors = saved_tensors[:len(saved_tensors) - ctx.original_count]
         x_qs, w_qs = ctx.saved.restore(saved_tensors + list(ctx.w_tensors))
+        if originals:
+            x_qs = rebuild_input_copies(originals[0], ctx.splits, ctx.call.input_quantizers,
+                                        ctx.input_scales)
         if ctx.call.rebuild_weights:
             w_qs = [rebuild_weight_copy(weight, quantizer, scale) for weight, quantizer, scale
                     in zip(weights, ctx.call.weight_quantizers, ctx.forward_scales, strict=True)]
@@ -421,6 +441,27 @@ def rebuild_weight_copy(weight: torch.Tensor, quantizer: Quantizer,
     if scale is not None:
         rebuilt.scale, rebuilt.amax = scale, torch.zeros_like(rebuilt.amax)
     return rebuilt(weight.detach())
+
+
+def rebuild_input_copies(x: torch.Tensor, splits: list[int], quantizers: list[Quantizer],
+                         scales: list[torch.Tensor | None]) -> list[QuantizedStorage | None]:
+    """Each split's columnwise copy for wgrad, made in backward from the high-precision input
+    that save_original_input kept instead of the copy.
+
+    Why: a module's input is often recomputable (a norm's or an activation's output); kept in
+    high precision, torch.compile's partitioner recomputes it in backward from what the norm
+    or activation saved anyway, instead of keeping a copy (torchao does the same). The copy
+    equals the one forward would have made: a columnwise cast of the same input (every format's
+    scales come from its maxima), delayed scaling with forward's scale recording no amax."""
+    rebuilt = []
+    for quantizer, scale in zip(quantizers, scales, strict=True):
+        quantizer = _columnwise_maker(quantizer).copy()
+        quantizer.set_usage(rowwise=False, columnwise=True)
+        quantizer.internal = True
+        if scale is not None:
+            quantizer.scale, quantizer.amax = scale, torch.zeros_like(quantizer.amax)
+        rebuilt.append(quantizer)
+    return split_quantize(x.reshape(-1, x.shape[-1]), splits, rebuilt)
 
 
 def graph_kept() -> bool:

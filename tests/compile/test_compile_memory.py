@@ -1,0 +1,98 @@
+"""save_original_input and rebuild_weight_copy_in_backward under torch.compile (fullgraph).
+
+With both, the compiled forward keeps no quantized copy for backward: the backward formula of
+the GEMM op casts the input again in torch ops (modules/input_recast.py) and the backward op
+casts the weights again. Results must equal eager (which keeps its copies) bit for bit with the
+aot_eager backend, under every recipe; and inductor's min-cut partitioner must then keep
+nothing one byte wide for backward, where by default it keeps every copy: the norm's and the
+activation's outputs are recomputed in backward from what those keep anyway, which is where
+the activation memory goes (benchmarks/memory_probe.py measures it on the GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from test_compile import RECIPES, _assert_bitwise, _build, _data, _dy_like, _step
+from torch._dynamo.backends.common import aot_autograd
+
+import minifloat as mf
+
+pytestmark = pytest.mark.filterwarnings("error:Accessing the data pointer of FakeTensor")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each case compiles its own modules: no earlier case's graphs count to the recompile
+    limit of the shared forward code."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _lowest_memory(model: torch.nn.Module) -> torch.nn.Module:
+    return mf.rebuild_weight_copies_in_backward(mf.save_original_inputs(model))
+
+
+@pytest.mark.parametrize("kind", ["convert_model", "grouped_linear", "layernorm_mlp"])
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+def test_compiled_without_kept_copies_equals_eager_bitwise(recipe_name, kind):
+    recipe = RECIPES[recipe_name]
+    eager = _build(kind)
+    compiled = torch.compile(_lowest_memory(_build(kind)), backend="aot_eager", fullgraph=True)
+    dy = _dy_like(eager, _data(0))
+    for step in range(2):
+        x = _data(step + 1)
+        want = _step(eager, recipe, x, dy, seed=step)
+        got = _step(compiled, recipe, x, dy, seed=step)
+        for index, (a, b) in enumerate(zip([got[0], got[1], *got[2]],
+                                           [want[0], want[1], *want[2]], strict=True)):
+            _assert_bitwise(a, b, f"{kind} {recipe_name} step {step} result {index}")
+
+
+def _kept_for_backward(model: torch.nn.Module, recipe: mf.Recipe) -> list[torch.Tensor]:
+    """The tensors the min-cut partitioner (inductor's) keeps from forward for backward, other
+    than the graph's inputs (parameters and the input, alive anyway)."""
+    kept = []
+
+    def forward_compiler(graph, _inputs):
+        output = next(node for node in graph.graph.nodes if node.op == "output")
+        kept.extend(node.meta["val"] for node in output.args[0]
+                    if getattr(node, "op", None) != "placeholder"
+                    and isinstance(getattr(node, "meta", {}).get("val"), torch.Tensor))
+        return make_boxed_func(graph.forward)
+
+    backend = aot_autograd(fw_compiler=forward_compiler,
+                           bw_compiler=lambda graph, _: make_boxed_func(graph.forward),
+                           partition_fn=min_cut_rematerialization_partition)
+    x = _data(0).requires_grad_(True)
+    with mf.autocast(recipe=recipe):
+        y = torch.compile(model, backend=backend, fullgraph=True)(x)
+    y.sum().backward()
+    return kept[1:]  # the first output is the model's
+
+
+def test_partitioner_keeps_no_quantized_copy_and_recomputes_the_inputs():
+    recipe = RECIPES["current"]
+    default = _kept_for_backward(_build("convert_model"), recipe)
+    lowest = _kept_for_backward(_lowest_memory(_build("convert_model")), recipe)
+    one_byte = [t for t in default if t.element_size() == 1]
+    assert len(one_byte) == 4  # two inputs' and two weights' copies
+    assert [t for t in lowest if t.element_size() == 1] == []
+    # the inputs are not kept in high precision instead: less is allocated for backward
+    assert (sum(t.numel() * t.element_size() for t in lowest)
+            < sum(t.numel() * t.element_size() for t in default))
+
+
+def test_inductor_without_kept_copies_matches_eager_within_bf16_tolerance():
+    """Inductor generates the recomputed norm and activation and the cast around the ops."""
+    recipe = RECIPES["current"]
+    eager = _build("convert_model")
+    compiled = torch.compile(_lowest_memory(_build("convert_model")), fullgraph=True)
+    x = _data(5)
+    dy = _dy_like(eager, x)
+    want, got = _step(eager, recipe, x, dy, 0), _step(compiled, recipe, x, dy, 0)
+    for a, b in ((got[0], want[0]), (got[1], want[1]), *zip(got[2], want[2], strict=True)):
+        error = (a - b).norm() / b.norm()
+        assert error < 2e-2, float(error)

@@ -1,0 +1,174 @@
+"""save_original_input (and, with it, rebuild_weight_copy_in_backward) in eager mode: backward
+quantizes the kept high-precision input again instead of reading a copy kept from forward.
+
+The rebuilt copy must be the one forward would have kept, so every step equals the default
+path bit for bit, under every recipe: delayed scaling (whose scale changes between forward and
+backward: the rebuild uses forward's and records no amax), hybrids whose wgrad format differs,
+grouped GEMMs with an empty split, and the lean per-tensor path. What is kept must be the input
+itself and no input-sized quantized copy. The compiled path has its own tests
+(tests/compile/test_compile_memory.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import minifloat as mf
+from minifloat.modules import lean_fp8
+from minifloat.modules.input_recast import per_tensor_copy
+from minifloat.modules.lean_fp8 import LeanFP8Gemm
+
+NVFP4 = mf.NVFP4BlockScaling(disable_stochastic_rounding=True)
+RECIPES = {
+    "current": mf.Float8CurrentScaling(),
+    "delayed": mf.DelayedScaling(amax_history_len=2),
+    "block": mf.Float8BlockScaling(),
+    "mxfp8": mf.MXFP8BlockScaling(),
+    "nvfp4": NVFP4,
+    "hybrid": mf.HybridRecipe(fprop=mf.MXFP8BlockScaling(), dgrad=NVFP4, wgrad=NVFP4),
+    # the wgrad copy of the input takes delayed scaling: kept from forward (its cast records)
+    "hybrid-delayed-wgrad": mf.HybridRecipe(fprop=mf.MXFP8BlockScaling(), dgrad=NVFP4,
+                                            wgrad=mf.DelayedScaling()),
+}
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(mf.LayerNormLinear(128, 256, normalization="RMSNorm", name="a"),
+                         nn.GELU(), mf.LayerNormMLP(256, 256, normalization="RMSNorm", name="b"),
+                         mf.Linear(256, 128, name="c"))
+
+
+def train_alike(models: list[nn.Module], recipe: mf.Recipe, steps: int = 3) -> None:
+    """Train the models on the same batches; every output and gradient equal bit for bit."""
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(64, 128, generator=g) * (1 + step)
+        dy = torch.randn(64, 128, generator=g)
+        results = []
+        for model, optimizer in zip(models, optimizers, strict=True):
+            xi = x.clone().requires_grad_(True)
+            with mf.autocast(recipe=recipe):
+                y = model(xi)
+            y.backward(dy)
+            mf.update_delayed_backward_scales()
+            results.append([y.detach(), xi.grad] + [p.grad.clone() for p in model.parameters()])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        for other in results[1:]:
+            for index, (a, b) in enumerate(zip(results[0], other, strict=True)):
+                assert torch.equal(a, b), f"step {step} result {index}"
+
+
+def recipe_state_tensors(model: nn.Module, recipe: mf.Recipe) -> list[torch.Tensor]:
+    return [t for m in model.modules() if isinstance(m, mf.modules.QuantizedModule)
+            for state in m.recipe_states(recipe) for t in state.state_tensors()]
+
+
+@pytest.mark.parametrize("kind", list(RECIPES))
+def test_original_inputs_train_like_kept_copies_bitwise(kind):
+    recipe = RECIPES[kind]
+    kept = build()
+    original = mf.save_original_inputs(copy.deepcopy(kept))
+    lowest = mf.rebuild_weight_copies_in_backward(mf.save_original_inputs(copy.deepcopy(kept)))
+    train_alike([kept, original, lowest], recipe)
+    for other in (original, lowest):
+        for a, b in zip(recipe_state_tensors(kept, recipe), recipe_state_tensors(other, recipe),
+                        strict=True):
+            assert torch.equal(a, b), f"{kind}: recipe state"
+
+
+def _saved_by_gemm(layer: nn.Module, x: torch.Tensor, recipe: mf.Recipe) -> list[torch.Tensor]:
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t,
+                                                  lambda t: t), mf.autocast(recipe=recipe):
+        layer(x)
+    return packed
+
+
+@pytest.mark.parametrize("kind", ["current", "mxfp8", "nvfp4"])
+def test_the_input_itself_is_kept_and_no_input_sized_copy(kind):
+    recipe = RECIPES[kind]
+    layer = mf.Linear(256, 128)
+    x = torch.randn(64, 256, requires_grad=True)
+    default = _saved_by_gemm(layer, x, recipe)
+    assert not any(t is x for t in default)
+    assert any(t.element_size() == 1 and t.numel() >= x.numel() // 2 for t in default)
+    layer.save_original_input = True
+    saved = _saved_by_gemm(layer, x, recipe)
+    assert any(t is x for t in saved)
+    assert [t for t in saved if t is not x and t.element_size() == 1] == []
+
+
+@pytest.mark.parametrize("kind", ["current", "delayed", "mxfp8", "nvfp4", "hybrid"])
+def test_grouped_linear_rebuilds_every_split_bitwise(kind):
+    """One copy per split; an empty split has none."""
+    recipe = RECIPES[kind]
+    torch.manual_seed(0)
+    kept = mf.GroupedLinear(3, 128, 64, name="experts")
+    original = mf.GroupedLinear(3, 128, 64, name="experts", save_original_input=True)
+    original.load_state_dict(kept.state_dict())
+    splits = [64, 0, 64]
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, dy = torch.randn(128, 128, generator=g), torch.randn(128, 64, generator=g)
+        results = []
+        for model in (kept, original):
+            xi = x.clone().requires_grad_(True)
+            with mf.autocast(recipe=recipe):
+                y = model(xi, splits)
+            y.backward(dy)
+            mf.update_delayed_backward_scales()
+            results.append([y.detach(), xi.grad] + [p.grad.clone() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b), f"{kind} step {step}"
+
+
+@pytest.mark.parametrize("kind", ["current", "delayed"])
+def test_lean_path_keeps_the_input_and_casts_it_again_bitwise(monkeypatch, kind):
+    """The lean per-tensor path (widened to the CPU, as tests/modules/test_lean_fp8.py does):
+    it serves the calls, keeps the input, and trains like the lean path keeping its copy."""
+    monkeypatch.setattr(lean_fp8, "DEVICES", ("cuda", "cpu"))
+    served = []
+    forward = LeanFP8Gemm.forward
+
+    def counting(ctx, *args):
+        served.append(args[-1])  # save_original
+        return forward(ctx, *args)
+
+    monkeypatch.setattr(LeanFP8Gemm, "forward", staticmethod(counting))
+    torch.manual_seed(0)
+    kept = nn.Sequential(mf.Linear(128, 96), nn.GELU(), mf.Linear(96, 128))
+    original = mf.rebuild_weight_copies_in_backward(mf.save_original_inputs(copy.deepcopy(kept)))
+    train_alike([kept, original], RECIPES[kind])
+    assert served.count(True) == served.count(False) == 6  # 2 layers x 3 steps each
+    for a, b in zip(recipe_state_tensors(kept, RECIPES[kind]),
+                    recipe_state_tensors(original, RECIPES[kind]), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("options", [{}, {"amax_epsilon": 1e-3}, {"power_2_scale": True}])
+def test_traceable_per_tensor_copy_equals_the_quantizer(fp8_dtype, options):
+    """input_recast.per_tensor_copy (the cast the compiled backward makes) against the
+    quantizer's own copy, on values that exercise rounding ties, subnormals, saturation,
+    infinities and NaN."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 48, generator=g) * torch.logspace(-12, 4, 48)
+    x[0, :6] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 1e-30, -3e-41])
+    x[1, :4] = torch.tensor([448.0, -57344.0, 1.0 + 2 ** -4, 1.0 + 3 * 2 ** -4])
+    for case in (x, x.masked_fill(torch.isinf(x), 7.0), torch.zeros(64, 48),
+                 x.masked_fill(torch.isinf(x), float("nan")), torch.zeros(0, 48)):
+        quantizer = mf.Float8CurrentScalingQuantizer(fp8_dtype, rowwise=False, columnwise=True,
+                                                     internal=True, **options)
+        want = quantizer(case.bfloat16())
+        got = per_tensor_copy(case.bfloat16(), quantizer)
+        assert torch.equal(got.data_transpose.view(torch.uint8),
+                           want.data_transpose.view(torch.uint8))
+        assert torch.equal(got.scale_inv.view(torch.int32), want.scale_inv.view(torch.int32))
