@@ -96,3 +96,23 @@ def test_inductor_without_kept_copies_matches_eager_within_bf16_tolerance():
     for a, b in ((got[0], want[0]), (got[1], want[1]), *zip(got[2], want[2], strict=True)):
         error = (a - b).norm() / b.norm()
         assert error < 2e-2, float(error)
+
+
+def test_a_deep_copied_model_compiles():
+    """copy.deepcopy makes a module without running __init__: the copy must still be bound
+    before dynamo traces it (a binding made while tracing fails on torch 2.11: dynamo cannot
+    trace the dataclass repr it takes)."""
+    import copy
+
+    from minifloat.modules.base import _LIVE_MODULES
+
+    recipe = RECIPES["current"]
+    original = _build("convert_model")
+    _step(original, recipe, _data(0), _dy_like(original, _data(0)), seed=0)
+    copied = copy.deepcopy(original)
+    assert copied.fc1 in _LIVE_MODULES and copied.fc2 in _LIVE_MODULES
+    compiled = torch.compile(copied, backend="aot_eager", fullgraph=True)
+    dy = _dy_like(original, _data(1))
+    want = _step(original, recipe, _data(1), dy, seed=1)
+    got = _step(compiled, recipe, _data(1), dy, seed=1)
+    _assert_bitwise(got[0], want[0], "y")

@@ -15,9 +15,11 @@ from .fp8_common import (
     _sm_count,
     abs_bits,
     cdiv,
+    float32_value,
     jit,
     kernel_input,
     max_programs,
+    reciprocal_rn,
     scale_from_amax,
     tl,
 )
@@ -148,3 +150,24 @@ def compute_amax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
            BLOCK=AMAX_BLOCK, UNROLL=AMAX_UNROLL, PARTIALS=False, BF16_BITS=_bf16_bits(x),
            num_warps=AMAX_WARPS)
     return out
+
+
+@jit
+def _scales_kernel(amax_ptr, scale_ptr, scale_inv_ptr, eps, E5M2: tl.constexpr,
+                   POW2: tl.constexpr):
+    scale = scale_from_amax(tl.load(amax_ptr), eps, E5M2, POW2, 0x7F7FFFFF)
+    tl.store(scale_ptr, scale)
+    tl.store(scale_inv_ptr, reciprocal_rn(scale))
+
+
+def scales_from_amax(amax: torch.Tensor, e5m2: bool, amax_epsilon: float,
+                     power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, scale_inv) of per-tensor current scaling for a 1-element fp32 amax, in one
+    launch: numerics.scale_from_amax and torch.reciprocal, with the cast kernels' rule
+    (current_scale). For a cast made elsewhere (input_recast.py), where a dozen small torch
+    ops would otherwise compute it."""
+    scale = torch.empty((), dtype=torch.float32, device=amax.device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=amax.device)
+    launch(_scales_kernel, (1,), amax, scale, scale_inv, float32_value(amax_epsilon),
+           E5M2=e5m2, POW2=power_2_scale, num_warps=1)
+    return scale, scale_inv

@@ -112,6 +112,12 @@ class QuantizedModule(nn.Module):
         self._pending_recipe_state: list[dict] = []
         self.register_load_state_dict_pre_hook(_allow_missing_extra_state)
 
+    def __setstate__(self, state: dict) -> None:
+        """A copy (copy.deepcopy, pickle) is a live module too: bind_live_modules binds it
+        before torch.compile traces it (its binding cannot be made while tracing)."""
+        super().__setstate__(state)
+        _LIVE_MODULES.add(self)
+
     # ---- roles ----
 
     def gemm_name(self, gemm: int) -> str:

@@ -44,8 +44,9 @@ from ..autocast import note_delayed_use
 from ..kernels import is_fake
 from ..quantizers import QuantizedStorage, QuantizedTensor, Quantizer
 from ..recipe_state import RecipeState
-from .input_recast import input_copy_buffers
+from .input_recast import input_copy_buffers, recasts
 from .linear_function import (
+    FORWARD_SLOTS,
     GemmCall,
     SavedForBackward,
     WeightInfo,
@@ -163,6 +164,12 @@ def rebuild_applies(plan_id: int) -> bool:
     stateless recipes only (a delayed-scaling rebuild needs forward's scale, which the ops do
     not carry; those keep their copies)."""
     return _PLANS[plan_id].stateless is not None
+
+
+def _input_quantizers(plan_id: int, gemms: list[int]) -> list[Quantizer]:
+    """The input quantizers of a stateless plan's GEMMs."""
+    forward_quantizers = _PLANS[plan_id].stateless[0]
+    return [forward_quantizers[len(FORWARD_SLOTS) * gemm] for gemm in gemms]
 
 
 def _with_biases(biases: list[torch.Tensor], has_bias: list[bool]) -> list[torch.Tensor | None]:
@@ -345,8 +352,7 @@ def _backward(ctx, grads):
     rest = tensors[ctx.saved_count + ctx.state_count:]
     rebuild_from, originals = rest[:ctx.rebuild_count], rest[ctx.rebuild_count:]
     if originals:  # save_original_input: the input's copies, made here (input_recast.py)
-        call = _gemm_call(plan, [], gemms, m_splits, need_dgrad=False, need_wgrad=True)
-        saved = input_copy_buffers(originals[0], list(m_splits), call.input_quantizers) + saved
+        saved = input_copy_buffers(originals[0], _input_quantizers(plan, gemms)) + saved
     outputs = iter(_gemms_backward_op(grads[0].contiguous(), saved, state, plan, gemms,
                                       m_splits, x_shape, weight_shapes, has_bias, need_dgrad,
                                       need_wgrad, rebuild_from))
@@ -367,8 +373,8 @@ def compiled_gemms(
     need_dgrad: bool, need_wgrad: bool, rebuild: bool = False, save_original_input: bool = False,
 ) -> torch.Tensor:
     """The module's GEMMs through the custom ops (the path torch.compile traces); `rebuild`:
-    keep no weight copy for backward, `save_original_input`: no input copy (stateless recipes;
-    see rebuild_applies)."""
+    keep no weight copy for backward, `save_original_input`: no input copy (stateless recipes,
+    see rebuild_applies; per-tensor current scaling for the input, see input_recast.recasts)."""
     for weight in weights:
         if isinstance(weight, QuantizedTensor):
             raise NotImplementedError(
@@ -383,5 +389,6 @@ def compiled_gemms(
     outputs = _gemms_forward_op(x, list(weights), present, has_bias, list(state),
                                 plan, list(gemms), [int(m) for m in m_splits],
                                 need_dgrad, need_wgrad, rebuild and rebuild_applies(plan),
-                                save_original_input and rebuild_applies(plan))
+                                save_original_input and rebuild_applies(plan)
+                                and recasts(_input_quantizers(plan, gemms)))
     return outputs[0]

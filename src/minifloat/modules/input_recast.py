@@ -10,52 +10,80 @@ materialized and be kept in high precision, 2 bytes an element where its FP8 cop
 here, inductor fuses the recomputation with the cast, and nothing input-sized is kept for the
 GEMM at all (torchao's float8 gets its activation memory this way).
 
-Per-tensor FP8 current scaling, the case that matters for speed, is cast by `per_tensor_copy`:
-amax, scale and a saturating cast, which equal the reference (NUMERICS.md §2) bit for bit
-(tests/modules/test_memory_options.py checks it on special values). The other formats take
-their quantizer's reference path, which is pure torch on traced tensors (same bytes, slower
-code than the kernels).
+Per-tensor FP8 current scaling is cast by `per_tensor_copy`: amax and a saturating cast in
+torch ops, the scale in one small op; they equal the reference (NUMERICS.md §2) bit for bit
+(tests/modules/test_memory_options.py on special values, tests/gpu/test_memory_options_cuda.py
+against the kernel as inductor compiles it). The other formats keep their copies under
+torch.compile (`recasts`); eagerly every format honours save_original_input.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import numerics
+from .. import kernels, numerics
 from ..quantizers import Float8CurrentScalingQuantizer, Float8Storage, Quantizer
-from .linear_function import keep_for_backward, rebuild_input_copies
+from ..quantizers.base import kernel_module
+from .linear_function import keep_for_backward
+
+
+@torch.library.custom_op("minifloat::per_tensor_scales", mutates_args=())
+def per_tensor_scales(amax: torch.Tensor, e5m2: bool, amax_epsilon: float,
+                      power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, scale_inv) of per-tensor current scaling for `amax`: the reference's arithmetic,
+    in one kernel launch where the kernels run.
+
+    An op of its own, opaque to inductor, because inductor's code for a division or a
+    reciprocal need not be correctly rounded (Triton's fp32 `/` is approximate), and a scale
+    one ulp off changes every byte of the copy."""
+    if kernels.available(amax):
+        return kernel_module("amax").scales_from_amax(amax, e5m2, amax_epsilon, power_2_scale)
+    fp8_max = numerics.fp8_format(torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn).max_value
+    scale = numerics.scale_from_amax(amax, fp8_max, amax_epsilon=amax_epsilon,
+                                     power_2_scale=power_2_scale)
+    return scale, torch.reciprocal(scale)
+
+
+@per_tensor_scales.register_fake
+def _per_tensor_scales_fake(amax, e5m2, amax_epsilon, power_2_scale):
+    return (amax.new_empty((), dtype=torch.float32), amax.new_empty((), dtype=torch.float32))
 
 
 def per_tensor_copy(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer
                     ) -> Float8Storage:
     """The columnwise copy of per-tensor current scaling: data_transpose [K, M] and scale_inv,
-    as the quantizer makes them, in fusible torch ops.
+    as the quantizer makes them; the amax and the cast in fusible torch ops.
 
     The reference rounds on the format's grid in fp32 arithmetic, then encodes; torch's
     conversion to an FP8 dtype rounds to nearest even itself, so after clamping to +-max
-    (saturation; NaN passes through) one conversion gives the same bytes."""
+    (saturation; NaN passes through) one conversion gives the same bytes. A maximum is exact
+    however it is computed; the scale comes from per_tensor_scales."""
     fmt = numerics.fp8_format(quantizer.fp8_dtype)
     if x2d.numel() == 0:
         amax = torch.zeros((), dtype=torch.float32, device=x2d.device)
     else:
         amax = torch.amax(x2d.abs()).float()
-    scale = numerics.scale_from_amax(amax, fmt.max_value, amax_epsilon=quantizer.amax_epsilon,
-                                     power_2_scale=quantizer.power_2_scale)
+    scale, scale_inv = per_tensor_scales(amax, quantizer.fp8_dtype == torch.float8_e5m2,
+                                         quantizer.amax_epsilon, quantizer.power_2_scale)
     data = torch.clamp(x2d.float() * scale, -fmt.max_value, fmt.max_value).to(
         quantizer.fp8_dtype)
     return Float8Storage(shape=x2d.shape, dtype=x2d.dtype, quantizer=quantizer, data=None,
-                         data_transpose=data.t().contiguous(),
-                         scale_inv=torch.reciprocal(scale).reshape(1),
+                         data_transpose=data.t().contiguous(), scale_inv=scale_inv.reshape(1),
                          fp8_dtype=quantizer.fp8_dtype)
 
 
-def input_copy_buffers(x: torch.Tensor, splits: list[int], quantizers: list[Quantizer]
-                       ) -> list[torch.Tensor]:
-    """The buffers of the input copies that a forward keeping them would have handed to
-    backward, in that order (keep_for_backward's), for stateless quantizers."""
-    if len(quantizers) == 1 and type(quantizers[0]) is Float8CurrentScalingQuantizer:
-        x_qs = [per_tensor_copy(x.reshape(-1, x.shape[-1]), quantizers[0])]
-    else:
-        x_qs = rebuild_input_copies(x, splits, quantizers, [None] * len(quantizers))
+def recasts(quantizers: list[Quantizer]) -> bool:
+    """Whether the compiled backward makes this GEMM input's copy itself (per_tensor_copy): one
+    GEMM of per-tensor current scaling without an amax reduction group. Other inputs keep their
+    copies under torch.compile: made in backward by their quantizers' torch reference path,
+    they would be slow code and, on the GPU, not the kernels' bytes for every format."""
+    return (len(quantizers) == 1 and type(quantizers[0]) is Float8CurrentScalingQuantizer
+            and quantizers[0].amax_reduction_group is None)
+
+
+def input_copy_buffers(x: torch.Tensor, quantizers: list[Quantizer]) -> list[torch.Tensor]:
+    """The buffers of the input copy that a forward keeping it would have handed to backward,
+    in that order (keep_for_backward's); for quantizers that `recasts`."""
+    x_qs = [per_tensor_copy(x.reshape(-1, x.shape[-1]), quantizers[0])]
     kept = keep_for_backward(x_qs, [], need_dgrad=False, need_wgrad=True)
     return [t.contiguous() for t in kept.tensors if t is not None]

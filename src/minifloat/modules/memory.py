@@ -16,8 +16,9 @@ input's (wgrad) and the weight's (dgrad), quantized in forward together with the
   billion parameters), and keeps FSDP2's weights sharded between forward and backward.
 
 Both make bit for bit the copies forward would have kept (tests/modules/test_memory_options.py).
-Delayed scaling under torch.compile keeps its copies (the compiled ops do not carry forward's
-scale to backward).
+Under torch.compile, delayed scaling keeps its copies (the compiled ops do not carry forward's
+scale to backward), and so do inputs of formats other than per-tensor current scaling
+(input_recast.recasts says why).
 """
 
 from __future__ import annotations
