@@ -129,3 +129,43 @@ def test_inductor_keeps_less_without_copies():
     # copies (2 x 256 x 1024 bytes) are gone
     saved = 4 * (4096 * (HIDDEN + FFN) + 2 * HIDDEN * FFN)
     assert kept_lowest <= kept_default - 0.9 * saved, (kept_default, kept_lowest)
+
+
+_FIRST_USE_SCRIPT = """
+import torch, minifloat as mf
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(512)
+        self.fc1 = nn.Linear(512, 2048)
+        self.fc2 = nn.Linear(2048, 512)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+torch.manual_seed(0)
+model = mf.convert_model(nn.Sequential(Block(), Block()).cuda().bfloat16())
+mf.rebuild_weight_copies_in_backward(mf.save_original_inputs(model))
+step = torch.compile(lambda x: model(x).float().square().mean(), mode="reduce-overhead")
+for _ in range(4):
+    torch.compiler.cudagraph_mark_step_begin()
+    x = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+    with mf.autocast(recipe=mf.Float8CurrentScaling()):
+        loss = step(x)
+    loss.backward()
+    assert torch.isfinite(loss).item()
+print("ok")
+"""
+
+
+def test_first_kernels_of_a_process_run_inside_reduce_overhead():
+    """A fresh process whose first minifloat kernels run in a cudagraph-tree warm-up (the
+    kernels' persistent buffers must not be allocated there: prepare_sync_pool)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _FIRST_USE_SCRIPT], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -320,14 +320,30 @@ def _launch_elements(x: torch.Tensor, data: torch.Tensor | None, data_t: torch.T
 # The one-launch kernel's barrier slots: per device one int32 pool of SYNC_SLOTS x 4 (arrive,
 # depart, amax bits, unused), zero between launches, and a slot per stream: two streams (FSDP2
 # quantizes on its all-gather stream) must never count into the same barrier. The pool is
-# allocated on a stream of its own, outside any CUDA-graph capture: memory allocated on a
-# capturing (or cudagraph-tree warm-up) stream belongs to the graph's private pool, which
-# reuses it once it looks dead, and a barrier counter overwritten there corrupts every later
-# launch (found under torch.compile mode="reduce-overhead"). A capture that finds no pool, or
-# no free slot, takes the two launches.
+# allocated outside any CUDA-graph capture: memory allocated during a capture or a cudagraph-tree
+# warm-up belongs to the graph's private pool, which reuses it once it looks dead, and a barrier
+# counter overwritten there corrupts every later launch (found under torch.compile
+# mode="reduce-overhead"). A stream of its own is not enough: torch 2.11's cudagraph trees send
+# every allocation of the warming-up thread to their pool (and then refuse to run: "tensor(s) in
+# the cudagraph pool not tracked as outputs", when a model's first minifloat kernel ran there),
+# so compiled modules allocate it when they are bound, at trace time (prepare_sync_pool). A
+# capture that finds no pool, or no free slot, takes the two launches.
 SYNC_SLOTS = 256
 _SYNC_POOLS: dict[int, torch.Tensor] = {}
 _SYNC_SLOT: dict[tuple[int, int], torch.Tensor] = {}  # (device, raw stream) -> its [4] slot
+
+
+def prepare_sync_pool(device: torch.device) -> None:
+    """Allocate the device's barrier pool now, if it is not yet (see above); call it outside
+    any capture or compiled region."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _SYNC_POOLS or torch.cuda.is_current_stream_capturing():
+        return
+    side = torch.cuda.Stream(device=device)
+    with torch.cuda.stream(side):
+        pool = torch.zeros(SYNC_SLOTS, 4, dtype=torch.int32, device=device)
+    torch.cuda.current_stream(device).wait_stream(side)
+    _SYNC_POOLS[index] = pool
 
 
 def _sync_slot(x: torch.Tensor, index: int) -> torch.Tensor | None:
@@ -335,15 +351,10 @@ def _sync_slot(x: torch.Tensor, index: int) -> torch.Tensor | None:
     slot = _SYNC_SLOT.get((index, stream))
     if slot is not None:
         return slot
+    prepare_sync_pool(x.device)
     pool = _SYNC_POOLS.get(index)
     if pool is None:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        side = torch.cuda.Stream(device=x.device)
-        with torch.cuda.stream(side):
-            pool = torch.zeros(SYNC_SLOTS, 4, dtype=torch.int32, device=x.device)
-        torch.cuda.current_stream(x.device).wait_stream(side)
-        _SYNC_POOLS[index] = pool
+        return None
     used = sum(1 for key in _SYNC_SLOT if key[0] == index)
     if used == SYNC_SLOTS:
         return None

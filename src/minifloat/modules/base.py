@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .. import kernels
 from ..autocast import (
     active_token,
     get_autocast_state,
@@ -29,6 +30,7 @@ from ..autocast import (
     register_delayed_states,
 )
 from ..quantizers import QuantizedTensor, Quantizer
+from ..quantizers.base import kernel_module
 from ..recipe_state import RecipeState
 from ..recipes import QuantizerRole, Recipe
 from . import extra_state
@@ -60,10 +62,19 @@ def bind_live_modules(token: int) -> int:
     """Bind every live module (off the meta device) to the recipe of `token`. Under
     torch.compile this runs at trace time only and its result is a constant, so neither the
     binding's Python nor any module identity enters the graph or its guards: blocks compiled
-    one by one find their bindings ready and share one graph."""
+    one by one find their bindings ready and share one graph. It also allocates the kernels'
+    persistent buffers of the modules' CUDA devices, which the first kernel launch would
+    otherwise allocate inside a cudagraph-tree warm-up (per_tensor_fp8.prepare_sync_pool)."""
+    devices = set()
     for module in list(_LIVE_MODULES):
-        if token not in module._bindings and module._state_device().type != "meta":
+        device = module._state_device()
+        if token not in module._bindings and device.type != "meta":
             module.binding(token)
+        if device.type == "cuda":
+            devices.add(device)
+    if devices and kernels.triton_importable():
+        for device in devices:
+            kernel_module("per_tensor_fp8").prepare_sync_pool(device)
     return 0
 
 
