@@ -156,6 +156,9 @@ for _ in range(4):
         loss = step(x)
     loss.backward()
     assert torch.isfinite(loss).item()
+    # set_to_none, as a training loop's zero_grad: a first gradient is the graph's output
+    # itself, which the next replay overwrites
+    model.zero_grad(set_to_none=True)
 print("ok")
 """
 
