@@ -202,3 +202,35 @@ def test_generate_quantizes_each_weight_once_inside_quantize_weights_once(recipe
     assert per_token == 14 * 4  # the prompt's forward and 3 decode steps
     assert once == 14
     assert torch.equal(outputs["once"], outputs["plain"])  # the same weights' bytes
+
+
+def test_hf_trainer_fine_tunes_under_autocast(tmp_path):
+    """transformers' Trainer with autocast around compute_loss (the README's recipe): the
+    converted GEMMs run quantized (delayed scaling records amaxes into every module's history),
+    the loss falls, and evaluation runs through the same compute_loss."""
+    recipe = mf.DelayedScaling()
+    model = build("llama")
+    mf.convert_model(model, recipe=recipe, filter_fn=not_head)
+
+    class MinifloatTrainer(transformers.Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            with mf.autocast(recipe=recipe):
+                return super().compute_loss(model, inputs, *args, **kwargs)
+
+    rows = torch.randint(0, 16, (8, 33), generator=torch.Generator().manual_seed(0))
+    dataset = [{"input_ids": row, "labels": row} for row in rows]
+    arguments = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=4,
+        learning_rate=3e-3, report_to="none", save_strategy="no", logging_steps=1,
+        use_cpu=True, seed=0)
+    trainer = MinifloatTrainer(model=model, args=arguments, train_dataset=dataset,
+                               eval_dataset=dataset[:4])
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 12 and all(loss == loss for loss in losses)
+    assert losses[-1] < 0.8 * losses[0], losses
+    histories = [state.amax_history for module in model.modules()
+                 if isinstance(module, mf.Linear) for state in module.recipe_states(recipe)]
+    assert len(histories) == 2 * 14 and all(h.abs().sum() > 0 for h in histories)
+    evaluated = trainer.evaluate()["eval_loss"]  # the first half of the training rows
+    assert evaluated == evaluated and evaluated < losses[0]
