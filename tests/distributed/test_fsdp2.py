@@ -35,7 +35,9 @@ WORLD = 2
 STEPS = 3
 HIDDEN, FFN, ROWS = 128, 256, 64  # block FP8 needs multiples of 128 in the weights
 
-REBUILD = "+rebuild"  # the FSDP2 run keeps no weight copy from forward to backward
+# the FSDP2 run keeps no weight copy from forward to backward, and the inputs in high precision
+# instead of their copies (rebuild_weight_copies_in_backward, save_original_inputs)
+REBUILD = "+rebuild"
 RECIPES = {
     "current": lambda: mf.Float8CurrentScaling(),
     "delayed": lambda: mf.DelayedScaling(amax_history_len=4),
@@ -106,7 +108,7 @@ def fsdp_worker(rank: int, world_size: int, kind: str) -> dict:
         recipe = make_recipe()
         model = build(kind.removesuffix(REBUILD))
         if kind.endswith(REBUILD):  # backward reads the re-gathered weight, keeps no copy
-            rebuild_weight_copies_in_backward(model)
+            rebuild_weight_copies_in_backward(mf.save_original_inputs(model))
         model = shard(model, mesh)
         losses = train_sharded(model, recipe, rank, world_size)
         state = model.state_dict()
