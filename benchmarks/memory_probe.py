@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import model_step  # noqa: E402
 
-from minifloat.models.torch_gpt import PRESETS  # noqa: E402
+PRESETS = model_step.PRESETS
 
 GIB = 2**30
 

@@ -52,7 +52,9 @@ Usage:
   python benchmarks/model_step.py --preset 1b [--rows bf16-eager,fp8-current-eager,...]
       [--steps 10] [--warmup 3] [--compile-mode default|reduce-overhead|both] [--out FILE]
       [--device cuda|cpu]
---preset takes one name or a comma list (tiny, small, 1b, llama-block); --device cpu runs
+--preset takes one name or a comma list (tiny, small, 1b, llama-block, and transformers models
+built from configs: hf-llama-1b, hf-mixtral-moe, hf-llama-tiny, hf-mixtral-tiny, see
+hf_models.py; transformers must import); --device cpu runs
 everything but the CUDA-only measurements (kernels, peak memory), for smoke tests with tiny.
 Default --out: benchmarks/results/model_step_<gpu>.json (e.g. model_step_h100.json).
 """
@@ -80,8 +82,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tables  # noqa: E402
+from hf_models import HF_PRESETS, HFCausalLM, HFModelConfig  # noqa: E402
 
-from minifloat.models.torch_gpt import PRESETS, TorchGPT, TorchGPTConfig, not_head  # noqa: E402
+from minifloat.models.torch_gpt import PRESETS as GPT_PRESETS  # noqa: E402
+from minifloat.models.torch_gpt import TorchGPT, TorchGPTConfig  # noqa: E402
+
+# the plain-PyTorch GPT's presets and transformers models built from configs (hf_models.py)
+PRESETS: dict[str, TorchGPTConfig | HFModelConfig] = {**GPT_PRESETS, **HF_PRESETS}
+
+
+def not_head(name: str, module: torch.nn.Module) -> bool:
+    """Every nn.Linear but the LM head is converted (the GPT's `head`, a transformers model's
+    `lm_head`): its output feeds a softmax over the vocabulary, the most precision-sensitive
+    GEMM, which FP8 recipes in practice leave in bf16 (torch_gpt.not_head)."""
+    return name.rsplit(".", 1)[-1] not in ("head", "lm_head")
 
 RECIPE_NAMES = ("fp8-current", "fp8-delayed", "fp8-block", "mxfp8", "nvfp4")
 LOW_MEMORY = "-lowmem"
@@ -182,10 +196,12 @@ class TrainStep:
         return loss
 
 
-def build_model(config: TorchGPTConfig, device: str, dtype: torch.dtype = torch.bfloat16,
-                seed: int = SEED) -> TorchGPT:
+def build_model(config: TorchGPTConfig | HFModelConfig, device: str,
+                dtype: torch.dtype = torch.bfloat16, seed: int = SEED) -> torch.nn.Module:
     """The plain model (bf16 parameters); the same seed gives every row equal initial weights."""
     torch.manual_seed(seed)
+    if isinstance(config, HFModelConfig):
+        return HFCausalLM(config, dtype=dtype, device=device)
     return TorchGPT(config, dtype=dtype, device=device)
 
 
@@ -253,7 +269,7 @@ class RowSkipped(Exception):
     """The row cannot run here (e.g. torchao missing): reported as skipped, not as failed."""
 
 
-def make_batches(config: TorchGPTConfig, count: int, device: str, seed: int = SEED,
+def make_batches(config: TorchGPTConfig | HFModelConfig, count: int, device: str, seed: int = SEED,
                  batch: int | None = None, seq: int | None = None) -> list[torch.Tensor]:
     """`count` batches of uniform random tokens [batch, seq+1] (never zeros: a constant input
     could take shortcuts no real batch does), the same for every row of a run."""
