@@ -73,8 +73,10 @@ def _kept_for_backward(model: torch.nn.Module, recipe: mf.Recipe) -> list[torch.
     return kept[1:]  # the first output is the model's
 
 
-def test_partitioner_keeps_no_quantized_copy_and_recomputes_the_inputs():
-    recipe = RECIPES["current"]
+@pytest.mark.parametrize("recipe_name", ["current", "delayed"])
+def test_partitioner_keeps_no_quantized_copy_and_recomputes_the_inputs(recipe_name):
+    """Delayed scaling too: the forward op hands backward forward's scales (1 element each)."""
+    recipe = RECIPES[recipe_name]
     default = _kept_for_backward(_build("convert_model"), recipe)
     lowest = _kept_for_backward(_lowest_memory(_build("convert_model")), recipe)
     one_byte = [t for t in default if t.element_size() == 1]
@@ -116,3 +118,15 @@ def test_a_deep_copied_model_compiles():
     want = _step(original, recipe, _data(1), dy, seed=1)
     got = _step(compiled, recipe, _data(1), dy, seed=1)
     _assert_bitwise(got[0], want[0], "y")
+
+
+def test_compile_caches_are_keyed_by_minifloat_source(tmp_path):
+    """A changed source file changes the tag minifloat adds to torch's cache key, so a graph
+    compiled against other code is never replayed (compile_cache.py)."""
+    from minifloat import compile_cache
+
+    assert compile_cache.source_tag() in torch.compiler.config.cache_key_tag.split()
+    for name, text in (("a", "x = 1\n"), ("b", "x = 2\n")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "m.py").write_text(text)
+    assert compile_cache.source_tag(tmp_path / "a") != compile_cache.source_tag(tmp_path / "b")

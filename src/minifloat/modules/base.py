@@ -91,7 +91,7 @@ class QuantizedModule(nn.Module):
     # True: keep no weight copy from forward to backward; backward quantizes the weight again
     # (linear_function.rebuild_weight_copy). For FSDP2, whose sharding a kept full-size copy
     # undoes; distributed.rebuild_weight_copies_in_backward sets it on a model's modules. Under
-    # torch.compile the ops honour it for stateless recipes (delayed scaling keeps its copy).
+    # torch.compile the ops honour it for stateless recipes and plain delayed scaling.
     rebuild_weight_copy_in_backward = False
     # True (TransformerEngine's save_original_input): keep the high-precision input for wgrad
     # instead of its columnwise copy; backward quantizes it again

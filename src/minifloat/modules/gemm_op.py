@@ -41,8 +41,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..autocast import note_delayed_use
+from ..compile_cache import tag_compile_caches
 from ..kernels import is_fake
-from ..quantizers import QuantizedStorage, QuantizedTensor, Quantizer
+from ..quantizers import Float8Quantizer, QuantizedStorage, QuantizedTensor, Quantizer
 from ..recipe_state import RecipeState
 from .input_recast import input_copy_buffers, recasts
 from .linear_function import (
@@ -54,6 +55,8 @@ from .linear_function import (
     gemms_forward,
     rebuild_weight_copy,
 )
+
+tag_compile_caches()  # the backward formula below is not in inductor's cache keys otherwise
 
 
 @dataclass
@@ -80,6 +83,8 @@ class _Plan:
     backward: RecipeState
     forward_state_count: int
     stateless: tuple[list[Quantizer], list[Quantizer]] | None
+    # the forward quantizers without their tensors: what their types and formats say
+    forward_prototypes: list[Quantizer]
 
 
 _PLANS: dict[int, _Plan] = {}
@@ -135,7 +140,8 @@ def register_plan(forward: RecipeState, backward: RecipeState,
     plan = int.from_bytes(hashlib.sha1(signature.encode()).digest()[:7], "little")
     if plan not in _PLANS:
         stateless = None if state else (forward_quantizers, backward_quantizers)
-        _PLANS[plan] = _Plan(forward, backward, len(forward.state_tensors()), stateless)
+        _PLANS[plan] = _Plan(forward, backward, len(forward.state_tensors()), stateless,
+                             [_quantizer_without_tensors(q) for q in forward_quantizers])
     return plan
 
 
@@ -159,17 +165,39 @@ def _gemm_call(plan_id: int, state: list[torch.Tensor], gemms: list[int], m_spli
                                rebuild_weights=rebuild, save_original_input=save_original)
 
 
-def rebuild_applies(plan_id: int) -> bool:
-    """Whether the compiled ops can rebuild this plan's weight or input copies in backward: for
-    stateless recipes only (a delayed-scaling rebuild needs forward's scale, which the ops do
-    not carry; those keep their copies)."""
-    return _PLANS[plan_id].stateless is not None
+def _slot_quantizers(plan_id: int, gemms: list[int], slot: int) -> list[Quantizer]:
+    """The tensor-less forward quantizers of slot `slot` (0 input, 1 weight) of these GEMMs."""
+    prototypes = _PLANS[plan_id].forward_prototypes
+    return [prototypes[len(FORWARD_SLOTS) * gemm + slot] for gemm in gemms]
 
 
-def _input_quantizers(plan_id: int, gemms: list[int]) -> list[Quantizer]:
-    """The input quantizers of a stateless plan's GEMMs."""
-    forward_quantizers = _PLANS[plan_id].stateless[0]
-    return [forward_quantizers[len(FORWARD_SLOTS) * gemm] for gemm in gemms]
+def _delayed(quantizers: list[Quantizer]) -> bool:
+    return all(type(q) is Float8Quantizer for q in quantizers)
+
+
+def rebuild_applies(plan_id: int, gemms: list[int]) -> bool:
+    """Whether the compiled ops can make these GEMMs' weight copies in backward: stateless
+    recipes, and plain delayed scaling, whose forward scales the forward op hands to backward
+    (the recipe state's are updated in between). Other stateful weights keep their copies."""
+    return _PLANS[plan_id].stateless is not None or _delayed(_slot_quantizers(plan_id, gemms, 1))
+
+
+def save_original_applies(plan_id: int, gemms: list[int]) -> bool:
+    """Whether the compiled backward can make these GEMMs' input copy itself (input_recast)."""
+    quantizers = _slot_quantizers(plan_id, gemms, 0)
+    return recasts(quantizers) and (_PLANS[plan_id].stateless is not None
+                                    or _delayed(quantizers))
+
+
+def _carried_counts(plan_id: int, gemms: list[int], need_dgrad: bool, need_wgrad: bool,
+                    rebuild: bool, save_original: bool) -> tuple[int, int]:
+    """How many delayed-scaling scales the forward op returns after the kept buffers: one per
+    weight it keeps no copy of, and (scale, scale_inv) of an input it keeps no copy of."""
+    weights = (len(gemms) if rebuild and need_dgrad
+               and _delayed(_slot_quantizers(plan_id, gemms, 1)) else 0)
+    inputs = (2 if save_original and need_wgrad
+              and _delayed(_slot_quantizers(plan_id, gemms, 0)) else 0)
+    return weights, inputs
 
 
 def _with_biases(biases: list[torch.Tensor], has_bias: list[bool]) -> list[torch.Tensor | None]:
@@ -200,9 +228,10 @@ def _gemms_forward(
     has_bias: list[bool], state: list[torch.Tensor], plan: int, gemms: list[int],
     m_splits: list[int], need_dgrad: bool, need_wgrad: bool, rebuild: bool, save_original: bool,
 ) -> list[torch.Tensor]:
-    """[y, the buffers backward keeps (present ones, in order)]; with `rebuild` no weight
-    copy is kept, with `save_original` no input copy (backward quantizes them again; the
-    autograd context keeps the weights and the input themselves)."""
+    """[y, the buffers backward keeps (present ones, in order), delayed scales carried]; with
+    `rebuild` no weight copy is kept, with `save_original` no input copy (backward quantizes
+    them again; the autograd context keeps the weights and the input themselves, and under
+    delayed scaling the forward scales: _carried_counts)."""
     if state and not is_fake(x):
         pair = _DELAYED_BY_STATE.get(state[0].data_ptr())
         if pair is not None:
@@ -210,11 +239,18 @@ def _gemms_forward(
         state = [detached_alias(t) for t in state]
     call = _gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad, rebuild,
                       save_original)
+    weight_scales, input_scales = _carried_counts(plan, gemms, need_dgrad, need_wgrad, rebuild,
+                                                  save_original)
+    # forward's delayed-scaling scales, copied before autocast's exit updates the state
+    carried = [q.scale.clone() for q in call.weight_quantizers[:weight_scales]]
+    if input_scales:
+        scale = call.input_quantizers[0].scale.clone()
+        carried += [scale, torch.reciprocal(scale)]  # the reference's scale_inv
     y, _, saved = gemms_forward(x, call, weights, _with_biases(biases, has_bias))
     # contiguous: the kernels write row-major buffers where the reference path (which the fake
     # implementation runs) may hand over a transposed view; inductor asserts the fake strides
     kept = [t.contiguous() for t in saved.tensors if t is not None]
-    return [y.contiguous()] + _unaliased(kept, [x, *weights, *biases])
+    return [y.contiguous()] + _unaliased(kept, [x, *weights, *biases]) + carried
 
 
 _gemms_forward_op = torch.library.custom_op("minifloat::gemms_forward",
@@ -282,9 +318,11 @@ def _gemms_backward_op(
     grad_output: torch.Tensor, saved: list[torch.Tensor], state: list[torch.Tensor], plan: int,
     gemms: list[int], m_splits: list[int], x_shape: list[int], weight_shapes: list[int],
     has_bias: list[bool], need_dgrad: bool, need_wgrad: bool, rebuild_from: list[torch.Tensor],
+    rebuild_scales: list[torch.Tensor],
 ) -> list[torch.Tensor]:
     """[dx if need_dgrad] + [dW_i if need_wgrad] + [db_i where has_bias]; `rebuild_from`: the
-    weights, when forward kept no copy of them (empty otherwise). `saved` is in the layout of a
+    weights, when forward kept no copy of them (empty otherwise), `rebuild_scales`: their
+    forward scales under delayed scaling (empty otherwise). `saved` is in the layout of a
     forward that kept the input's copy (with save_original_input, _backward made it)."""
     rebuild = bool(rebuild_from)
     layout, present = _layout(plan, gemms, m_splits, x_shape, weight_shapes, has_bias,
@@ -295,8 +333,9 @@ def _gemms_backward_op(
     state = [detached_alias(t) for t in state]
     call = _gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad, rebuild)
     if rebuild:
-        w_qs = [rebuild_weight_copy(weight, quantizer, None)
-                for weight, quantizer in zip(rebuild_from, call.weight_quantizers, strict=True)]
+        scales = rebuild_scales or [None] * len(rebuild_from)
+        w_qs = [rebuild_weight_copy(weight, quantizer, scale) for weight, quantizer, scale
+                in zip(rebuild_from, call.weight_quantizers, scales, strict=True)]
     shapes = [torch.Size(weight_shapes[i:i + 2]) for i in range(0, len(weight_shapes), 2)]
     weights = [WeightInfo(shape, grad_output.dtype, grad_output.device) for shape in shapes]
     splits = list(m_splits)
@@ -310,12 +349,13 @@ def _gemms_backward_op(
     outputs.extend(g for g in grad_biases if g is not None)
     # contiguous, as the fake implementation's new_empty outputs are
     return _unaliased([t.contiguous() for t in outputs],
-                      [grad_output, *saved, *state, *rebuild_from])
+                      [grad_output, *saved, *state, *rebuild_from, *rebuild_scales])
 
 
 @_gemms_backward_op.register_fake
 def _gemms_backward_fake(grad_output, saved, state, plan, gemms, m_splits, x_shape,
-                         weight_shapes, has_bias, need_dgrad, need_wgrad, rebuild_from):
+                         weight_shapes, has_bias, need_dgrad, need_wgrad, rebuild_from,
+                         rebuild_scales):
     outputs = []
     if need_dgrad:
         outputs.append(grad_output.new_empty(x_shape))
@@ -332,11 +372,15 @@ def _setup_context(ctx, inputs, output) -> None:
      rebuild, save_original) = inputs
     rebuild_from = list(weights) if rebuild and need_dgrad else []
     originals = [x] if save_original and need_wgrad else []
+    carried = sum(_carried_counts(plan, gemms, need_dgrad, need_wgrad, rebuild, save_original))
+    kept = output[1:len(output) - carried]
     # state: aliases, see detached_alias; weights (rebuild) and input (save_original): as
     # F.linear keeps them
-    ctx.save_for_backward(*output[1:], *state, *rebuild_from, *originals)
-    ctx.saved_count, ctx.bias_count = len(output) - 1, len(biases)
-    ctx.rebuild_count = len(rebuild_from)
+    ctx.save_for_backward(*kept, *state, *rebuild_from, *originals,
+                          *output[len(output) - carried:])
+    ctx.saved_count, ctx.bias_count = len(kept), len(biases)
+    ctx.rebuild_count, ctx.original_count = len(rebuild_from), len(originals)
+    ctx.flags = (rebuild, save_original)
     ctx.constants = (plan, list(gemms), list(m_splits), list(x.shape),
                      [d for w in weights for d in w.shape], list(has_bias), need_dgrad,
                      need_wgrad)
@@ -349,13 +393,19 @@ def _backward(ctx, grads):
     tensors = list(ctx.saved_tensors)
     saved = tensors[:ctx.saved_count]
     state = tensors[ctx.saved_count:ctx.saved_count + ctx.state_count]
-    rest = tensors[ctx.saved_count + ctx.state_count:]
-    rebuild_from, originals = rest[:ctx.rebuild_count], rest[ctx.rebuild_count:]
+    rest = iter(tensors[ctx.saved_count + ctx.state_count:])
+    rebuild_from = [next(rest) for _ in range(ctx.rebuild_count)]
+    originals = [next(rest) for _ in range(ctx.original_count)]
+    weight_scales, input_scales = _carried_counts(plan, gemms, need_dgrad, need_wgrad,
+                                                  *ctx.flags)
+    rebuild_scales = [next(rest) for _ in range(weight_scales)]
+    scales = tuple(next(rest) for _ in range(input_scales)) or None
     if originals:  # save_original_input: the input's copies, made here (input_recast.py)
-        saved = input_copy_buffers(originals[0], _input_quantizers(plan, gemms)) + saved
+        saved = input_copy_buffers(originals[0], _slot_quantizers(plan, gemms, 0),
+                                   scales) + saved
     outputs = iter(_gemms_backward_op(grads[0].contiguous(), saved, state, plan, gemms,
                                       m_splits, x_shape, weight_shapes, has_bias, need_dgrad,
-                                      need_wgrad, rebuild_from))
+                                      need_wgrad, rebuild_from, rebuild_scales))
     grad_x = next(outputs) if need_dgrad else None
     grad_weights = ([next(outputs) for _ in range(ctx.weight_count)] if need_wgrad
                     else [None] * ctx.weight_count)
@@ -373,8 +423,8 @@ def compiled_gemms(
     need_dgrad: bool, need_wgrad: bool, rebuild: bool = False, save_original_input: bool = False,
 ) -> torch.Tensor:
     """The module's GEMMs through the custom ops (the path torch.compile traces); `rebuild`:
-    keep no weight copy for backward, `save_original_input`: no input copy (stateless recipes,
-    see rebuild_applies; per-tensor current scaling for the input, see input_recast.recasts)."""
+    keep no weight copy for backward, `save_original_input`: no input copy (where the ops can
+    make them in backward: rebuild_applies, save_original_applies)."""
     for weight in weights:
         if isinstance(weight, QuantizedTensor):
             raise NotImplementedError(
@@ -388,7 +438,6 @@ def compiled_gemms(
     present = [b for b in biases if b is not None]
     outputs = _gemms_forward_op(x, list(weights), present, has_bias, list(state),
                                 plan, list(gemms), [int(m) for m in m_splits],
-                                need_dgrad, need_wgrad, rebuild and rebuild_applies(plan),
-                                save_original_input and rebuild_applies(plan)
-                                and recasts(_input_quantizers(plan, gemms)))
+                                need_dgrad, need_wgrad, rebuild and rebuild_applies(plan, gemms),
+                                save_original_input and save_original_applies(plan, gemms))
     return outputs[0]

@@ -10,8 +10,9 @@ materialized and be kept in high precision, 2 bytes an element where its FP8 cop
 here, inductor fuses the recomputation with the cast, and nothing input-sized is kept for the
 GEMM at all (torchao's float8 gets its activation memory this way).
 
-Per-tensor FP8 current scaling is cast by `per_tensor_copy`: amax and a saturating cast in
-torch ops, the scale in one small op; they equal the reference (NUMERICS.md §2) bit for bit
+Per-tensor FP8 is cast by `per_tensor_copy`: current scaling's amax and a saturating cast in
+torch ops, the scale in one small op (delayed scaling: the cast with forward's scale, which the
+forward op hands over); they equal the reference (NUMERICS.md §2) bit for bit
 (tests/modules/test_memory_options.py on special values, tests/gpu/test_memory_options_cuda.py
 against the kernel as inductor compiles it). The other formats keep their copies under
 torch.compile (`recasts`); eagerly every format honours save_original_input.
@@ -22,7 +23,12 @@ from __future__ import annotations
 import torch
 
 from .. import kernels, numerics
-from ..quantizers import Float8CurrentScalingQuantizer, Float8Storage, Quantizer
+from ..quantizers import (
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    Float8Storage,
+    Quantizer,
+)
 from ..quantizers.base import kernel_module
 from .linear_function import keep_for_backward
 
@@ -49,22 +55,27 @@ def _per_tensor_scales_fake(amax, e5m2, amax_epsilon, power_2_scale):
     return (amax.new_empty((), dtype=torch.float32), amax.new_empty((), dtype=torch.float32))
 
 
-def per_tensor_copy(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer
-                    ) -> Float8Storage:
-    """The columnwise copy of per-tensor current scaling: data_transpose [K, M] and scale_inv,
-    as the quantizer makes them; the amax and the cast in fusible torch ops.
+def per_tensor_copy(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer | Float8Quantizer,
+                    scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> Float8Storage:
+    """The columnwise copy of per-tensor scaling: data_transpose [K, M] and scale_inv, as the
+    quantizer makes them; the amax and the cast in fusible torch ops. `scales`: (scale,
+    scale_inv) forward cast with (delayed scaling: forward's, carried by the forward op; no
+    amax is taken or recorded), else current scaling's from this tensor's amax.
 
     The reference rounds on the format's grid in fp32 arithmetic, then encodes; torch's
     conversion to an FP8 dtype rounds to nearest even itself, so after clamping to +-max
     (saturation; NaN passes through) one conversion gives the same bytes. A maximum is exact
     however it is computed; the scale comes from per_tensor_scales."""
     fmt = numerics.fp8_format(quantizer.fp8_dtype)
-    if x2d.numel() == 0:
-        amax = torch.zeros((), dtype=torch.float32, device=x2d.device)
+    if scales is not None:
+        scale, scale_inv = scales
     else:
-        amax = torch.amax(x2d.abs()).float()
-    scale, scale_inv = per_tensor_scales(amax, quantizer.fp8_dtype == torch.float8_e5m2,
-                                         quantizer.amax_epsilon, quantizer.power_2_scale)
+        if x2d.numel() == 0:
+            amax = torch.zeros((), dtype=torch.float32, device=x2d.device)
+        else:
+            amax = torch.amax(x2d.abs()).float()
+        scale, scale_inv = per_tensor_scales(amax, quantizer.fp8_dtype == torch.float8_e5m2,
+                                             quantizer.amax_epsilon, quantizer.power_2_scale)
     data = torch.clamp(x2d.float() * scale, -fmt.max_value, fmt.max_value).to(
         quantizer.fp8_dtype)
     return Float8Storage(shape=x2d.shape, dtype=x2d.dtype, quantizer=quantizer, data=None,
@@ -74,16 +85,23 @@ def per_tensor_copy(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer
 
 def recasts(quantizers: list[Quantizer]) -> bool:
     """Whether the compiled backward makes this GEMM input's copy itself (per_tensor_copy): one
-    GEMM of per-tensor current scaling without an amax reduction group. Other inputs keep their
-    copies under torch.compile: made in backward by their quantizers' torch reference path,
-    they would be slow code and, on the GPU, not the kernels' bytes for every format."""
-    return (len(quantizers) == 1 and type(quantizers[0]) is Float8CurrentScalingQuantizer
-            and quantizers[0].amax_reduction_group is None)
+    GEMM of per-tensor scaling, current (without an amax reduction group) or delayed. Other
+    inputs keep their copies under torch.compile: made in backward by their quantizers' torch
+    reference path, they would be slow code and, on the GPU, not the kernels' bytes for every
+    format."""
+    if len(quantizers) != 1:
+        return False
+    kind = type(quantizers[0])
+    return kind is Float8Quantizer or (kind is Float8CurrentScalingQuantizer
+                                       and quantizers[0].amax_reduction_group is None)
 
 
-def input_copy_buffers(x: torch.Tensor, quantizers: list[Quantizer]) -> list[torch.Tensor]:
+def input_copy_buffers(x: torch.Tensor, quantizers: list[Quantizer],
+                       scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> list[torch.Tensor]:
     """The buffers of the input copy that a forward keeping it would have handed to backward,
-    in that order (keep_for_backward's); for quantizers that `recasts`."""
-    x_qs = [per_tensor_copy(x.reshape(-1, x.shape[-1]), quantizers[0])]
+    in that order (keep_for_backward's); for quantizers that `recasts`, with forward's scales
+    under delayed scaling."""
+    x_qs = [per_tensor_copy(x.reshape(-1, x.shape[-1]), quantizers[0], scales)]
     kept = keep_for_backward(x_qs, [], need_dgrad=False, need_wgrad=True)
     return [t.contiguous() for t in kept.tensors if t is not None]

@@ -16,9 +16,10 @@ input's (wgrad) and the weight's (dgrad), quantized in forward together with the
   billion parameters), and keeps FSDP2's weights sharded between forward and backward.
 
 Both make bit for bit the copies forward would have kept (tests/modules/test_memory_options.py).
-Under torch.compile, delayed scaling keeps its copies (the compiled ops do not carry forward's
-scale to backward), and so do inputs of formats other than per-tensor current scaling
-(input_recast.recasts says why).
+Under torch.compile the input option applies to per-tensor FP8 (current and delayed scaling;
+input_recast.recasts says why the other formats keep their input copies there) and the weight
+option to stateless recipes and plain delayed scaling (the forward op hands forward's scales to
+backward: gemm_op.rebuild_applies).
 """
 
 from __future__ import annotations
