@@ -171,10 +171,16 @@ def test_recipe_change_recompiles_and_follows_the_recipe():
     assert torch.equal(compiled(x), reference(x))  # outside autocast: plain F.linear
 
 
-def test_inductor_matches_eager_within_bf16_tolerance():
-    """The default backend: inductor generates the norm and activation code around the ops."""
+@pytest.mark.parametrize("keep_copies", [True, False])
+def test_inductor_matches_eager_within_bf16_tolerance(keep_copies):
+    """The default backend: inductor generates the norm and activation code around the ops
+    (keeping no copies: also the recomputed norm and activation and the cast in backward,
+    tests/compile/test_compile_memory.py)."""
     recipe = RECIPES["current"]
     eager, model = _build("convert_model"), _build("convert_model")
+    if not keep_copies:
+        mf.rebuild_weight_copies_in_backward(mf.save_original_inputs(model))
+    torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
     x = _data(5)
     dy = _dy_like(eager, x)

@@ -18,27 +18,11 @@ from torch import nn
 import minifloat as mf
 from minifloat.modules.input_recast import per_tensor_copy
 
+from .test_compile_cuda import FFN, HIDDEN, RECIPES, PlainMLP
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-RECIPES = {
-    "current": mf.Float8CurrentScaling(),
-    "delayed": mf.DelayedScaling(amax_history_len=4),
-    "block": mf.Float8BlockScaling(),
-    "mxfp8": mf.MXFP8BlockScaling(),
-    "nvfp4": mf.NVFP4BlockScaling(disable_stochastic_rounding=True),
-}
-HIDDEN, FFN, ROWS = 256, 1024, 512
-
-
-class PlainMLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.RMSNorm(HIDDEN)
-        self.fc1 = nn.Linear(HIDDEN, FFN)
-        self.fc2 = nn.Linear(FFN, HIDDEN, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+ROWS = 512
 
 
 def _model(blocks: int = 1) -> nn.Module:
@@ -125,8 +109,8 @@ def test_inductor_keeps_less_without_copies():
     lowest = torch.compile(_lowest(_model(4)), fullgraph=True)
     kept_default = _kept_between_forward_and_backward(default, recipe)
     kept_lowest = _kept_between_forward_and_backward(lowest, recipe)
-    # per block: the two input copies (4096 x 256 and 4096 x 1024 bytes) and the two weight
-    # copies (2 x 256 x 1024 bytes) are gone
+    # per block: the two input copies (4096 x HIDDEN and 4096 x FFN bytes) and the two weight
+    # copies (2 x HIDDEN x FFN bytes) are gone
     saved = 4 * (4096 * (HIDDEN + FFN) + 2 * HIDDEN * FFN)
     assert kept_lowest <= kept_default - 0.9 * saved, (kept_default, kept_lowest)
 

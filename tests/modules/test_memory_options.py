@@ -4,7 +4,8 @@ quantizes the kept high-precision input again instead of reading a copy kept fro
 The rebuilt copy must be the one forward would have kept, so every step equals the default
 path bit for bit, under every recipe: delayed scaling (whose scale changes between forward and
 backward: the rebuild uses forward's and records no amax), hybrids whose wgrad format differs,
-grouped GEMMs with an empty split, and the lean per-tensor path. What is kept must be the input
+grouped GEMMs with an empty split (tests/modules/test_rebuild_weight_copy.py), and the lean
+per-tensor path. What is kept must be the input
 itself and no input-sized quantized copy. The compiled path has its own tests
 (tests/compile/test_compile_memory.py).
 """
@@ -103,31 +104,6 @@ def test_the_input_itself_is_kept_and_no_input_sized_copy(kind):
     saved = _saved_by_gemm(layer, x, recipe)
     assert any(t is x for t in saved)
     assert [t for t in saved if t is not x and t.element_size() == 1] == []
-
-
-@pytest.mark.parametrize("kind", ["current", "delayed", "mxfp8", "nvfp4", "hybrid"])
-def test_grouped_linear_rebuilds_every_split_bitwise(kind):
-    """One copy per split; an empty split has none."""
-    recipe = RECIPES[kind]
-    torch.manual_seed(0)
-    kept = mf.GroupedLinear(3, 128, 64, name="experts")
-    original = mf.GroupedLinear(3, 128, 64, name="experts", save_original_input=True)
-    original.load_state_dict(kept.state_dict())
-    splits = [64, 0, 64]
-    for step in range(2):
-        g = torch.Generator().manual_seed(step)
-        x, dy = torch.randn(128, 128, generator=g), torch.randn(128, 64, generator=g)
-        results = []
-        for model in (kept, original):
-            xi = x.clone().requires_grad_(True)
-            with mf.autocast(recipe=recipe):
-                y = model(xi, splits)
-            y.backward(dy)
-            mf.update_delayed_backward_scales()
-            results.append([y.detach(), xi.grad] + [p.grad.clone() for p in model.parameters()])
-            model.zero_grad(set_to_none=True)
-        for a, b in zip(*results, strict=True):
-            assert torch.equal(a, b), f"{kind} step {step}"
 
 
 @pytest.mark.parametrize("kind", ["current", "delayed"])

@@ -94,14 +94,16 @@ def test_no_weight_copy_is_kept_between_forward_and_backward(kind):
         assert len(_gemm_node(layer(x)).w_tensors) > 0  # the default keeps one
 
 
-@pytest.mark.parametrize("kind", ["current", "delayed", "mxfp8", "nvfp4"])
-def test_grouped_linear_rebuilds_every_expert_bitwise(kind):
-    """GroupedLinear keeps (or rebuilds) one copy per expert; an empty expert has none."""
+@pytest.mark.parametrize("option", ["rebuild_weight_copy_in_backward", "save_original_input"])
+@pytest.mark.parametrize("kind", ["current", "delayed", "mxfp8", "nvfp4", "hybrid"])
+def test_grouped_linear_rebuilds_every_expert_bitwise(kind, option):
+    """GroupedLinear keeps (or rebuilds) one weight copy, and one input copy, per expert; an
+    empty expert has none. Also the grouped case of tests/modules/test_memory_options.py."""
     recipe = RECIPES[kind]
     torch.manual_seed(0)
     kept = mf.GroupedLinear(3, 128, 64, name="experts")
     rebuilt = copy.deepcopy(kept)
-    rebuilt.rebuild_weight_copy_in_backward = True
+    setattr(rebuilt, option, True)
     splits = [64, 0, 64]
     for step in range(2):
         g = torch.Generator().manual_seed(step)
