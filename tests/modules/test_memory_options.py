@@ -23,25 +23,12 @@ from minifloat.modules import lean_fp8
 from minifloat.modules.input_recast import per_tensor_copy
 from minifloat.modules.lean_fp8 import LeanFP8Gemm
 
-NVFP4 = mf.NVFP4BlockScaling(disable_stochastic_rounding=True)
-RECIPES = {
-    "current": mf.Float8CurrentScaling(),
-    "delayed": mf.DelayedScaling(amax_history_len=2),
-    "block": mf.Float8BlockScaling(),
-    "mxfp8": mf.MXFP8BlockScaling(),
-    "nvfp4": NVFP4,
-    "hybrid": mf.HybridRecipe(fprop=mf.MXFP8BlockScaling(), dgrad=NVFP4, wgrad=NVFP4),
-    # the wgrad copy of the input takes delayed scaling: kept from forward (its cast records)
-    "hybrid-delayed-wgrad": mf.HybridRecipe(fprop=mf.MXFP8BlockScaling(), dgrad=NVFP4,
-                                            wgrad=mf.DelayedScaling()),
-}
+from .test_rebuild_weight_copy import NVFP4, build
+from .test_rebuild_weight_copy import RECIPES as REBUILD_RECIPES
 
-
-def build() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(mf.LayerNormLinear(128, 256, normalization="RMSNorm", name="a"),
-                         nn.GELU(), mf.LayerNormMLP(256, 256, normalization="RMSNorm", name="b"),
-                         mf.Linear(256, 128, name="c"))
+# the wgrad copy of the input takes delayed scaling: kept from forward (its cast records)
+RECIPES = {**REBUILD_RECIPES, "hybrid-delayed-wgrad": mf.HybridRecipe(
+    fprop=mf.MXFP8BlockScaling(), dgrad=NVFP4, wgrad=mf.DelayedScaling())}
 
 
 def train_alike(models: list[nn.Module], recipe: mf.Recipe, steps: int = 3) -> None:
