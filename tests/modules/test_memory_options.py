@@ -23,39 +23,12 @@ from minifloat.modules import lean_fp8
 from minifloat.modules.input_recast import per_tensor_copy
 from minifloat.modules.lean_fp8 import LeanFP8Gemm
 
-from .test_rebuild_weight_copy import NVFP4, build
+from .test_rebuild_weight_copy import NVFP4, build, recipe_state_tensors, train_alike
 from .test_rebuild_weight_copy import RECIPES as REBUILD_RECIPES
 
 # the wgrad copy of the input takes delayed scaling: kept from forward (its cast records)
 RECIPES = {**REBUILD_RECIPES, "hybrid-delayed-wgrad": mf.HybridRecipe(
     fprop=mf.MXFP8BlockScaling(), dgrad=NVFP4, wgrad=mf.DelayedScaling())}
-
-
-def train_alike(models: list[nn.Module], recipe: mf.Recipe, steps: int = 3) -> None:
-    """Train the models on the same batches; every output and gradient equal bit for bit."""
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
-    for step in range(steps):
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(64, 128, generator=g) * (1 + step)
-        dy = torch.randn(64, 128, generator=g)
-        results = []
-        for model, optimizer in zip(models, optimizers, strict=True):
-            xi = x.clone().requires_grad_(True)
-            with mf.autocast(recipe=recipe):
-                y = model(xi)
-            y.backward(dy)
-            mf.update_delayed_backward_scales()
-            results.append([y.detach(), xi.grad] + [p.grad.clone() for p in model.parameters()])
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        for other in results[1:]:
-            for index, (a, b) in enumerate(zip(results[0], other, strict=True)):
-                assert torch.equal(a, b), f"step {step} result {index}"
-
-
-def recipe_state_tensors(model: nn.Module, recipe: mf.Recipe) -> list[torch.Tensor]:
-    return [t for m in model.modules() if isinstance(m, mf.modules.QuantizedModule)
-            for state in m.recipe_states(recipe) for t in state.state_tensors()]
 
 
 @pytest.mark.parametrize("kind", list(RECIPES))
