@@ -16,8 +16,16 @@ at --shape MxKxN (default 16x2048x2048: 16 tokens, a 1b-preset projection):
 - cProfile of --repeats forwards and, apart, of --repeats backwards (the latter single-threaded:
   cProfile sees only the thread it runs on), top --top entries by own time and cumulative time.
 
+--stub-kernels (per-tensor FP8 recipes, which take the lean path): the lean path's casts and
+scaled matmuls return preallocated buffers of the right shapes instead of launching anything,
+so the figures are minifloat's Python above the kernel layer alone (module, autocast lookup,
+autograd.Function, bookkeeping); the difference to a run without it is the kernel layer's host
+cost (Triton launches and their arguments, scaled_mm). Outputs are then meaningless. Delayed
+scaling's forward includes autocast's exit, where its scales update (one batched kernel on a
+GPU, a few dozen torch ops on the CPU).
+
 Usage: python benchmarks/host_profile.py [--recipes bf16,fp8-current,...] [--shape 16x2048x2048]
-       [--repeats 200] [--top 25] [--device cuda|cpu] [--out DIR]
+       [--repeats 200] [--top 25] [--device cuda|cpu] [--out DIR] [--stub-kernels]
 Recipes: bf16 (plain torch.nn.Linear), fp8-current, fp8-delayed, fp8-block, mxfp8, nvfp4. With
 --out DIR, each layer's report goes to DIR/host_profile_<recipe>.txt as well.
 """
@@ -55,6 +63,38 @@ def build_layer(name: str, k: int, n: int, device: str, dtype: torch.dtype):
     recipe = minifloat_recipe(name)
     layer = mf.Linear(k, n, bias=False, params_dtype=dtype, device=device)
     return layer, lambda: mf.autocast(recipe=recipe)
+
+
+@contextlib.contextmanager
+def stubbed_kernel_layer(device: str):
+    """The lean FP8 path with its kernel layer replaced by preallocated buffers (see the
+    module docstring); on the CPU the lean path is widened to serve CPU tensors."""
+    from minifloat.modules import lean_fp8
+
+    buffers: dict[tuple, torch.Tensor] = {}
+
+    def buffer(shape: tuple, dtype: torch.dtype, on: torch.device) -> torch.Tensor:
+        key = (shape, dtype, on)
+        if key not in buffers:
+            buffers[key] = torch.zeros(shape, dtype=dtype, device=on)
+        return buffers[key]
+
+    def cast(self, x2d, *, rowwise, columnwise):
+        m, k = x2d.shape
+        return (buffer((m, k), self.fp8_dtype, x2d.device) if rowwise else None,
+                buffer((k, m), self.fp8_dtype, x2d.device) if columnwise else None,
+                buffer((1,), torch.float32, x2d.device))
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias, fast_accumulation):
+        return torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
+
+    saved = (lean_fp8.Cast.__call__, lean_fp8.scaled_mm_bytes, lean_fp8.DEVICES)
+    lean_fp8.Cast.__call__, lean_fp8.scaled_mm_bytes = cast, scaled_mm
+    lean_fp8.DEVICES = (torch.device(device).type,)
+    try:
+        yield
+    finally:
+        lean_fp8.Cast.__call__, lean_fp8.scaled_mm_bytes, lean_fp8.DEVICES = saved
 
 
 def _sync(device: str) -> None:
@@ -143,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--stub-kernels", action="store_true",
+                        help="time minifloat's Python above the kernel layer alone")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("host_profile: no CUDA device; skipped (--device cpu runs on the CPU)",
@@ -153,7 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     summary = []
     for name in args.recipes.split(","):
-        result, text = report(name, m, k, n, args.repeats, args.top, args.device, dtype)
+        stub = args.stub_kernels and name in ("fp8-current", "fp8-delayed")
+        with stubbed_kernel_layer(args.device) if stub else contextlib.nullcontext():
+            result, text = report(name, m, k, n, args.repeats, args.top, args.device, dtype)
+        if stub:
+            result["layer"] = f"{name} (stubbed kernels)"
+            text = "kernel layer stubbed (--stub-kernels): " + text
         summary.append(result)
         print(text, flush=True)
         if args.out is not None:

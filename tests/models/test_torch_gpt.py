@@ -167,3 +167,29 @@ def test_model_step_runs_transformers_presets_on_cpu(tmp_path: Path) -> None:
             loss = step.loss_fn(batch)
         loss.backward()
         assert torch.isfinite(loss) and 4.0 < loss.item() < 7.0  # about ln(256) at the start
+
+
+def test_host_profile_stubs_the_kernel_layer_and_restores_it(capsys) -> None:
+    """benchmarks/host_profile.py --stub-kernels on the CPU: the stubbed rows run through the
+    lean path, and the lean path is whole again afterwards."""
+    from minifloat.modules import lean_fp8
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import host_profile
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    before = (lean_fp8.Cast.__call__, lean_fp8.scaled_mm_bytes, lean_fp8.DEVICES)
+    served = []
+    forward = lean_fp8.LeanFP8Gemm.forward
+    lean_fp8.LeanFP8Gemm.forward = staticmethod(lambda ctx, *a: served.append(1)
+                                                or forward(ctx, *a))
+    try:
+        assert host_profile.main(["--device", "cpu", "--shape", "16x64x64", "--recipes",
+                                  "bf16,fp8-current", "--repeats", "5", "--top", "2",
+                                  "--stub-kernels"]) == 0
+    finally:
+        lean_fp8.LeanFP8Gemm.forward = forward
+    assert "fp8-current (stubbed kernels)" in capsys.readouterr().out
+    assert served  # the lean path served the stubbed calls
+    assert (lean_fp8.Cast.__call__, lean_fp8.scaled_mm_bytes, lean_fp8.DEVICES) == before
