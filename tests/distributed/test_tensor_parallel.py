@@ -142,6 +142,23 @@ def test_four_ranks_equal_one_rank():
         check([r[case] for r in results], *case, f"current {case} 4 ranks")
 
 
+def original_input_worker(rank: int, world: int, names: list[str]) -> dict:
+    return {(name, *case): run_pair(rank, world, name, *case, FEATURES, save_original_input=True)
+            for name in names for case in CASES}
+
+
+def test_original_inputs_under_tensor_parallelism_equal_one_rank():
+    """save_original_input on the TP layers (the single-rank layer keeps its copies): the
+    backward's recast of a sharded input takes the amax reduced over the group again (current
+    scaling), forward's scale (delayed), or its own blocks (MXFP8); a sequence-parallel input
+    is gathered as bytes and keeps them. Same checks as without the option."""
+    names = ["current", "delayed", "mxfp8"]
+    results = run_ranks(original_input_worker, 2, names, timeout=180)
+    for name in names:
+        for case in CASES:
+            check([r[(name, *case)] for r in results], *case, f"{name} {case} original input")
+
+
 def no_reduction_worker(rank: int, world: int) -> dict:
     return run_pair(rank, world, "current", "column", False, FEATURES, tp_amax_reduction=False)
 

@@ -193,3 +193,20 @@ def test_host_profile_stubs_the_kernel_layer_and_restores_it(capsys) -> None:
     assert "fp8-current (stubbed kernels)" in capsys.readouterr().out
     assert served  # the lean path served the stubbed calls
     assert (lean_fp8.Cast.__call__, lean_fp8.scaled_mm_bytes, lean_fp8.DEVICES) == before
+
+
+def test_small_m_benchmark_runs_on_cpu(tmp_path: Path) -> None:
+    """benchmarks/small_m.py (issue 21's small-M measurement) in its CPU smoke mode: a row per
+    M and path, MXFP8 at M=1 included (the module pads the rows)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import small_m
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    out = tmp_path / "small_m.json"
+    assert small_m.main(["--device", "cpu", "--shape", "64x64", "--ms", "1,16", "--recipes",
+                         "fp8-current,mxfp8", "--rounds", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(row["m"], row["row"]) for row in rows} == {
+        (m, name) for m in (1, 16) for name in ("bf16", "fp8-current", "mxfp8")}
+    assert all(row["device_ms"] > 0 and row["host_us"] > 0 for row in rows)
