@@ -28,6 +28,12 @@ The state tensors are recorded into in place by both ops without being declared 
 nothing else in a graph reads them (the delayed-scaling update runs at autocast entry and exit,
 outside), and declaring them would let functionalization hand the ops copies, losing the
 amaxes recorded in backward.
+
+Memory options (modules/memory.py): with `rebuild` the forward op keeps no weight copy and the
+backward op quantizes the weights again; with `save_original` it keeps no input copy and the
+autograd formula (`_backward`) makes it in torch ops before calling the backward op
+(input_recast.py says why there). Under delayed scaling the forward op returns forward's scales
+after the kept buffers (`_carried_counts`): autocast updates the state's before backward runs.
 """
 
 from __future__ import annotations
