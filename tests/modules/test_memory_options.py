@@ -108,3 +108,27 @@ def test_traceable_per_tensor_copy_equals_the_quantizer(fp8_dtype, options):
         assert torch.equal(got.data_transpose.view(torch.uint8),
                            want.data_transpose.view(torch.uint8))
         assert torch.equal(got.scale_inv.view(torch.int32), want.scale_inv.view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", ["current", "delayed", "mxfp8"])
+def test_original_inputs_under_activation_recompute_bitwise(kind):
+    """minifloat.checkpoint recomputes forward in backward (replaying delayed scaling's scales):
+    with original inputs kept, the recomputed forward keeps them and the results equal a run
+    without recompute keeping copies."""
+    recipe = RECIPES[kind]
+    kept = build()
+    recomputed = mf.save_original_inputs(copy.deepcopy(kept))
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, dy = torch.randn(64, 128, generator=g), torch.randn(64, 128, generator=g)
+        results = []
+        for model, recompute in ((kept, False), (recomputed, True)):
+            xi = x.clone().requires_grad_(True)
+            with mf.autocast(recipe=recipe):
+                y = mf.checkpoint(model, xi) if recompute else model(xi)
+            y.backward(dy)
+            mf.update_delayed_backward_scales()
+            results.append([y.detach(), xi.grad] + [p.grad.clone() for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        for index, (a, b) in enumerate(zip(*results, strict=True)):
+            assert torch.equal(a, b), f"{kind} step {step} result {index}"
