@@ -55,12 +55,13 @@ def _per_tensor_scales_fake(amax, e5m2, amax_epsilon, power_2_scale):
     return (amax.new_empty((), dtype=torch.float32), amax.new_empty((), dtype=torch.float32))
 
 
-def per_tensor_copy(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer | Float8Quantizer,
-                    scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> Float8Storage:
-    """The columnwise copy of per-tensor scaling: data_transpose [K, M] and scale_inv, as the
-    quantizer makes them; the amax and the cast in fusible torch ops. `scales`: (scale,
-    scale_inv) forward cast with (delayed scaling: forward's, carried by the forward op; no
-    amax is taken or recorded), else current scaling's from this tensor's amax.
+def per_tensor_cast(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer | Float8Quantizer,
+                    scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data [M, K], scale_inv [1]) of per-tensor scaling, as the quantizer makes them, in
+    fusible torch ops. `scales`: (scale, scale_inv) to cast with (delayed scaling: forward's,
+    carried by the forward op; no amax is taken or recorded), else current scaling's from this
+    tensor's amax.
 
     The reference rounds on the format's grid in fp32 arithmetic, then encodes; torch's
     conversion to an FP8 dtype rounds to nearest even itself, so after clamping to +-max
@@ -78,8 +79,16 @@ def per_tensor_copy(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer 
                                              quantizer.amax_epsilon, quantizer.power_2_scale)
     data = torch.clamp(x2d.float() * scale, -fmt.max_value, fmt.max_value).to(
         quantizer.fp8_dtype)
+    return data, scale_inv.reshape(1)
+
+
+def per_tensor_copy(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer | Float8Quantizer,
+                    scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> Float8Storage:
+    """The columnwise copy of per-tensor scaling (data_transpose [K, M] and scale_inv) made by
+    per_tensor_cast."""
+    data, scale_inv = per_tensor_cast(x2d, quantizer, scales)
     return Float8Storage(shape=x2d.shape, dtype=x2d.dtype, quantizer=quantizer, data=None,
-                         data_transpose=data.t().contiguous(), scale_inv=scale_inv.reshape(1),
+                         data_transpose=data.t().contiguous(), scale_inv=scale_inv,
                          fp8_dtype=quantizer.fp8_dtype)
 
 
