@@ -94,6 +94,19 @@ def _dy_like(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return torch.randn(model(x).shape, generator=torch.Generator().manual_seed(99))
 
 
+def _assert_trains_like_eager(eager: nn.Module, compiled, recipe: mf.Recipe, label: str) -> None:
+    """Two steps on the same batches: output, input gradient and parameter gradients bitwise
+    equal to the eager model's."""
+    dy = _dy_like(eager, _data(0))
+    for step in range(2):
+        x = _data(step + 1)
+        want = _step(eager, recipe, x, dy, seed=step)
+        got = _step(compiled, recipe, x, dy, seed=step)
+        for index, (a, b) in enumerate(zip([got[0], got[1], *got[2]],
+                                           [want[0], want[1], *want[2]], strict=True)):
+            _assert_bitwise(a, b, f"{label} step {step} result {index}")
+
+
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -171,11 +184,16 @@ def test_recipe_change_recompiles_and_follows_the_recipe():
     assert torch.equal(compiled(x), reference(x))  # outside autocast: plain F.linear
 
 
-@pytest.mark.parametrize("keep_copies", [True, False])
-def test_inductor_matches_eager_within_bf16_tolerance(keep_copies):
+@pytest.mark.parametrize("keep_copies,cast_fused", [(True, False), (False, False),
+                                                    (False, True)])
+def test_inductor_matches_eager_within_bf16_tolerance(keep_copies, cast_fused, monkeypatch):
     """The default backend: inductor generates the norm and activation code around the ops
     (keeping no copies: also the recomputed norm and activation and the cast in backward,
-    tests/compile/test_compile_memory.py)."""
+    tests/compile/test_compile_memory.py; cast-fused: the forward casts too,
+    tests/compile/test_cast_fused.py)."""
+    from minifloat.modules import cast_fused_gemm
+
+    monkeypatch.setattr(cast_fused_gemm, "ENABLED", cast_fused)
     recipe = RECIPES["current"]
     eager, model = _build("convert_model"), _build("convert_model")
     if not keep_copies:
@@ -234,13 +252,6 @@ def test_compiled_ops_rebuild_weight_copies_in_backward(recipe_name, kind, origi
     compiled_model = rebuild_weight_copies_in_backward(
         mf.save_original_inputs(_build(kind), enabled=original_inputs))
     compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
-    dy = _dy_like(eager, _data(0))
-    for step in range(2):
-        x = _data(step + 1)
-        want = _step(eager, recipe, x, dy, seed=step)
-        got = _step(compiled, recipe, x, dy, seed=step)
-        for index, (a, b) in enumerate(zip([got[0], got[1], *got[2]],
-                                           [want[0], want[1], *want[2]], strict=True)):
-            _assert_bitwise(a, b, f"{recipe_name} step {step} result {index}")
+    _assert_trains_like_eager(eager, compiled, recipe, recipe_name)
     # two GEMMs (or experts) a step, two steps
     assert len(calls) == 4
