@@ -77,12 +77,17 @@ def test_no_kept_copies_train_bitwise_like_kept_copies(recipe_name, mode):
     lowest = _lowest(copy.deepcopy(kept))
     if mode == "aot_eager":
         lowest = torch.compile(lowest, backend="aot_eager", fullgraph=True)
+    _assert_alike(kept, lowest, recipe, f"{recipe_name} {mode}")
+
+
+def _assert_alike(kept: nn.Module, other, recipe, label: str) -> None:
+    """Two steps on the same batches: every output and gradient bitwise equal."""
     dy = _data(99)
     for step in range(2):
         x = _data(step)
-        want, got = _step(kept, recipe, x, dy), _step(lowest, recipe, x, dy)
+        want, got = _step(kept, recipe, x, dy), _step(other, recipe, x, dy)
         for index, (a, b) in enumerate(zip(got, want, strict=True)):
-            assert torch.equal(a, b), f"{recipe_name} {mode} step {step} tensor {index}"
+            assert torch.equal(a, b), f"{label} step {step} tensor {index}"
 
 
 def _kept_between_forward_and_backward(model, recipe) -> int:
@@ -172,9 +177,4 @@ def test_cast_fused_route_trains_bitwise_like_eager(monkeypatch, lowest):
     if lowest:
         _lowest(other)
     compiled = torch.compile(other, backend="aot_eager", fullgraph=True)
-    dy = _data(99)
-    for step in range(2):
-        x = _data(step)
-        want, got = _step(kept, recipe, x, dy), _step(compiled, recipe, x, dy)
-        for index, (a, b) in enumerate(zip(got, want, strict=True)):
-            assert torch.equal(a, b), f"lowest={lowest} step {step} tensor {index}"
+    _assert_alike(kept, compiled, recipe, f"cast-fused lowest={lowest}")
