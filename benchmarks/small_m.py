@@ -13,8 +13,8 @@ For each --shape KxN and M in --ms, each row times one forward under torch.no_gr
                quantized once, outside the timing: what a generation pays per call)
 device_ms: triton.testing.do_bench median (on the CPU: perf_counter median, a smoke test);
 host_us: median host time of one call, the GPU queue drained before (perf_counter around the
-call, no synchronize inside). Every M times all rows in --rounds interleaved rounds; the
-speed-up is the median over rounds of bf16's time over the row's.
+call, no synchronize inside), median over rounds. Every M times all rows in --rounds
+interleaved rounds; the speed-up is the median over rounds of bf16's time over the row's.
 
 Usage: python benchmarks/small_m.py [--shape 2048x2048,2048x8192] [--ms 1,2,4,8,16,32,64,128,256]
        [--recipes fp8-current,fp8-delayed,mxfp8,nvfp4] [--rounds 3] [--device cuda|cpu]
@@ -73,23 +73,24 @@ def measure_shape(k: int, n: int, ms: list[int], recipes: list[str], rounds: int
     for m in ms:
         x = torch.randn(m, k, device=device, dtype=dtype)
         times: dict[str, list[float]] = {name: [] for name in ["bf16", *recipes]}
-        hosts: dict[str, float] = {}
+        hosts: dict[str, list[float]] = {name: [] for name in times}
         for _ in range(rounds):
             with torch.no_grad():
                 times["bf16"].append(device_ms(lambda x=x: F.linear(x, weight), device))
-                hosts["bf16"] = host_us(lambda x=x: F.linear(x, weight), device)
+                hosts["bf16"].append(host_us(lambda x=x: F.linear(x, weight), device))
                 for name in recipes:
                     with mf.autocast(recipe=minifloat_recipe(name)), mf.quantize_weights_once():
                         layer(x)  # the weight's quantization, once
                         times[name].append(device_ms(lambda x=x: layer(x), device))
-                        hosts[name] = host_us(lambda x=x: layer(x), device)
+                        hosts[name].append(host_us(lambda x=x: layer(x), device))
         for name, values in times.items():
             ratios = [b / t for b, t in zip(times["bf16"], values, strict=True)]
             rows.append({"k": k, "n": n, "m": m, "row": name,
-                         "device_ms": statistics.median(values), "host_us": hosts[name],
+                         "device_ms": statistics.median(values),
+                         "host_us": statistics.median(hosts[name]),
                          "speedup_vs_bf16": statistics.median(ratios)})
             print(f"K={k} N={n} M={m:4d} {name:12s} {rows[-1]['device_ms']:.4f} ms  "
-                  f"host {hosts[name]:7.1f} us  {rows[-1]['speedup_vs_bf16']:.2f}x bf16",
+                  f"host {rows[-1]['host_us']:7.1f} us  {rows[-1]['speedup_vs_bf16']:.2f}x bf16",
                   flush=True)
     return rows
 

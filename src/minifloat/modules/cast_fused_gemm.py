@@ -37,7 +37,12 @@ from .gemm_op import (
     _with_biases,
     rebuild_applies,
 )
-from .input_recast import input_copy_buffers, per_tensor_cast
+from .input_recast import (
+    columnwise_storage,
+    input_copy_buffers,
+    kept_buffers,
+    per_tensor_cast,
+)
 from .linear_function import as_output, fprop_gemms, keep_for_backward
 
 ENABLED = os.environ.get("MINIFLOAT_COMPILED_INPUT_CAST", "0") == "1"
@@ -94,7 +99,8 @@ class CastFusedGemm(torch.autograd.Function):
                                      plan, [gemm], need_dgrad, rebuild, x.dtype)
         x_part = []
         if need_wgrad:
-            x_part = [x] if save_original else [data.t().contiguous(), scale_inv]
+            x_part = [x] if save_original else kept_buffers(
+                columnwise_storage(data, scale_inv, x.dtype, quantizer))
         ctx.save_for_backward(*x_part, *outputs[1:], *([weight] if rebuild and need_dgrad
                                                         else []))
         ctx.constants = (plan, gemm, need_dgrad, need_wgrad, rebuild, save_original,

@@ -378,7 +378,8 @@ def _setup_context(ctx, inputs, output) -> None:
      rebuild, save_original) = inputs
     rebuild_from = list(weights) if rebuild and need_dgrad else []
     originals = [x] if save_original and need_wgrad else []
-    carried = sum(_carried_counts(plan, gemms, need_dgrad, need_wgrad, rebuild, save_original))
+    ctx.carried = _carried_counts(plan, gemms, need_dgrad, need_wgrad, rebuild, save_original)
+    carried = sum(ctx.carried)
     kept = output[1:len(output) - carried]
     # state: aliases, see detached_alias; weights (rebuild) and input (save_original): as
     # F.linear keeps them
@@ -386,7 +387,6 @@ def _setup_context(ctx, inputs, output) -> None:
                           *output[len(output) - carried:])
     ctx.saved_count, ctx.bias_count = len(kept), len(biases)
     ctx.rebuild_count, ctx.original_count = len(rebuild_from), len(originals)
-    ctx.flags = (rebuild, save_original)
     ctx.constants = (plan, list(gemms), list(m_splits), list(x.shape),
                      [d for w in weights for d in w.shape], list(has_bias), need_dgrad,
                      need_wgrad)
@@ -402,8 +402,7 @@ def _backward(ctx, grads):
     rest = iter(tensors[ctx.saved_count + ctx.state_count:])
     rebuild_from = [next(rest) for _ in range(ctx.rebuild_count)]
     originals = [next(rest) for _ in range(ctx.original_count)]
-    weight_scales, input_scales = _carried_counts(plan, gemms, need_dgrad, need_wgrad,
-                                                  *ctx.flags)
+    weight_scales, input_scales = ctx.carried
     rebuild_scales = [next(rest) for _ in range(weight_scales)]
     scales = tuple(next(rest) for _ in range(input_scales)) or None
     if originals:  # save_original_input: the input's copies, made here (input_recast.py)

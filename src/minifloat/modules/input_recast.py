@@ -86,10 +86,22 @@ def per_tensor_copy(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer 
                     scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> Float8Storage:
     """The columnwise copy of per-tensor scaling (data_transpose [K, M] and scale_inv) made by
     per_tensor_cast."""
-    data, scale_inv = per_tensor_cast(x2d, quantizer, scales)
-    return Float8Storage(shape=x2d.shape, dtype=x2d.dtype, quantizer=quantizer, data=None,
+    return columnwise_storage(*per_tensor_cast(x2d, quantizer, scales), x2d.dtype, quantizer)
+
+
+def columnwise_storage(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
+                       quantizer: Quantizer) -> Float8Storage:
+    """The columnwise copy of per-tensor bytes `data` [M, K]: its transpose and scale_inv."""
+    return Float8Storage(shape=data.shape, dtype=dtype, quantizer=quantizer, data=None,
                          data_transpose=data.t().contiguous(), scale_inv=scale_inv,
                          fp8_dtype=quantizer.fp8_dtype)
+
+
+def kept_buffers(storage: Float8Storage) -> list[torch.Tensor]:
+    """An input copy's buffers as a forward keeping it hands them to backward, in that order
+    (keep_for_backward's)."""
+    kept = keep_for_backward([storage], [], need_dgrad=False, need_wgrad=True)
+    return [t.contiguous() for t in kept.tensors if t is not None]
 
 
 def recasts(quantizers: list[Quantizer]) -> bool:
@@ -111,6 +123,4 @@ def input_copy_buffers(x: torch.Tensor, quantizers: list[Quantizer],
     """The buffers of the input copy that a forward keeping it would have handed to backward,
     in that order (keep_for_backward's); for quantizers that `recasts`, with forward's scales
     under delayed scaling."""
-    x_qs = [per_tensor_copy(x.reshape(-1, x.shape[-1]), quantizers[0], scales)]
-    kept = keep_for_backward(x_qs, [], need_dgrad=False, need_wgrad=True)
-    return [t.contiguous() for t in kept.tensors if t is not None]
+    return kept_buffers(per_tensor_copy(x.reshape(-1, x.shape[-1]), quantizers[0], scales))

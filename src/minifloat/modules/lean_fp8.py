@@ -79,6 +79,14 @@ class Cast:
             return Cast(quantizer.fp8_dtype, scale=quantizer.scale, amax=quantizer.amax)
         return None
 
+    def again(self, forward_scale: torch.Tensor | None) -> Cast:
+        """This cast as backward repeats it for a copy forward did not keep: with forward's
+        scale under delayed scaling (the slot is updated before backward), recording the amax
+        into a scratch tensor; current scaling as it is (same input, same amax)."""
+        if forward_scale is None:
+            return self
+        return Cast(self.fp8_dtype, scale=forward_scale, amax=torch.zeros_like(self.amax))
+
     def __call__(self, x2d: torch.Tensor, *, rowwise: bool, columnwise: bool
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """(data [M, K] or None, data_t [K, M] or None, scale_inv): the quantizer's bytes."""
@@ -227,11 +235,8 @@ class LeanFP8Gemm(torch.autograd.Function):
                 if not graph_kept():
                     ctx.weight_by_reference = None
             elif ctx.rebuild:  # the columnwise copy forward would have kept, made now
-                cast = ctx.plan.weight
-                if ctx.rebuild_scale is not None:  # forward's scale; record no amax
-                    cast = Cast(cast.fp8_dtype, scale=ctx.rebuild_scale,
-                                amax=torch.zeros_like(cast.amax))
-                _, w_t, w_scale_inv = cast(saved[-1].detach(), rowwise=False, columnwise=True)
+                _, w_t, w_scale_inv = ctx.plan.weight.again(ctx.rebuild_scale)(
+                    saved[-1].detach(), rowwise=False, columnwise=True)
             else:
                 w_t, w_scale_inv = ctx.weight_copy
             grad_x2d = scaled_mm_bytes(dy_data, w_t, dy_scale_inv, w_scale_inv,
@@ -241,13 +246,9 @@ class LeanFP8Gemm(torch.autograd.Function):
             if not graph_kept():
                 ctx.weight_copy = None  # as LinearGemms: freed once read
         if ctx.need_wgrad and ctx.save_original:  # the copy forward would have kept, made now
-            cast = ctx.plan.input
-            if ctx.input_scale is not None:  # forward's scale; record no amax
-                cast = Cast(cast.fp8_dtype, scale=ctx.input_scale,
-                            amax=torch.zeros_like(cast.amax))
             x = saved[0].detach()
-            _, x_t, x_scale_inv = cast(x.reshape(-1, x.shape[-1]), rowwise=False,
-                                       columnwise=True)
+            _, x_t, x_scale_inv = ctx.plan.input.again(ctx.input_scale)(
+                x.reshape(-1, x.shape[-1]), rowwise=False, columnwise=True)
         elif ctx.need_wgrad:
             x_t, x_scale_inv = saved[:2]
         if ctx.need_wgrad:

@@ -435,12 +435,19 @@ def rebuild_weight_copy(weight: torch.Tensor, quantizer: Quantizer,
                 "FSDP2's low-precision all-gather of MXFP8 weights, keep reshard_after_forward="
                 "True, so that the backward re-gather brings that copy") from None
         return storage
+    return columnwise_rebuilder(quantizer, scale)(weight.detach())
+
+
+def columnwise_rebuilder(quantizer: Quantizer, scale: torch.Tensor | None) -> Quantizer:
+    """A copy of the quantizer that makes `quantizer`'s columnwise copy (a hybrid's columnwise
+    child), making that copy alone; with `scale` (delayed scaling: forward's), casting with it
+    and recording its amax into a scratch tensor, not into the recipe state."""
     rebuilt = _columnwise_maker(quantizer).copy()
     rebuilt.set_usage(rowwise=False, columnwise=True)
     rebuilt.internal = True
     if scale is not None:
         rebuilt.scale, rebuilt.amax = scale, torch.zeros_like(rebuilt.amax)
-    return rebuilt(weight.detach())
+    return rebuilt
 
 
 def rebuild_input_copies(x: torch.Tensor, splits: list[int], quantizers: list[Quantizer],
@@ -453,14 +460,8 @@ def rebuild_input_copies(x: torch.Tensor, splits: list[int], quantizers: list[Qu
     or activation saved anyway, instead of keeping a copy (torchao does the same). The copy
     equals the one forward would have made: a columnwise cast of the same input (every format's
     scales come from its maxima), delayed scaling with forward's scale recording no amax."""
-    rebuilt = []
-    for quantizer, scale in zip(quantizers, scales, strict=True):
-        quantizer = _columnwise_maker(quantizer).copy()
-        quantizer.set_usage(rowwise=False, columnwise=True)
-        quantizer.internal = True
-        if scale is not None:
-            quantizer.scale, quantizer.amax = scale, torch.zeros_like(quantizer.amax)
-        rebuilt.append(quantizer)
+    rebuilt = [columnwise_rebuilder(q, scale) for q, scale in zip(quantizers, scales,
+                                                                  strict=True)]
     return split_quantize(x.reshape(-1, x.shape[-1]), splits, rebuilt)
 
 
