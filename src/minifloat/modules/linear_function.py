@@ -221,7 +221,11 @@ def keep_for_backward(
     tensors: list[torch.Tensor | None] = []
     x_kept: list[QuantizedStorage | None] = []
     w_kept: list[QuantizedStorage | None] = []
-    for source, kept, needed in ((x_qs, x_kept, need_wgrad), (w_qs, w_kept, need_dgrad)):
+    x_tensor_count = 0
+    # (an index, not `source is x_qs`: torch 2.11's dynamo cannot trace `is` on lists, which
+    # the cast-fused route's autograd.Function reaches)
+    for index, (source, kept, needed) in enumerate(
+            ((x_qs, x_kept, need_wgrad), (w_qs, w_kept, need_dgrad))):
         for q in source:
             if q is None or not needed:
                 kept.append(None)
@@ -232,7 +236,7 @@ def keep_for_backward(
             buffers, meta = q.prepare_for_saving()
             tensors.extend(buffers)
             kept.append(meta)
-        if source is x_qs:
+        if index == 0:
             x_tensor_count = len(tensors)
     return SavedForBackward(tensors, x_kept, w_kept, x_tensor_count)
 
