@@ -19,9 +19,6 @@ in one process, from the same seed (equal initial weights) on the same random to
                                          rebuild_weight_copies_in_backward; under torch.compile
                                          the norm and GELU outputs are then recomputed in
                                          backward instead of kept, as torchao's are)
-  fp8-current[-lowmem]-castfused-<mode>  FP8 current with the opt-in cast-fused compiled route
-                                         (modules/cast_fused_gemm.py; the same as without it when
-                                         not compiled)
   <any>-compiled-reduce-overhead         the same with torch.compile(mode="reduce-overhead")
                                          (--compile-mode reduce-overhead|both adds them)
   <kind>-graphed                         eager, forward+loss+backward captured as CUDA graphs
@@ -102,10 +99,8 @@ def not_head(name: str, module: torch.nn.Module) -> bool:
 
 RECIPE_NAMES = ("fp8-current", "fp8-delayed", "fp8-block", "mxfp8", "nvfp4")
 LOW_MEMORY = "-lowmem"
-CAST_FUSED = "-castfused"  # FP8 current only: the opt-in route of modules/cast_fused_gemm.py
 KINDS = ("bf16", "torchao-tensorwise", *RECIPE_NAMES,
-         *(name + LOW_MEMORY for name in RECIPE_NAMES),
-         *(f"fp8-current{memory}{CAST_FUSED}" for memory in ("", LOW_MEMORY)))
+         *(name + LOW_MEMORY for name in RECIPE_NAMES))
 # each recipe eager, eager with CUDA graphs, and compiled with CUDA graphs (default-mode compiled
 # rows are host-bound, BENCHMARKS.md 2026-11-25: ask for them by name)
 DEFAULT_ROWS = ["bf16-eager", "bf16-graphed", "bf16-compiled", "torchao-tensorwise-compiled"] + [
@@ -254,14 +249,10 @@ def prepare_row(spec: RowSpec, model: torch.nn.Module, device: str,
             "tensorwise"), module_filter_fn=lambda module, fqn: not_head(fqn, module))
     elif spec.kind != "bf16":
         import minifloat as mf
-        from minifloat.modules import cast_fused_gemm
 
-        kind = spec.kind.removesuffix(CAST_FUSED)
-        # a process-wide switch, set for every row (compiled code guards on it)
-        cast_fused_gemm.ENABLED = spec.kind.endswith(CAST_FUSED)
-        recipe = minifloat_recipe(kind.removesuffix(LOW_MEMORY))
+        recipe = minifloat_recipe(spec.kind.removesuffix(LOW_MEMORY))
         mf.convert_model(model, recipe=recipe, filter_fn=not_head)
-        if kind.endswith(LOW_MEMORY):
+        if spec.kind.endswith(LOW_MEMORY):
             mf.rebuild_weight_copies_in_backward(mf.save_original_inputs(model))
     loss_fn = model.loss
     if spec.graphed:

@@ -161,20 +161,3 @@ def test_first_kernels_of_a_process_run_inside_reduce_overhead():
     result = subprocess.run([sys.executable, "-c", _FIRST_USE_SCRIPT], capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
-
-
-@pytest.mark.parametrize("lowest", [False, True])
-def test_cast_fused_route_trains_bitwise_like_eager(monkeypatch, lowest):
-    """The opt-in cast-fused compiled route (modules/cast_fused_gemm.py), aot_eager: the input
-    cast by torch ops on CUDA, the GEMMs by the ops, equal to eager's kernels bit for bit."""
-    from minifloat.modules import cast_fused_gemm
-
-    monkeypatch.setattr(cast_fused_gemm, "ENABLED", True)
-    torch._dynamo.reset()
-    recipe = RECIPES["current"]
-    kept = _model()
-    other = copy.deepcopy(kept)
-    if lowest:
-        _lowest(other)
-    compiled = torch.compile(other, backend="aot_eager", fullgraph=True)
-    _assert_alike(kept, compiled, recipe, f"cast-fused lowest={lowest}")

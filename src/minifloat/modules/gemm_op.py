@@ -439,10 +439,6 @@ def compiled_gemms(
             raise NotImplementedError(
                 "weight.main_grad accumulation does not run under torch.compile yet; "
                 "let autograd produce weight.grad")
-    if len(weights) == 1 and cast_fused_applies(plan, gemms):  # opt-in, cast_fused_gemm.py
-        return cast_fused_gemm(x, weights[0], biases[0], plan, gemms[0], need_dgrad=need_dgrad,
-                               need_wgrad=need_wgrad, rebuild=rebuild,
-                               save_original_input=save_original_input)
     has_bias = [b is not None for b in biases]
     present = [b for b in biases if b is not None]
     outputs = _gemms_forward_op(x, list(weights), present, has_bias, list(state),
@@ -450,7 +446,3 @@ def compiled_gemms(
                                 need_dgrad, need_wgrad, rebuild and rebuild_applies(plan, gemms),
                                 save_original_input and save_original_applies(plan, gemms))
     return outputs[0]
-
-
-from .cast_fused_gemm import applies as cast_fused_applies  # noqa: E402 - imports this module
-from .cast_fused_gemm import cast_fused_gemm  # noqa: E402
