@@ -192,7 +192,7 @@ def test_generate_quantizes_each_weight_once_inside_quantize_weights_once(recipe
         with torch.no_grad(), mf.autocast(recipe=recipe):
             if not once:
                 return model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
-            with mf.quantize_weights_once():
+            with mf.quantize_weights_once(small_m_rows=0):  # the recipe's quantized GEMMs
                 return model.generate(prompt, max_new_tokens=4, do_sample=False,
                                       pad_token_id=0)
 
@@ -202,6 +202,33 @@ def test_generate_quantizes_each_weight_once_inside_quantize_weights_once(recipe
     assert per_token == 14 * 4  # the prompt's forward and 3 decode steps
     assert once == 14
     assert torch.equal(outputs["once"], outputs["plain"])  # the same weights' bytes
+
+
+@pytest.mark.parametrize("recipe", [mf.Float8CurrentScaling(), mf.MXFP8BlockScaling()],
+                         ids=["current", "mxfp8"])
+def test_generate_under_the_small_m_rule_equals_dequantized_weights(recipe):
+    """quantize_weights_once's default: the prompt (7 rows) and the decode steps run against
+    the weights quantized once and dequantized; the reference is the model with those weights
+    written into it and no autocast (plain F.linear), generating the same tokens."""
+    model = build("llama")
+    mf.convert_model(model, recipe=recipe, filter_fn=not_head)
+    prompt = tokens()[:1, :7]
+    outputs = []
+
+    def generate() -> None:
+        with torch.no_grad(), mf.autocast(recipe=recipe), mf.quantize_weights_once():
+            outputs.append(model.generate(prompt, max_new_tokens=4, do_sample=False,
+                                          pad_token_id=0))
+
+    assert weight_quantizations(model, generate) == 14
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, mf.Linear):
+                quantizer = module.quantizers(recipe)[0][1].copy()
+                quantizer.set_usage(rowwise=True, columnwise=False)
+                module.weight.copy_(quantizer(module.weight).dequantize(dtype=module.weight.dtype))
+        reference = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(outputs[0], reference)
 
 
 def test_hf_trainer_fine_tunes_under_autocast(tmp_path):

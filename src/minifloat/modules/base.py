@@ -50,7 +50,12 @@ from .linear_function import (  # noqa: F401 - the slot names are part of base's
     LinearGemms,
     as_output,
 )
-from .weights import weight_cache_for, weights_quantized_once
+from .weights import (
+    dequantized_weight,
+    runs_dequantized,
+    weight_cache_for,
+    weights_quantized_once,
+)
 
 # Every live module, so that the first compiled trace under a recipe can bind them all at once
 # (bind_live_modules): a module whose binding exists before its trace adds no guard of its own.
@@ -118,7 +123,7 @@ class QuantizedModule(nn.Module):
         self._compiled_args: dict[int, tuple[int, list[torch.Tensor]]] = {}
         _LIVE_MODULES.add(self)
         # id(weight) -> its kept quantization (is_first_microbatch=True keeps, False reuses)
-        self._weight_cache: dict[int, dict] = {}
+        self._weight_cache: dict = {}
         # recipe state loaded from a checkpoint, applied at the recipe's first use (extra_state.py)
         self._pending_recipe_state: list[dict] = []
         self.register_load_state_dict_pre_hook(_allow_missing_extra_state)
@@ -276,6 +281,22 @@ class QuantizedModule(nn.Module):
                            amax_reduction=amax_reduction)
         return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
 
+    def _run_dequantized_weights(self, x: torch.Tensor, m_splits: list[int],
+                                 weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                                 gemms: list[int], token: int) -> torch.Tensor:
+        """The small-M rule of quantize_weights_once: x (not quantized) against each weight's
+        quantization, dequantized once per block; no row padding is needed."""
+        binding = self._bindings.get(token) or self.binding(token)
+        pieces = [x] if len(weights) == 1 else torch.split(x.reshape(-1, x.shape[-1]), m_splits)
+        outputs = [
+            F.linear(piece, dequantized_weight(
+                self._weight_cache, weight,
+                binding.forward_quantizers[len(FORWARD_SLOTS) * gemm + 1], x.dtype), bias)
+            for piece, weight, bias, gemm in zip(pieces, weights, biases, gemms, strict=True)]
+        if len(weights) == 1:
+            return outputs[0]
+        return as_output(torch.cat(outputs), (*x.shape[:-1], weights[0].shape[0]))
+
     def _report_dequantized_weights(self, weight: torch.Tensor) -> None:
         """Say (once) that weights built quantized now arrive in high precision. The usual
         cause: FSDP2's fully_shard splits parameters with tensor ops, and a QuantizedTensor
@@ -401,6 +422,9 @@ class QuantizedModule(nn.Module):
             outputs = [F.linear(piece, plain_weight(w), b)
                        for piece, w, b in zip(pieces, weights, biases, strict=True)]
             return as_output(torch.cat(outputs), (*x.shape[:-1], weights[0].shape[0]))
+        if (input_gather_group is None and output_scatter_group is None
+                and amax_reduction is None and runs_dequantized(sum(m_splits))):
+            return self._run_dequantized_weights(x, m_splits, weights, biases, gemms, token)
         if len(weights) == 1 and input_gather_group is None and output_scatter_group is None:
             if torch.compiler.is_compiling():
                 bind_live_modules(token)

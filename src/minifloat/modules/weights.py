@@ -49,7 +49,7 @@ def merge_weight_usages(storage: QuantizedStorage, quantizer: Quantizer) -> None
 
 
 def quantized_weight(
-    cache: dict[int, dict] | None,
+    cache: dict | None,
     weight: torch.Tensor,
     quantizer: Quantizer,
     *,
@@ -82,34 +82,79 @@ def quantized_weight(
     return storage
 
 
-# quantize_weights_once: how deeply nested, and an epoch that every entry and exit moves on,
-# so no kept quantization crosses the border of such a block in either direction
-_ONCE = {"depth": 0, "epoch": 0}
+# The small-M rule (issue 21): inside quantize_weights_once, without autograd, a GEMM of at
+# most this many rows runs in high precision against the weight dequantized once per block.
+# Measured on one H200 (benchmarks/small_m.py, BENCHMARKS.md 2026-11-26 fourth session): at
+# K=2048, N=2048 and 8192, M=1..256, the quantized path took 0.08-1.05 ms a call (the
+# activation's cast and the scaled GEMM, bound by their launch cost; MXFP8 and NVFP4 emulated
+# on Hopper), bf16 against the dequantized weight 0.010-0.020 ms: 4.7x to 100x faster at every
+# M measured, for every recipe. Above it (prompts, batched evaluation) the recipe's quantized
+# GEMM runs.
+SMALL_M_ROWS = 256
+
+# quantize_weights_once: how deeply nested, an epoch that every entry and exit moves on (so no
+# kept quantization crosses the border of such a block in either direction), and the rows up
+# to which the innermost block runs GEMMs against dequantized weights
+_ONCE = {"depth": 0, "epoch": 0, "small_m_rows": SMALL_M_ROWS}
 
 
 @contextlib.contextmanager
-def quantize_weights_once() -> Iterator[None]:
+def quantize_weights_once(small_m_rows: int = SMALL_M_ROWS) -> Iterator[None]:
     """Inside, each module quantizes each weight once and reuses that copy for every later
     call: generation (a prompt, then a forward per token) or evaluation, where the weights do
     not change. The caller vouches for that, as with TransformerEngine's
     `is_first_microbatch=False`: an optimizer step or a write to the weights inside the block
     is not seen. Kept copies are dropped from use when the block ends. Eager only (a compiled
-    graph quantizes inside the graph)."""
+    graph quantizes inside the graph).
+
+    The small-M rule: a call of at most `small_m_rows` rows without autograd (a decode step)
+    multiplies its high-precision input by the weight quantized once and dequantized once (the
+    recipe's weight values, the input left unquantized), which is faster on the GPU than
+    quantizing a few rows and launching a scaled GEMM (SMALL_M_ROWS says what was measured).
+    The dequantized copies cost the memory of the high-precision weights while the block runs;
+    `small_m_rows=0` keeps every call on the recipe's quantized path."""
+    if small_m_rows < 0:
+        raise ValueError(f"small_m_rows must be >= 0 (0 turns the small-M rule off), got "
+                         f"{small_m_rows}")
+    outer_rows = _ONCE["small_m_rows"]
     _ONCE["depth"] += 1
     _ONCE["epoch"] += 1
+    _ONCE["small_m_rows"] = small_m_rows
     try:
         yield
     finally:
         _ONCE["depth"] -= 1
         _ONCE["epoch"] += 1
+        _ONCE["small_m_rows"] = outer_rows
 
 
 def weights_quantized_once() -> bool:
     return _ONCE["depth"] > 0 and not torch.compiler.is_compiling()
 
 
-def weight_cache_for(cache: dict[int, dict], is_first_microbatch: bool | None
-                     ) -> tuple[dict[int, dict] | None, bool]:
+def runs_dequantized(rows: int) -> bool:
+    """Whether a call of `rows` rows takes the small-M rule (see quantize_weights_once)."""
+    return (rows <= _ONCE["small_m_rows"] and not torch.is_grad_enabled()
+            and weights_quantized_once())
+
+
+def dequantized_weight(cache: dict, weight: torch.Tensor, quantizer: Quantizer,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """The weight's rowwise quantization dequantized to `dtype`, made once per
+    quantize_weights_once block (kept in `cache` beside the quantized copy)."""
+    key = (weight._version, id(quantizer), quantizer.state_version(), _ONCE["epoch"], dtype)
+    entry = cache.get(("dequantized", id(weight)))
+    if entry is not None and entry["weight"]() is weight and entry["key"] == key:
+        return entry["tensor"]
+    storage = quantized_weight(cache, weight, quantizer, columnwise=False)
+    tensor = storage.dequantize(dtype=dtype)
+    cache[("dequantized", id(weight))] = {"weight": weakref.ref(weight), "key": key,
+                                          "tensor": tensor}
+    return tensor
+
+
+def weight_cache_for(cache: dict, is_first_microbatch: bool | None
+                     ) -> tuple[dict | None, bool]:
     """(cache, reuse) for quantized_weight from a forward's `is_first_microbatch` flag (None
     inside quantize_weights_once: reuse)."""
     if is_first_microbatch is None:
