@@ -162,6 +162,29 @@ def test_fused_experts_compute_as_transformers_does_and_keep_their_keys():
     assert isinstance(other.model.layers[1].mlp.experts, FusedExperts)
 
 
+def test_bf16_experts_run_by_another_kernel_are_still_converted():
+    """On CUDA transformers runs its experts with grouped_mm, whose bf16 sums round otherwise
+    than FusedExperts' GEMMs: the conversion check must accept that (an elementwise bf16
+    comparison refused every expert of a Mixtral on an H200, which then trained in bf16)."""
+    model = build("mixtral").to(torch.bfloat16)
+    experts = model.model.layers[0].mlp.experts
+
+    def rounded_otherwise(hidden_states, top_k_index, top_k_weights):  # same math, fp64 sums
+        out = torch.zeros(hidden_states.shape, dtype=torch.float64)
+        for k in range(top_k_index.shape[1]):
+            for t in range(hidden_states.shape[0]):
+                e = int(top_k_index[t, k])
+                gate, up = (hidden_states[t].double() @ experts.gate_up_proj[e].double().t()
+                            ).chunk(2)
+                h = (experts.act_fn(gate) * up) @ experts.down_proj[e].double().t()
+                out[t] += h * top_k_weights[t, k].double()
+        return out.to(hidden_states.dtype)
+
+    experts.forward = rounded_otherwise
+    mf.convert_model(model, recipe=mf.Float8CurrentScaling(), filter_fn=not_head)
+    assert isinstance(model.model.layers[0].mlp.experts, FusedExperts)
+
+
 def weight_quantizations(model: torch.nn.Module, run) -> int:
     """How many times `run()` quantizes one of the model's weights."""
     from minifloat.quantizers.base import Quantizer

@@ -112,5 +112,12 @@ def computes_like(original: nn.Module, converted: FusedExperts) -> bool:
     weights = torch.rand(8, top_k, generator=generator).to(device, dtype)
     want = original(tokens, index, weights)
     got = converted(tokens, index, weights)
-    return want.shape == got.shape and torch.allclose(want.float(), got.float(), rtol=1e-3,
-                                                      atol=1e-4)
+    if want.shape != got.shape:
+        return False
+    # A relative error norm, not elementwise closeness: transformers may run its experts with
+    # another kernel (grouped_mm on CUDA), whose bf16 sums round differently from these GEMMs
+    # (an elementwise bf16 test refused every Mixtral expert on an H200); a layout that is not
+    # FusedExperts' gives an error of order 1.
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    error = (got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)
+    return bool(error < tolerance)
