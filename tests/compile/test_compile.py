@@ -250,3 +250,20 @@ def test_compiled_ops_rebuild_weight_copies_in_backward(recipe_name, kind, origi
     _assert_trains_like_eager(eager, compiled, recipe, recipe_name)
     # two GEMMs (or experts) a step, two steps
     assert len(calls) == 4
+
+
+def test_op_outputs_sharing_one_storage_are_unaliased():
+    """Two outputs written into one buffer (as a multi-tensor kernel writes several experts'
+    copies) have no `_base`; torch's custom-op check still sees them alias (it failed a
+    compiled Mixtral step on an H200): the second is cloned, values kept."""
+    from minifloat.modules.gemm_op import _unaliased
+
+    buffer = torch.arange(8.0)
+    first = torch.empty(0).set_(buffer.untyped_storage(), 0, (4,))
+    second = torch.empty(0).set_(buffer.untyped_storage(), 4, (4,))
+    assert first._base is None and second._base is None
+    kept = _unaliased([first, second], [torch.ones(2)])
+    assert kept[0] is first and kept[1] is not second and torch.equal(kept[1], second)
+    assert kept[1].untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+    passthrough = _unaliased([buffer[:2]], [buffer])  # a view of an input
+    assert passthrough[0].untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()

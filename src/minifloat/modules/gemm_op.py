@@ -213,20 +213,23 @@ def _with_biases(biases: list[torch.Tensor], has_bias: list[bool]) -> list[torch
 
 def _unaliased(tensors: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Custom-op outputs may alias neither inputs nor each other: clone those that would (a
-    high-precision passthrough copy that is the input itself, say). Memory is compared by base
-    tensor, which fake tensors have too."""
-
-    def base(t: torch.Tensor) -> torch.Tensor:
-        return t._base if t._base is not None else t
-
-    seen = [base(t) for t in inputs]
+    high-precision passthrough copy that is the input itself, say, or two experts' copies that
+    a multi-tensor kernel wrote into one buffer). Memory is compared by storage (fake tensors
+    have storages too), not by `_base`: a tensor made over another's storage has no base."""
+    seen = {_storage_key(t) for t in inputs}
     result = []
     for tensor in tensors:
-        if any(base(tensor) is other for other in seen):
+        key = _storage_key(tensor)
+        if key in seen:
             tensor = tensor.clone()
-        seen.append(base(tensor))
+            key = _storage_key(tensor)
+        seen.add(key)
         result.append(tensor)
     return result
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
 
 
 def _gemms_forward(
