@@ -49,3 +49,75 @@ def test_modules_of_every_kind_take_ragged_rows():
         assert y.shape == (3, 5, 64)
         y.sum().backward()
     assert x.grad.shape == x.shape
+
+
+FAST_GEMM_ROWS = {
+    "current": (lambda: mf.Float8CurrentScaling(), 16),
+    "delayed": (lambda: mf.DelayedScaling(), 16),
+    "block": (lambda: mf.Float8BlockScaling(), 128),
+}
+
+
+@pytest.mark.parametrize("name", FAST_GEMM_ROWS)
+def test_rows_padded_for_the_cuda_fast_gemm(monkeypatch, name):
+    """On CUDA the FP8 GEMMs (scaled_mm, blockwise scaled_mm) need whole row groups, and a call
+    that misses them is decoded and emulated: modules pad the rows there (here the CPU is made
+    to answer as CUDA). Padding is exact: the output equals the unpadded call's, gradients
+    agree to the reduction's rounding (wgrad sums more, zero, rows)."""
+    from minifloat.modules import gemm_op
+
+    make_recipe, multiple = FAST_GEMM_ROWS[name]
+    x = torch.randn(multiple + 3, 128, generator=torch.Generator().manual_seed(1),
+                    requires_grad=True)
+    results, original = {}, mf.Linear._run_rows_padded
+    for on_cuda in (False, True):
+        monkeypatch.setattr(gemm_op, "on_fast_gemm_device", lambda _x, answer=on_cuda: answer)
+        padded_rows = []
+
+        def spy(self, x_, multiple_, *args, padded_rows=padded_rows, **kwargs):
+            padded_rows.append(multiple_)
+            return original(self, x_, multiple_, *args, **kwargs)
+
+        monkeypatch.setattr(mf.Linear, "_run_rows_padded", spy)
+        torch.manual_seed(0)
+        layer = mf.Linear(128, 256)  # afresh: delayed scaling's first scale each time
+        x.grad = None
+        with mf.autocast(recipe=make_recipe()):
+            y = layer(x)
+        y.float().pow(2).sum().backward()
+        results[on_cuda] = (y.detach(), x.grad.clone(), layer.weight.grad.clone(), padded_rows)
+    assert results[False][3] == [] and results[True][3] == [multiple]
+    assert torch.equal(results[True][0], results[False][0])
+    for got, want in zip(results[True][1:3], results[False][1:3], strict=True):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_experts_rows_padded_per_expert_for_the_cuda_fast_gemm(monkeypatch):
+    from minifloat.modules import gemm_op
+    from minifloat.modules.fused_experts import FusedExperts
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 64, 32) * 0.1)
+            self.down_proj = torch.nn.Parameter(torch.randn(4, 32, 32) * 0.1)
+            self.act_fn = torch.nn.SiLU()
+
+    torch.manual_seed(0)
+    experts = FusedExperts(Experts())
+    hidden = torch.randn(21, 32)
+    index = torch.randint(0, 4, (21, 2))
+    weights = torch.rand(21, 2)
+    outputs, splits = {}, {}
+    original = experts.run_gemms
+    for on_cuda in (False, True):
+        monkeypatch.setattr(gemm_op, "on_fast_gemm_device", lambda _x, answer=on_cuda: answer)
+        seen = []
+        experts.run_gemms = lambda x, m_splits, *a, seen=seen, **k: (
+            seen.append(list(m_splits)), original(x, m_splits, *a, **k))[1]
+        with torch.no_grad(), mf.autocast(recipe=mf.Float8CurrentScaling()):
+            outputs[on_cuda] = experts(hidden, index, weights)
+        splits[on_cuda] = seen[0]
+    assert all(rows % 16 == 0 for rows in splits[True])
+    assert sum(splits[False]) == 42 and any(rows % 16 for rows in splits[False])
+    assert torch.equal(outputs[True], outputs[False])

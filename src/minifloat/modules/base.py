@@ -255,6 +255,12 @@ class QuantizedModule(nn.Module):
                     forward_quantizers[len(FORWARD_SLOTS) * g].row_multiple(),
                     backward_quantizers[len(BACKWARD_SLOTS) * g].row_multiple())
                     for g in range(self.num_gemms)],
+                cuda_row_multiples=[math.lcm(
+                    forward_quantizers[len(FORWARD_SLOTS) * g].row_multiple(),
+                    forward_quantizers[len(FORWARD_SLOTS) * g].fast_gemm_row_multiple(),
+                    backward_quantizers[len(BACKWARD_SLOTS) * g].row_multiple(),
+                    backward_quantizers[len(BACKWARD_SLOTS) * g].fast_gemm_row_multiple())
+                    for g in range(self.num_gemms)],
             )
             for tensor in binding.state:
                 # the ops record amaxes into these in place: CUDA graphs (reduce-overhead) must
@@ -269,11 +275,12 @@ class QuantizedModule(nn.Module):
     def _run_rows_padded(self, x: torch.Tensor, multiple: int, weights: list[torch.Tensor],
                          biases: list[torch.Tensor | None], gemms: list[int],
                          is_first_microbatch: bool | None, amax_reduction) -> torch.Tensor:
-        """Any token count under formats whose blocks run along the rows (MXFP8 32, NVFP4 16):
-        zero rows pad x to the multiple, the output keeps the real rows. Exact: a zero row
-        raises no block's amax and quantizes to zeros, its output rows are dropped, and their
-        gradient is zero, so the weight gradient sums the real rows only. Costs a copy of x
-        (decode steps and ragged batches are small)."""
+        """Any token count under formats whose blocks run along the rows (MXFP8 32, NVFP4 16),
+        and on CUDA whole row groups for the fast GEMMs (scaled_mm 16, blockwise 128): zero rows
+        pad x to the multiple, the output keeps the real rows. Exact: a zero row raises no
+        block's amax and quantizes to zeros, its output rows are dropped, and their gradient is
+        zero, so the weight gradient sums the real rows only. Costs a copy of x (ragged batches;
+        generation takes quantize_weights_once's small-M rule and pads nothing)."""
         rows = x.numel() // x.shape[-1]
         padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, -rows % multiple))
         y = self.run_gemms(padded, [padded.shape[0]], weights, biases, gemms,
@@ -429,7 +436,7 @@ class QuantizedModule(nn.Module):
             if torch.compiler.is_compiling():
                 bind_live_modules(token)
             binding = self._bindings.get(token) or self.binding(token)
-            multiple = binding.row_multiples[gemms[0]]
+            multiple = binding.rows_multiple(gemms[0], x)
             if multiple > 1 and m_splits[0] % multiple:
                 return self._run_rows_padded(x, multiple, weights, biases, gemms,
                                              is_first_microbatch, amax_reduction)

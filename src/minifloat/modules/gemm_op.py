@@ -76,8 +76,19 @@ class GemmBinding:
     delayed_pair: object  # autocast's registration of the delayed-scaling states, or None
     recipe_states: tuple[RecipeState, RecipeState]
     lean_plans: list  # per GEMM: lean_fp8.LeanPlan, or None (the general path)
-    # per GEMM: the multiple its input's (and output gradient's) rows must be of (1: any)
+    # per GEMM: the multiple its input's (and output gradient's) rows must be of (1: any),
+    # and on CUDA, where the formats' fast GEMMs need more (Quantizer.fast_gemm_row_multiple)
     row_multiples: list[int] = field(default_factory=list)
+    cuda_row_multiples: list[int] = field(default_factory=list)
+
+    def rows_multiple(self, gemm: int, x: torch.Tensor) -> int:
+        """What GEMM `gemm`'s rows are padded to for an input `x`."""
+        return (self.cuda_row_multiples if on_fast_gemm_device(x) else self.row_multiples)[gemm]
+
+
+def on_fast_gemm_device(x: torch.Tensor) -> bool:
+    """Whether x's GEMMs may take the CUDA fast paths (a function, so CPU tests can say yes)."""
+    return x.device.type == "cuda"
 
 
 @dataclass

@@ -360,6 +360,13 @@ class Quantizer:
         MXFP8 32, NVFP4 16); 1 where any M fits. Modules pad activations' rows to it."""
         return 1
 
+    def fast_gemm_row_multiple(self) -> int:
+        """The multiple of rows that this format's CUDA GEMM needs beyond row_multiple (torch's
+        scaled_mm: every dim a multiple of 16, blockwise 128; the rows become wgrad's reduction
+        dim). Modules on CUDA pad activations' rows to it, exactly (zero rows), because a
+        GEMM that misses it is decoded and emulated, many times slower. 1: no such GEMM."""
+        return 1
+
     def state_version(self) -> int:
         """Changes whenever state that affects the bytes changes (delayed-scaling scales), so
         caches of quantized weights know to requantize. Stateless quantizers return 0."""

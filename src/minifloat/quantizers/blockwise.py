@@ -65,6 +65,9 @@ class Float8BlockQuantizer(Quantizer):
 
     storage_class = Float8BlockStorage
 
+    def fast_gemm_row_multiple(self) -> int:
+        return 128  # blockwise scaled_mm (gemm_paths.blockwise_scaled_mm_applies)
+
     def __init__(
         self,
         block_scaling_dim: int = 1,

@@ -78,6 +78,9 @@ class Float8Quantizer(Quantizer):
 
     storage_class = Float8Storage
 
+    def fast_gemm_row_multiple(self) -> int:
+        return 16  # torch._scaled_mm (gemm_paths.scaled_mm_applies)
+
     def __init__(
         self,
         scale: torch.Tensor,
@@ -124,6 +127,9 @@ class Float8CurrentScalingQuantizer(Quantizer):
     one is set for this call)."""
 
     storage_class = Float8Storage
+
+    def fast_gemm_row_multiple(self) -> int:
+        return 16  # torch._scaled_mm (gemm_paths.scaled_mm_applies)
 
     def __init__(
         self,

@@ -305,6 +305,10 @@ class HybridQuantizer(Quantizer):
         return math.lcm(self.rowwise_quantizer.row_multiple(),
                         self.columnwise_quantizer.row_multiple())
 
+    def fast_gemm_row_multiple(self) -> int:
+        return math.lcm(self.rowwise_quantizer.fast_gemm_row_multiple(),
+                        self.columnwise_quantizer.fast_gemm_row_multiple())
+
     def state_version(self) -> int:
         return hash((self.rowwise_quantizer.state_version(),
                      self.columnwise_quantizer.state_version()))
