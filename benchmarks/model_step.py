@@ -172,6 +172,9 @@ class TrainStep:
     mark_step: bool = False
     host16: bool = True  # whether the 16-token forward+backward is measured for this row
     keep: list = field(default_factory=list)  # objects that must outlive the step (graphs)
+    # minifloat rows: what convert_model converted and skipped (a layer left in bf16 by
+    # mistake, such as a MoE's experts, shows here and in the results JSON)
+    conversion: dict | None = None
 
     def _context(self) -> contextlib.AbstractContextManager:
         if self.recipe is None:
@@ -238,7 +241,7 @@ def prepare_row(spec: RowSpec, model: torch.nn.Module, device: str,
                 sample_tokens: torch.Tensor | None = None) -> TrainStep:
     """Convert (torchao or minifloat, LM head left in bf16) and compile or graph `model` for
     the row (sample_tokens: a batch of the step's shape, for graph capture)."""
-    recipe = None
+    recipe, conversion = None, None
     if spec.kind == "torchao-tensorwise":
         try:
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -247,11 +250,14 @@ def prepare_row(spec: RowSpec, model: torch.nn.Module, device: str,
                              ".whl/ (BENCHMARKS.md) to time this row") from None
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(
             "tensorwise"), module_filter_fn=lambda module, fqn: not_head(fqn, module))
-    elif spec.kind != "bf16":
+    if spec.kind not in ("bf16", "torchao-tensorwise"):
         import minifloat as mf
 
         recipe = minifloat_recipe(spec.kind.removesuffix(LOW_MEMORY))
         mf.convert_model(model, recipe=recipe, filter_fn=not_head)
+        report = model.minifloat_conversion
+        conversion = {"converted": len(report.converted),
+                      "skipped": [list(entry) for entry in report.skipped]}
         if spec.kind.endswith(LOW_MEMORY):
             mf.rebuild_weight_copies_in_backward(mf.save_original_inputs(model))
     loss_fn = model.loss
@@ -262,7 +268,7 @@ def prepare_row(spec: RowSpec, model: torch.nn.Module, device: str,
                                 else spec.compile_mode)
     return TrainStep(model, loss_fn, make_optimizer(model), recipe=recipe,
                      mark_step=spec.compile_mode == "reduce-overhead",
-                     host16=not (spec.compiled or spec.graphed))
+                     host16=not (spec.compiled or spec.graphed), conversion=conversion)
 
 
 class RowSkipped(Exception):
@@ -407,6 +413,8 @@ def run_row(name: str, build: Callable[[], TrainStep | Callable], batches: list[
     step = None
     try:
         step = build()
+        if getattr(step, "conversion", None) is not None:
+            row["conversion"] = step.conversion
         row.update(measure(step, batches, warmup, steps, device, host16_tokens))
     except RowSkipped as skipped:
         row["skipped"] = str(skipped)
@@ -496,6 +504,11 @@ def run_preset(preset: str, specs: list[RowSpec], steps: int, warmup: int, devic
                                            host16_tokens)}
         rows.append(row)
         print(tables.model_step_line(row), flush=True)
+        unasked = [entry for entry in row.get("conversion", {}).get("skipped", [])
+                   if "filter_fn" not in entry[2] and not entry[2].startswith("router")]
+        if unasked:  # e.g. a MoE's experts left in bf16: the row does not measure the recipe
+            print(f"  {spec.name}: {len(unasked)} layers not converted: "
+                  + "; ".join(f"{name} ({reason})" for name, _, reason in unasked), flush=True)
         if on_row is not None:
             on_row(row)
     return rows

@@ -162,6 +162,11 @@ def test_model_step_runs_transformers_presets_on_cpu(tmp_path: Path) -> None:
         assert "hf.lm_head" not in names and len(names) >= 2 * 4  # q, k, v, o per layer
         if config.experts:  # the fused experts run on minifloat's grouped GEMMs
             assert any(type(m).__name__ == "FusedExperts" for m in model.modules())
+        # the row records what was converted, and what not (the head, refused; the routers)
+        skipped = {name: reason for name, _, reason in step.conversion["skipped"]}
+        assert step.conversion["converted"] == (10 if config.experts else 14)
+        assert skipped.pop("hf.lm_head") == "refused by filter_fn"
+        assert all(reason.startswith("router") for reason in skipped.values())
         batch = model_step.make_batches(config, 1, "cpu")[0]
         with mf.autocast(recipe=step.recipe):
             loss = step.loss_fn(batch)
