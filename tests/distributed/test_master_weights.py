@@ -378,3 +378,32 @@ def test_hybrid_weights_partial_casts_equal_the_full_cast(which):
             for direction in ("rowwise", "columnwise"):
                 assert_same(got[direction], want[direction],
                             f"{which} rank {rank} weight {index} {direction}")
+
+
+def test_master_cast_benchmark_cpu_smoke(tmp_path):
+    """benchmarks/master_cast.py (issue 16's bandwidth and host-time targets) runs on the CPU,
+    and its ranks' ranges cover every weight exactly once."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "master_cast.py"
+    spec = importlib.util.spec_from_file_location("master_cast", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shapes = bench.weight_shapes("tiny")
+    assert len(shapes) == 4 * 2  # qkv, proj, fc1, fc2 per block; the head left out
+    for ranks in (1, 3, 8):
+        for index, (n, k) in enumerate(shapes):
+            covered = [bench.rank_ranges(shapes, ranks, rank)[index] for rank in range(ranks)]
+            assert covered[0][0] == 0 and sum(count for _, count in covered) == n * k
+            assert all(a[0] + a[1] == b[0] for a, b in zip(covered[:-1], covered[1:], strict=True))
+    out = tmp_path / "master_cast.json"
+    assert bench.main(["--preset", "tiny", "--device", "cpu", "--steps", "1",
+                       "--recipes", "fp8-current,nvfp4", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["row"] for row in rows] == ["fp8-current", "nvfp4"]
+    for row in rows:
+        assert "error" not in row and row["device_ms"] > 0 and row["host_ms"] > 0
+        assert row["bytes"] == int(row["rank_elements"] * (4 + (0.5 if row["row"] == "nvfp4"
+                                                                   else 1)))

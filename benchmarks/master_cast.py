@@ -1,0 +1,199 @@
+"""ZeRO master-weight casts at a model's scale: bandwidth and host time (issue 16's targets).
+
+Why: a distributed optimizer (Megatron-style ZeRO) updates each rank's flat range of every
+fp32 master weight and casts it into the quantized model weights every step
+(minifloat.distributed.quantize_master_weights). Issue 16 asks, on an H200, with a 1b model's
+weights split over 8 ranks: at least 0.7 of the copy bandwidth for the cast and at most 2 ms of
+host time per step for all tensors. One process plays one rank (--rank of --ranks; no process
+group, so no all-reduce: the cast's own cost), its ranges cut at equal flat offsets (inside
+rows, tiles and, for NVFP4, bytes).
+
+Per recipe row (the model weights built under quantized_model_init with that recipe):
+- device_ms: median of --steps casts, each timed by CUDA events (on the CPU: perf_counter).
+- host_ms: median host time of one cast, the GPU queue drained before (perf_counter around the
+  call; nothing synchronizes inside it unless the cast does).
+- bytes: what a cast must move at least: the rank's fp32 masters read once and its quantized
+  elements written once (1 byte each, NVFP4 half a byte; scales left out).
+- gbps = bytes / device time; copy_gbps: torch's copy of a buffer of as many bytes read plus
+  written, timed the same way; copy_fraction = gbps / copy_gbps (the target: >= 0.7).
+- launches: CUDA kernels of one cast (torch.profiler; GPU only).
+
+Usage: python benchmarks/master_cast.py [--preset 1b] [--ranks 8] [--rank 0]
+       [--recipes fp8-current,fp8-delayed,fp8-block,mxfp8,nvfp4] [--steps 10] [--device cuda]
+       [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from model_step import RESULTS, device_slug, environment, minifloat_recipe  # noqa: E402
+
+import minifloat as mf  # noqa: E402
+from minifloat.distributed import quantize_master_weights  # noqa: E402
+from minifloat.models.torch_gpt import PRESETS, TorchGPT, not_head  # noqa: E402
+
+BYTES_PER_ELEMENT = {"fp8-current": 1.0, "fp8-delayed": 1.0, "fp8-block": 1.0, "mxfp8": 1.0,
+                     "nvfp4": 0.5}
+
+
+def weight_shapes(preset: str) -> list[tuple[int, int]]:
+    """[out, in] of every Linear weight of the preset's GPT that a recipe converts (the head
+    stays in bf16), read from a model built on the meta device."""
+    model = TorchGPT(PRESETS[preset], device="meta")
+    return [tuple(module.weight.shape) for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and not_head(name, module)]
+
+
+def rank_ranges(shapes: list[tuple[int, int]], ranks: int, rank: int) -> list[tuple[int, int]]:
+    """(start, count) of this rank's flat range of each weight: equal cuts, the last rank
+    taking the remainder."""
+    ranges = []
+    for n, k in shapes:
+        size = n * k
+        start = size * rank // ranks
+        ranges.append((start, size * (rank + 1) // ranks - start))
+    return ranges
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed_ms(run, steps: int, device: str) -> float:
+    """Median ms of `run()` over `steps` calls (CUDA events, or perf_counter on the CPU)."""
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - began) * 1e3)
+    return float(statistics.median(times))
+
+
+def host_ms(run, steps: int, device: str) -> float:
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        began = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - began) * 1e3)
+    _sync(device)
+    return float(statistics.median(times))
+
+
+def launches(run, device: str) -> int | None:
+    if not device.startswith("cuda"):
+        return None
+    _sync(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        run()
+        _sync(device)
+    return sum(1 for event in profile.events()
+               if event.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def copy_gbps(total_bytes: int, steps: int, device: str) -> float:
+    """Bandwidth of torch's copy moving total_bytes (half read, half written)."""
+    half = max(int(total_bytes) // 2, 1)
+    source = torch.empty(half, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    ms = timed_ms(lambda: target.copy_(source), steps, device)
+    return 2 * half / (ms * 1e-3) / 1e9
+
+
+def measure_recipe(name: str, shapes: list[tuple[int, int]], ranges: list[tuple[int, int]],
+                   steps: int, device: str) -> dict:
+    torch.manual_seed(0)
+    with mf.quantized_model_init(recipe=minifloat_recipe(name)):
+        layers = [mf.Linear(k, n, bias=False, device=device) for n, k in shapes]
+    weights = [layer.weight for layer in layers]
+    generator = torch.Generator(device=device).manual_seed(1)
+    masters = [torch.randn(count, generator=generator, device=device) * 0.02
+               for _, count in ranges]
+    starts = [start for start, _ in ranges]
+
+    def cast() -> None:
+        quantize_master_weights(weights, masters, starts, group=None)
+
+    for _ in range(2):  # warm-up: kernel compilation, caches
+        cast()
+    elements = sum(count for _, count in ranges)
+    moved = int(elements * (4 + BYTES_PER_ELEMENT[name]))
+    device_time = timed_ms(cast, steps, device)
+    row = {"row": name, "weights": len(weights), "rank_elements": elements, "bytes": moved,
+           "device_ms": device_time, "host_ms": host_ms(cast, steps, device),
+           "gbps": moved / (device_time * 1e-3) / 1e9, "launches": launches(cast, device)}
+    row["copy_gbps"] = copy_gbps(moved, steps, device)
+    row["copy_fraction"] = row["gbps"] / row["copy_gbps"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="1b", choices=sorted(PRESETS))
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--recipes", default="fp8-current,fp8-delayed,fp8-block,mxfp8,nvfp4")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    recipes = [name for name in args.recipes.split(",") if name]
+    unknown = [name for name in recipes if name not in BYTES_PER_ELEMENT]
+    if unknown:
+        parser.error(f"unknown recipe(s) {unknown}; choose from {', '.join(BYTES_PER_ELEMENT)}")
+    if not 0 <= args.rank < args.ranks:
+        parser.error(f"--rank must be in [0, {args.ranks}), got {args.rank}")
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("master_cast: no CUDA device; skipped (use --device cpu for a smoke run)",
+              file=sys.stderr)
+        return 0
+    shapes = weight_shapes(args.preset)
+    ranges = rank_ranges(shapes, args.ranks, args.rank)
+    env = environment(args.device)
+    data = {"benchmark": "master_cast", **env, "preset": args.preset, "ranks": args.ranks,
+            "rank": args.rank, "steps": args.steps, "rows": []}
+    print(f"master_cast on {env['device']}: {args.preset}, {len(shapes)} weights, rank "
+          f"{args.rank} of {args.ranks}", flush=True)
+    for name in recipes:
+        try:
+            row = measure_recipe(name, shapes, ranges, args.steps, args.device)
+        except Exception as error:  # noqa: BLE001 - recorded, the other recipes still run
+            row = {"row": name, "error": f"{type(error).__name__}: {error}"[:500]}
+        data["rows"].append(row)
+        if "error" in row:
+            print(f"{name:12s} failed: {row['error']}", flush=True)
+        else:
+            print(f"{name:12s} {row['device_ms']:9.3f} ms  host {row['host_ms']:8.3f} ms  "
+                  f"{row['gbps']:7.1f} GB/s = {row['copy_fraction']:.2f} of copy "
+                  f"({row['copy_gbps']:.1f})  launches {row['launches']}", flush=True)
+    out = args.out or RESULTS / f"master_cast_{device_slug(env)}_{args.preset}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
