@@ -41,6 +41,8 @@ import torch
 
 from .. import numerics
 from ..numerics.blocks import as_2d, tile_amax
+from ..numerics.nvfp4 import scale_2d as nvfp4_scale_2d
+from ..numerics.nvfp4 import transpose_scale_2d as nvfp4_transpose_scale_2d
 from ..quantizers import (
     Float8BlockStorage,
     Float8CurrentScalingQuantizer,
@@ -70,7 +72,10 @@ class _Cast:
     kind: str  # "current", "delayed", "block", "mxfp8", "nvfp4"
     offset: int = 0  # into the amax vector
     count: int = 0
-    full: torch.Tensor | None = None  # block formats: the scattered weight, built once
+    # block formats: the tile rows this rank's range touches (fp32, zeros outside the range)
+    # and the first of them, built once per call
+    window: torch.Tensor | None = None
+    window_row: int = 0
     base: int = 0  # the element of the full weight where `storage` starts (an FSDP2 shard's)
 
 
@@ -141,15 +146,38 @@ def _kind(storage) -> str:
         "are supported")
 
 
-def _scattered(cast: _Cast, shape: tuple[int, int]) -> torch.Tensor:
-    """The full weight in fp32 with this rank's range filled in and zeros elsewhere (built once
-    per weight and call: the maxima and the cast both read it)."""
-    if cast.full is None:
-        full = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=_device(cast))
-        if cast.master is not None:
-            full[cast.start:cast.start + cast.master.numel()] = cast.master.float()
-        cast.full = full.view(shape)
-    return cast.full
+# rows of one scale tile (or MXFP8's columnwise block) along the weight's rows, per format
+_TILE_ROWS = {"block": _TILE, "nvfp4": _FP4_TILE, "mxfp8": _MX_BLOCK}
+
+
+def _window(cast: _Cast, shape: tuple[int, int]) -> torch.Tensor:
+    """The whole tile rows that this rank's range touches, in fp32, the range filled in and
+    zeros elsewhere (a zero never raises a maximum), starting at row cast.window_row; built
+    once per weight and call (the maxima and the cast both read it). Why not the full weight:
+    every rank would hold the whole model in fp32 during the cast; tiles are independent, so
+    the rows of the tiles the range touches decide its bytes."""
+    if cast.window is None:
+        rows, columns = shape
+        tile = _TILE_ROWS[cast.kind]
+        count = 0 if cast.master is None else cast.master.numel()
+        if count == 0:
+            cast.window_row, cast.window = 0, torch.zeros(0, columns, device=_device(cast))
+            return cast.window
+        first = cast.start // columns // tile * tile
+        last = min(-(-(cast.start + count) // columns // tile) * tile, rows)
+        window = torch.zeros((last - first) * columns, dtype=torch.float32,
+                             device=_device(cast))
+        offset = cast.start - first * columns
+        window[offset:offset + count] = cast.master.float()
+        cast.window_row, cast.window = first, window.view(last - first, columns)
+    return cast.window
+
+
+def _placed(local: torch.Tensor, first: int, total: int) -> torch.Tensor:
+    """A grid of `total` rows, zeros but for `local` from row `first` on."""
+    grid = torch.zeros(total, local.shape[1], dtype=torch.float32, device=local.device)
+    grid[first:first + local.shape[0]] = local
+    return grid
 
 
 def _partial_maxima(cast: _Cast, shape: tuple[int, int]) -> torch.Tensor:
@@ -159,14 +187,26 @@ def _partial_maxima(cast: _Cast, shape: tuple[int, int]) -> torch.Tensor:
         if cast.master is None or cast.master.numel() == 0:
             return torch.zeros(1, device=_device(cast))
         return numerics.compute_amax(cast.master).reshape(1)
-    full = _scattered(cast, shape)
+    window, first = _window(cast, shape), cast.window_row
+    rows, columns = shape
     if cast.kind == "block":
-        return tile_amax(full, _TILE, _TILE).reshape(-1)
+        grid_shape = (-(-rows // _TILE), -(-columns // _TILE))
+        local = (tile_amax(window, _TILE, _TILE) if window.numel()
+                 else torch.zeros(0, grid_shape[1], device=window.device))
+        return _placed(local, first // _TILE, grid_shape[0]).reshape(-1)
     if cast.kind == "nvfp4":  # the global amax, then the 16x16 tile maxima
-        return torch.cat([numerics.compute_amax(full).reshape(1),
-                          tile_amax(full, _FP4_TILE, _FP4_TILE).reshape(-1)])
-    return torch.cat([tile_amax(full, 1, _MX_BLOCK).reshape(-1),
-                      tile_amax(full, _MX_BLOCK, 1).reshape(-1)])
+        local = tile_amax(window, _FP4_TILE, _FP4_TILE) if window.numel() else torch.zeros(
+            0, columns // _FP4_TILE, device=window.device)
+        amax = (numerics.compute_amax(window).reshape(1) if window.numel()
+                else torch.zeros(1, device=window.device))
+        return torch.cat([amax,
+                          _placed(local, first // _FP4_TILE, rows // _FP4_TILE).reshape(-1)])
+    local_rows = tile_amax(window, 1, _MX_BLOCK) if window.numel() else torch.zeros(
+        0, columns // _MX_BLOCK, device=window.device)
+    local_columns = tile_amax(window, _MX_BLOCK, 1) if window.numel() else torch.zeros(
+        0, columns, device=window.device)
+    return torch.cat([_placed(local_rows, first, rows).reshape(-1),
+                      _placed(local_columns, first // _MX_BLOCK, rows // _MX_BLOCK).reshape(-1)])
 
 
 def all_reduce_max_keep_nan(values: torch.Tensor, group) -> torch.Tensor:
@@ -205,40 +245,57 @@ def _cast(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int]) -> None:
                                                    quantizer.fp8_dtype)
             _write_range(storage.data, data, cast.start - cast.base)
         return
-    full = _scattered(cast, shape)
+    window, first = _window(cast, shape), cast.window_row
     if cast.kind == "block":
         grid = maxima.reshape(-(-shape[0] // _TILE), -(-shape[1] // _TILE))
-        data, scale_inv = numerics.quantize_block_2d(
-            full, power_2_scale=quantizer.power_2_scale, amax_epsilon=quantizer.amax_epsilon,
-            tile_amaxes=grid)
         if storage.rowwise_data is not None:
-            storage.rowwise_scale_inv.copy_(scale_inv)
-            if cast.master is not None:
-                _write_range(storage.rowwise_data, data.view(-1)[cast.start:].narrow(
-                    0, 0, cast.master.numel()), cast.start - cast.base)
+            storage.rowwise_scale_inv.copy_(numerics.block_scale_inv(
+                grid, power_2_scale=quantizer.power_2_scale,
+                amax_epsilon=quantizer.amax_epsilon, input_dtype=torch.float32))
+            if window.numel():
+                data, _ = numerics.quantize_block_2d(
+                    window, power_2_scale=quantizer.power_2_scale,
+                    amax_epsilon=quantizer.amax_epsilon,
+                    tile_amaxes=grid[first // _TILE:-(-(first + window.shape[0]) // _TILE)])
+                _write_range(storage.rowwise_data, _range_of(data, cast, shape),
+                             cast.start - cast.base)
         if storage.columnwise_scale_inv is not None:
-            storage.columnwise_scale_inv.copy_(scale_inv.t())
+            storage.columnwise_scale_inv.copy_(numerics.block_scale_inv(
+                grid, power_2_scale=quantizer.power_2_scale,
+                amax_epsilon=quantizer.amax_epsilon, input_dtype=torch.float32).t())
         return
     if cast.kind == "nvfp4":
-        _cast_nvfp4(cast, maxima, shape, full)
+        _cast_nvfp4(cast, maxima, shape, window)
         return
     rows = shape[0] * (shape[1] // _MX_BLOCK)
+    row_maxima = maxima[:rows].reshape(shape[0], shape[1] // _MX_BLOCK)
+    column_maxima = maxima[rows:].reshape(shape[0] // _MX_BLOCK, shape[1])
+    element_max = numerics.fp8_format(storage.fp8_dtype).max_value
+    if storage.rowwise_data is not None:  # per-row scales: the rows the storage holds
+        storage.rowwise_scale.copy_(_storage_rows(
+            numerics.e8m0_exponent(row_maxima, element_max), cast, shape,
+            storage.rowwise_data.shape[0]))
+    if storage.columnwise_data is not None:  # the columnwise grid is whole (shared)
+        storage.columnwise_scale.copy_(numerics.e8m0_exponent(column_maxima, element_max))
+    if not window.numel():
+        return
     quantized = numerics.quantize_mxfp8(
-        full, rowwise=storage.rowwise_data is not None,
+        window, rowwise=storage.rowwise_data is not None,
         columnwise=storage.columnwise_data is not None, dtype=storage.fp8_dtype,
-        rowwise_amax=maxima[:rows].reshape(shape[0], shape[1] // _MX_BLOCK),
-        columnwise_amax=maxima[rows:].reshape(shape[0] // _MX_BLOCK, shape[1]))
+        rowwise_amax=row_maxima[first:first + window.shape[0]],
+        columnwise_amax=column_maxima[first // _MX_BLOCK:
+                                      (first + window.shape[0]) // _MX_BLOCK])
     for direction in ("rowwise", "columnwise"):
-        if f"{direction}_data" not in quantized:
-            continue
-        scale = quantized[f"{direction}_scale"]
-        if direction == "rowwise":  # per-row scales; the columnwise grid is whole (shared)
-            scale = _storage_rows(scale, cast, shape, storage.rowwise_data.shape[0])
-        getattr(storage, f"{direction}_scale").copy_(scale)
-        if cast.master is not None:
-            values = quantized[f"{direction}_data"].view(-1)[cast.start:].narrow(
-                0, 0, cast.master.numel())
-            _write_range(getattr(storage, f"{direction}_data"), values, cast.start - cast.base)
+        if f"{direction}_data" in quantized:
+            _write_range(getattr(storage, f"{direction}_data"),
+                         _range_of(quantized[f"{direction}_data"], cast, shape),
+                         cast.start - cast.base)
+
+
+def _range_of(window_values: torch.Tensor, cast: _Cast, shape: tuple[int, int]) -> torch.Tensor:
+    """This rank's range of the weight's elements, out of values laid out as its window."""
+    offset = cast.start - cast.window_row * shape[1]
+    return window_values.reshape(-1).narrow(0, offset, cast.master.numel())
 
 
 def _storage_rows(full_rows: torch.Tensor, cast: _Cast, shape: tuple[int, int],
@@ -250,41 +307,45 @@ def _storage_rows(full_rows: torch.Tensor, cast: _Cast, shape: tuple[int, int],
 
 
 def _cast_nvfp4(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int],
-                full: torch.Tensor) -> None:
+                window: torch.Tensor) -> None:
     """2D NVFP4: global amax and 16x16 tile maxima reduced; the rank's elements are written
     nibble by nibble (element 2j is the low nibble of byte j, 2j+1 the high one), so a range
     that starts or ends inside a byte leaves the byte's other nibble as it was."""
     storage = cast.storage
     amax = maxima[:1].reshape(())
     grid = maxima[1:].reshape(shape[0] // _FP4_TILE, shape[1] // _FP4_TILE)
-    quantized = numerics.quantize_nvfp4(full, rowwise=True, two_dimensional=True,
-                                        reduce_amax=lambda _: amax, tile_amaxes=grid)
     target = storage.rowwise_data
     if target is None:
         raise ValueError("quantize_master_weights: this NVFP4 weight keeps no rowwise copy to "
                          "cast into; keep the rowwise usage of weights")
-    storage.rowwise_scale.copy_(_storage_rows(quantized["rowwise_scale"], cast, shape,
-                                              target.shape[0]))
+    scale = nvfp4_scale_2d(grid, amax)
+    storage.rowwise_scale.copy_(_storage_rows(scale, cast, shape, target.shape[0]))
     storage.amax_rowwise.copy_(amax.reshape(storage.amax_rowwise.shape))
     if storage.columnwise_scale is not None:  # the scales are final now; the data after gather
-        _, scale_t = numerics.transpose_nvfp4_2d(quantized["rowwise_data"],
-                                                 quantized["rowwise_scale"])
-        storage.columnwise_scale.copy_(scale_t)
+        storage.columnwise_scale.copy_(nvfp4_transpose_scale_2d(scale))
         storage.amax_columnwise.copy_(amax.reshape(storage.amax_columnwise.shape))
     if cast.master is None or cast.master.numel() == 0:
         return
+    first = cast.window_row
+    quantized = numerics.quantize_nvfp4(
+        window, rowwise=True, two_dimensional=True, reduce_amax=lambda _: amax,
+        tile_amaxes=grid[first // _FP4_TILE:(first + window.shape[0]) // _FP4_TILE])
     start, end = cast.start - cast.base, cast.start - cast.base + cast.master.numel()
-    source = quantized["rowwise_data"].view(-1)[cast.base // 2:]  # K is even: whole bytes
+    # byte j of the storage is byte base/2 + j of the weight, byte base/2 + j - first*K/2 of
+    # the window (K is even: rows are whole bytes)
+    shift = cast.base // 2 - first * shape[1] // 2
+    source = quantized["rowwise_data"].view(-1)
     destination = target.view(-1)
     first_full, last_full = (start + 1) // 2, end // 2  # bytes wholly inside [start, end)
     if last_full > first_full:
-        destination[first_full:last_full] = source[first_full:last_full].to(destination.device)
+        destination[first_full:last_full] = source[first_full + shift:last_full + shift].to(
+            destination.device)
     if start % 2:  # the range starts at a high nibble
         byte = start // 2
-        destination[byte] = (destination[byte] & 0x0F) | (source[byte] & 0xF0)
+        destination[byte] = (destination[byte] & 0x0F) | (source[byte + shift] & 0xF0)
     if end % 2:  # the range ends at a low nibble (never the byte of an odd start)
         byte = end // 2
-        destination[byte] = (destination[byte] & 0xF0) | (source[byte] & 0x0F)
+        destination[byte] = (destination[byte] & 0xF0) | (source[byte + shift] & 0x0F)
 
 
 def quantize_master_weights(

@@ -58,15 +58,10 @@ def _quantize_direction(
     block_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize [R, C] along C in 1x16 blocks (tile_rows=1) or 16x16 tiles (tile_rows=16)."""
-    s_enc = global_encode_scale(amax)
-    s_dec = torch.reciprocal(s_enc)
+    s_dec = torch.reciprocal(global_encode_scale(amax))
     if block_amax is None:
         block_amax = tile_amax(x2d, tile_rows, BLOCK)
-    # s_b = ue4m3(min(block_amax * (S_enc * fp32(1/6)), FLT_MAX)), the product S_enc/6 first.
-    scale_factor = s_enc * ONE_SIXTH_FP32  # fp32 * an fp32-exact Python scalar: fp32 product
-    block_scale = cast_to_fp8(
-        torch.clamp(block_amax * scale_factor, max=FLT_MAX), UE4M3.torch_dtype
-    )
+    block_scale = block_scales(block_amax, amax)
     # q = e2m1(x * min(1 / (fp32(s_b) * S_dec), FLT_MAX))
     element_scale = torch.clamp(torch.reciprocal(block_scale.float() * s_dec), max=FLT_MAX)
     scaled = x2d.float() * expand_tiles(element_scale, tile_rows, BLOCK, x2d.shape)
@@ -74,6 +69,21 @@ def _quantize_direction(
     # compact scale layout: one scale per row and 16-column block (2D tiles replicate theirs)
     scale = expand_tiles(block_scale, tile_rows, 1, (x2d.shape[0], block_scale.shape[1]))
     return data, scale.contiguous()
+
+
+def block_scales(block_amax: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Each block's UE4M3 scale from its absolute maximum and the global amax:
+    s_b = ue4m3(min(block_amax * (S_enc * fp32(1/6)), FLT_MAX)), the product S_enc/6 first."""
+    scale_factor = global_encode_scale(amax) * ONE_SIXTH_FP32  # fp32 * an fp32-exact scalar
+    return cast_to_fp8(torch.clamp(block_amax * scale_factor, max=FLT_MAX), UE4M3.torch_dtype)
+
+
+def scale_2d(tile_amaxes: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """The rowwise scale layout of 2D quantization ([R, C/16], each 16x16 tile's scale repeated
+    over its rows) from the tiles' maxima [R/16, C/16] and the global amax, without the data:
+    what quantize_nvfp4 gives for a tensor whose tiles were reduced across ranks."""
+    return expand_tiles(block_scales(tile_amaxes, amax), BLOCK, 1,
+                        (tile_amaxes.shape[0] * BLOCK, tile_amaxes.shape[1])).contiguous()
 
 
 def quantize_nvfp4(
@@ -142,10 +152,12 @@ def transpose_nvfp4_2d(
     row per tile row ([R/16, C/16]), transposes it and replicates it over the new 16 rows.
     """
     codes = unpack_nibbles(data)
-    transposed = pack_nibbles(codes.t().contiguous())
-    tile_grid = scale[::BLOCK]
-    scale_t = tile_grid.t().repeat_interleave(BLOCK, dim=0).contiguous()
-    return transposed, scale_t
+    return pack_nibbles(codes.t().contiguous()), transpose_scale_2d(scale)
+
+
+def transpose_scale_2d(scale: torch.Tensor) -> torch.Tensor:
+    """The columnwise copy's scale layout of a 2D rowwise scale layout (transpose_nvfp4_2d's)."""
+    return scale[::BLOCK].t().repeat_interleave(BLOCK, dim=0).contiguous()
 
 
 def dequantize_nvfp4_blocks(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
