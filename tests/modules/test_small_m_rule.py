@@ -135,3 +135,42 @@ def test_negative_limit_is_refused():
     with pytest.raises(ValueError, match="small_m_rows must be >= 0"), \
             mf.quantize_weights_once(small_m_rows=-1):
         pass
+
+
+def test_fused_experts_decode_step_pads_nothing_and_uses_dequantized_weights():
+    from minifloat.modules.fused_experts import FusedExperts
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 128, 64) * 0.1)
+            self.down_proj = torch.nn.Parameter(torch.randn(4, 64, 64) * 0.1)
+            self.act_fn = torch.nn.SiLU()
+
+    torch.manual_seed(0)
+    recipe = RECIPES["mxfp8"]()
+    experts = FusedExperts(Experts())
+    hidden, index = torch.randn(3, 64), torch.tensor([[0, 2], [2, 3], [1, 0]])
+    weights = torch.rand(3, 2)
+    splits = []
+    original = experts.run_gemms
+    experts.run_gemms = lambda x, m_splits, *a, **k: (splits.append(list(m_splits)),
+                                                      original(x, m_splits, *a, **k))[1]
+    with torch.no_grad(), mf.autocast(recipe=recipe), mf.quantize_weights_once():
+        out = experts(hidden, index, weights)
+    assert splits[0] == [2, 1, 2, 1]  # the tokens per expert, no 32-row padding
+
+    def dequantized(weight: torch.Tensor, gemm: int) -> torch.Tensor:
+        quantizer = experts.quantizers(recipe)[0][len(FORWARD_SLOTS) * gemm + 1].copy()
+        quantizer.set_usage(rowwise=True, columnwise=False)
+        return quantizer(weight.detach()).dequantize(dtype=torch.float32)
+
+    reference = torch.zeros_like(hidden)
+    for token in range(3):
+        for slot in range(2):
+            e = int(index[token, slot])
+            gate, up = F.linear(hidden[token:token + 1],
+                                dequantized(experts.gate_up_proj[e], e)).chunk(2, dim=-1)
+            h = F.linear(experts.act_fn(gate) * up, dequantized(experts.down_proj[e], 4 + e))
+            reference[token] += (h * weights[token, slot])[0]
+    assert torch.allclose(out, reference, rtol=1e-6, atol=1e-6)

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..autocast import active_token
 from .base import QuantizedModule
+from .weights import runs_dequantized
 
 
 class FusedExperts(QuantizedModule):
@@ -60,7 +61,9 @@ class FusedExperts(QuantizedModule):
         order = torch.argsort(chosen, stable=True)  # (token, slot) pairs grouped by expert
         token, slot = order // top_k, order % top_k
         counts = torch.bincount(chosen, minlength=experts).tolist()
-        multiple = self._row_multiple(hidden_states)
+        # (calls that quantize_weights_once's small-M rule runs against dequantized weights
+        # need no padding)
+        multiple = 1 if runs_dequantized(chosen.numel()) else self._row_multiple(hidden_states)
         padded = [-(-count // multiple) * multiple for count in counts]
         # row r of the padded layout is token source[r]'s hidden state, or the zero row that
         # follows the tokens (index T): one gather of the expert-sorted, padded input
