@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import minifloat as mf
 from minifloat import numerics
 from minifloat.modules.base import FORWARD_SLOTS
+from minifloat.modules.weights import ONCE_KEY
 
 RECIPES = {
     "current": lambda: mf.Float8CurrentScaling(),
@@ -87,7 +88,8 @@ def test_weight_dequantized_once_per_block_and_again_in_the_next():
     x = torch.randn(2, 128)
 
     def kept() -> torch.Tensor:
-        return layer._weight_cache[("dequantized", id(layer.weight))]["tensor"]
+        block = layer._weight_cache[ONCE_KEY]
+        return block[("dequantized", id(layer.weight))]["tensor"]
 
     with torch.no_grad(), mf.autocast(recipe=recipe):
         with mf.quantize_weights_once():
@@ -100,7 +102,24 @@ def test_weight_dequantized_once_per_block_and_again_in_the_next():
         with mf.quantize_weights_once():
             y = layer(x)
             assert kept() is not first
+            with mf.quantize_weights_once():  # nested: the outer block's copies stay
+                layer(x)
+            assert kept() is not first
     assert torch.equal(y, F.linear(x, _dequantized_by_hand(layer, recipe), layer.bias))
+    assert layer._weight_cache == {}  # the block's copies are not kept alive after it
+
+
+def test_microbatch_copies_outlive_a_generation_block():
+    """is_first_microbatch=True keeps its copy for later micro-batches; a quantize_weights_once
+    block in between drops only its own copies."""
+    recipe, layer = RECIPES["current"](), _layer()
+    x = torch.randn(32, 128)
+    with mf.autocast(recipe=recipe):
+        layer(x, is_first_microbatch=True)
+    kept = dict(layer._weight_cache)
+    with torch.no_grad(), mf.autocast(recipe=recipe), mf.quantize_weights_once():
+        layer(x[:2])
+    assert layer._weight_cache == kept
 
 
 def test_mxfp8_single_row_needs_no_padding(monkeypatch):

@@ -122,7 +122,8 @@ class QuantizedModule(nn.Module):
         # its values, equal across blocks, not on an object's identity)
         self._compiled_args: dict[int, tuple[int, list[torch.Tensor]]] = {}
         _LIVE_MODULES.add(self)
-        # id(weight) -> its kept quantization (is_first_microbatch=True keeps, False reuses)
+        # id(weight) -> its kept quantization (is_first_microbatch=True keeps, False reuses);
+        # weights.ONCE_KEY -> the same for a quantize_weights_once block, with dequantized copies
         self._weight_cache: dict = {}
         # recipe state loaded from a checkpoint, applied at the recipe's first use (extra_state.py)
         self._pending_recipe_state: list[dict] = []

@@ -96,6 +96,22 @@ SMALL_M_ROWS = 256
 # kept quantization crosses the border of such a block in either direction), and the rows up
 # to which the innermost block runs GEMMs against dequantized weights
 _ONCE = {"depth": 0, "epoch": 0, "small_m_rows": SMALL_M_ROWS}
+# Copies kept inside such a block live in a sub-cache of the module's cache, under this key:
+# no call after the block can use them (the epoch moved on), so the outermost exit drops the
+# sub-caches (_BLOCK_CACHES: the module caches holding one) instead of leaving a quantized and
+# a dequantized copy of every weight alive in training after an evaluation or a generation,
+# and copies that is_first_microbatch keeps in the module's cache itself survive the block
+ONCE_KEY = "quantize_weights_once"
+_BLOCK_CACHES: list[dict] = []
+
+
+def once_cache(cache: dict) -> dict:
+    """`cache`'s sub-cache for the copies of the current quantize_weights_once block."""
+    sub = cache.get(ONCE_KEY)
+    if sub is None:
+        sub = cache[ONCE_KEY] = {}
+        _BLOCK_CACHES.append(cache)
+    return sub
 
 
 @contextlib.contextmanager
@@ -126,6 +142,10 @@ def quantize_weights_once(small_m_rows: int = SMALL_M_ROWS) -> Iterator[None]:
         _ONCE["depth"] -= 1
         _ONCE["epoch"] += 1
         _ONCE["small_m_rows"] = outer_rows
+        if _ONCE["depth"] == 0:
+            for cache in _BLOCK_CACHES:
+                cache.pop(ONCE_KEY, None)
+            _BLOCK_CACHES.clear()
 
 
 def weights_quantized_once() -> bool:
@@ -141,7 +161,9 @@ def runs_dequantized(rows: int) -> bool:
 def dequantized_weight(cache: dict, weight: torch.Tensor, quantizer: Quantizer,
                        dtype: torch.dtype) -> torch.Tensor:
     """The weight's rowwise quantization dequantized to `dtype`, made once per
-    quantize_weights_once block (kept in `cache` beside the quantized copy)."""
+    quantize_weights_once block (kept in the block's sub-cache of the module's `cache`, beside
+    the quantized copy)."""
+    cache = once_cache(cache)
     key = (weight._version, id(quantizer), quantizer.state_version(), _ONCE["epoch"], dtype)
     entry = cache.get(("dequantized", id(weight)))
     if entry is not None and entry["weight"]() is weight and entry["key"] == key:
@@ -158,5 +180,5 @@ def weight_cache_for(cache: dict, is_first_microbatch: bool | None
     """(cache, reuse) for quantized_weight from a forward's `is_first_microbatch` flag (None
     inside quantize_weights_once: reuse)."""
     if is_first_microbatch is None:
-        return (cache, True) if weights_quantized_once() else (None, False)
+        return (once_cache(cache), True) if weights_quantized_once() else (None, False)
     return cache, not is_first_microbatch
