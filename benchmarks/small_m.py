@@ -9,8 +9,11 @@ can say; this script measures the crossover that the rule is to be taken from.
 
 For each --shape KxN and M in --ms, each row times one forward under torch.no_grad():
   bf16         F.linear(x, W) in bf16 (= the dequantized-weight path's GEMM)
-  <recipe>     minifloat.Linear under autocast(recipe) and quantize_weights_once() (the weight
-               quantized once, outside the timing: what a generation pays per call)
+  <recipe>     minifloat.Linear under autocast(recipe) and quantize_weights_once(small_m_rows=0)
+               (the weight quantized once, outside the timing; the recipe's quantized GEMM)
+  <recipe>-rule  the same under quantize_weights_once()'s default small-M rule (calls of at
+               most SMALL_M_ROWS rows against the weight dequantized once: what a generation
+               pays per call)
 device_ms: triton.testing.do_bench median (on the CPU: perf_counter median, a smoke test);
 host_us: median host time of one call, the GPU queue drained before (perf_counter around the
 call, no synchronize inside), median over rounds. Every M times all rows in --rounds
@@ -36,6 +39,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from model_step import RESULTS, device_slug, environment, minifloat_recipe  # noqa: E402
+
+from minifloat.modules.weights import SMALL_M_ROWS  # noqa: E402
+
+RULE = "-rule"
 
 
 def device_ms(fn, device: str) -> float:
@@ -72,17 +79,20 @@ def measure_shape(k: int, n: int, ms: list[int], recipes: list[str], rounds: int
     rows = []
     for m in ms:
         x = torch.randn(m, k, device=device, dtype=dtype)
-        times: dict[str, list[float]] = {name: [] for name in ["bf16", *recipes]}
+        names = ["bf16", *recipes, *(f"{name}{RULE}" for name in recipes)]
+        times: dict[str, list[float]] = {name: [] for name in names}
         hosts: dict[str, list[float]] = {name: [] for name in times}
         for _ in range(rounds):
             with torch.no_grad():
                 times["bf16"].append(device_ms(lambda x=x: F.linear(x, weight), device))
                 hosts["bf16"].append(host_us(lambda x=x: F.linear(x, weight), device))
                 for name in recipes:
-                    with mf.autocast(recipe=minifloat_recipe(name)), mf.quantize_weights_once():
-                        layer(x)  # the weight's quantization, once
-                        times[name].append(device_ms(lambda x=x: layer(x), device))
-                        hosts[name].append(host_us(lambda x=x: layer(x), device))
+                    for row, limit in ((name, 0), (f"{name}{RULE}", SMALL_M_ROWS)):
+                        with mf.autocast(recipe=minifloat_recipe(name)), \
+                                mf.quantize_weights_once(small_m_rows=limit):
+                            layer(x)  # the weight's quantization, once
+                            times[row].append(device_ms(lambda x=x: layer(x), device))
+                            hosts[row].append(host_us(lambda x=x: layer(x), device))
         for name, values in times.items():
             ratios = [b / t for b, t in zip(times["bf16"], values, strict=True)]
             rows.append({"k": k, "n": n, "m": m, "row": name,
