@@ -226,16 +226,10 @@ def test_ragged_rows_run_the_fast_gemms_not_emulation(kind, monkeypatch):
 
 def test_fused_experts_run_every_expert_gemm_on_scaled_mm(monkeypatch):
     from minifloat import gemm_paths
-    from minifloat.modules.fused_experts import FusedExperts
 
-    class Experts(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate_up_proj = torch.nn.Parameter(torch.randn(8, 512, 256, device="cuda") / 16)
-            self.down_proj = torch.nn.Parameter(torch.randn(8, 256, 256, device="cuda") / 16)
-            self.act_fn = torch.nn.SiLU()
+    from modules.test_any_token_count import fused_experts
 
-    experts = FusedExperts(Experts())
+    experts = fused_experts(8, 256, 256, device="cuda")
     emulated, scaled = [], []
     original_bf16, original_scaled = gemm_paths.bf16_gemm, torch._scaled_mm
     monkeypatch.setattr(gemm_paths, "bf16_gemm",

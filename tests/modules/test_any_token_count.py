@@ -92,19 +92,28 @@ def test_rows_padded_for_the_cuda_fast_gemm(monkeypatch, name):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_experts_rows_padded_per_expert_for_the_cuda_fast_gemm(monkeypatch):
-    from minifloat.modules import gemm_op
+def fused_experts(count: int, hidden: int, ffn: int, device: str = "cpu"):
+    """FusedExperts over transformers' fused layout (gate_up_proj [E, 2F, D], down_proj
+    [E, D, F]) with random weights."""
     from minifloat.modules.fused_experts import FusedExperts
 
     class Experts(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 64, 32) * 0.1)
-            self.down_proj = torch.nn.Parameter(torch.randn(4, 32, 32) * 0.1)
+            self.gate_up_proj = torch.nn.Parameter(
+                torch.randn(count, 2 * ffn, hidden, device=device) / hidden ** 0.5)
+            self.down_proj = torch.nn.Parameter(
+                torch.randn(count, hidden, ffn, device=device) / ffn ** 0.5)
             self.act_fn = torch.nn.SiLU()
 
+    return FusedExperts(Experts())
+
+
+def test_experts_rows_padded_per_expert_for_the_cuda_fast_gemm(monkeypatch):
+    from minifloat.modules import gemm_op
+
     torch.manual_seed(0)
-    experts = FusedExperts(Experts())
+    experts = fused_experts(4, 32, 32)
     hidden = torch.randn(21, 32)
     index = torch.randint(0, 4, (21, 2))
     weights = torch.rand(21, 2)

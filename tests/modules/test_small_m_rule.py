@@ -16,6 +16,8 @@ from minifloat import numerics
 from minifloat.modules.base import FORWARD_SLOTS
 from minifloat.modules.weights import ONCE_KEY
 
+from .test_any_token_count import fused_experts
+
 RECIPES = {
     "current": lambda: mf.Float8CurrentScaling(),
     "delayed": lambda: mf.DelayedScaling(),
@@ -157,18 +159,9 @@ def test_negative_limit_is_refused():
 
 
 def test_fused_experts_decode_step_pads_nothing_and_uses_dequantized_weights():
-    from minifloat.modules.fused_experts import FusedExperts
-
-    class Experts(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 128, 64) * 0.1)
-            self.down_proj = torch.nn.Parameter(torch.randn(4, 64, 64) * 0.1)
-            self.act_fn = torch.nn.SiLU()
-
     torch.manual_seed(0)
     recipe = RECIPES["mxfp8"]()
-    experts = FusedExperts(Experts())
+    experts = fused_experts(4, 64, 64)
     hidden, index = torch.randn(3, 64), torch.tensor([[0, 2], [2, 3], [1, 0]])
     weights = torch.rand(3, 2)
     splits = []
