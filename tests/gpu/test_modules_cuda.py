@@ -226,7 +226,6 @@ def test_ragged_rows_run_the_fast_gemms_not_emulation(kind, monkeypatch):
 
 def test_fused_experts_run_every_expert_gemm_on_scaled_mm(monkeypatch):
     from minifloat import gemm_paths
-
     from modules.test_any_token_count import fused_experts
 
     experts = fused_experts(8, 256, 256, device="cuda")
