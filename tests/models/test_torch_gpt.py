@@ -202,7 +202,8 @@ def test_host_profile_stubs_the_kernel_layer_and_restores_it(capsys) -> None:
 
 def test_small_m_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     """benchmarks/small_m.py (issue 21's small-M measurement) in its CPU smoke mode: a row per
-    M and path, MXFP8 at M=1 included (the module pads the rows)."""
+    M and path (the recipe's quantized GEMM, and the small-M rule), MXFP8 at M=1 included (the
+    quantized path pads the rows)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import small_m
@@ -213,5 +214,6 @@ def test_small_m_benchmark_runs_on_cpu(tmp_path: Path) -> None:
                          "fp8-current,mxfp8", "--rounds", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert {(row["m"], row["row"]) for row in rows} == {
-        (m, name) for m in (1, 16) for name in ("bf16", "fp8-current", "mxfp8")}
+        (m, name) for m in (1, 16) for name in ("bf16", "fp8-current", "mxfp8",
+                                                 "fp8-current-rule", "mxfp8-rule")}
     assert all(row["device_ms"] > 0 and row["host_us"] > 0 for row in rows)
