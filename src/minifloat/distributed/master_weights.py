@@ -28,8 +28,10 @@ Hybrid weights (HybridRecipe: one format per direction) cast each sub-storage in
 format; a columnwise sub-storage of a format that derives its transposed copy keeps a rowwise
 copy for the ranges and the gather (cast_targets).
 
-This is the reference implementation (pure torch, any device): a block format rebuilds a zero
-weight-sized fp32 buffer per weight to find the tile maxima of its range.
+This is the reference implementation (pure torch, any device), except FP8 current scaling on
+the GPU (master_cast_batched.py). A block format quantizes the whole tile rows its range
+touches (fp32, zeros outside the range): tiles are independent, so those rows give the range's
+bytes, and every scale comes from the reduced maxima without the data.
 """
 
 from __future__ import annotations
