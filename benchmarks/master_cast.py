@@ -9,9 +9,11 @@ group, so no all-reduce: the cast's own cost), its ranges cut at equal flat offs
 rows, tiles and, for NVFP4, bytes).
 
 Per recipe row (the model weights built under quantized_model_init with that recipe):
-- device_ms: median of --steps casts, each timed by CUDA events (on the CPU: perf_counter).
-- host_ms: median host time of one cast, the GPU queue drained before (perf_counter around the
-  call; nothing synchronizes inside it unless the cast does).
+- device_ms: median time of one cast (small_m.device_ms: triton's do_bench; on the CPU
+  perf_counter).
+- host_ms: median host time of one cast over --steps, the GPU queue drained before
+  (small_m.host_us: perf_counter around the call; nothing synchronizes inside it unless the
+  cast does).
 - bytes: what a cast must move at least: the rank's fp32 masters read once and its quantized
   elements written once (1 byte each, NVFP4 half a byte; scales left out).
 - gbps = bytes / device time; copy_gbps: torch's copy of a buffer of as many bytes read plus
@@ -27,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from model_step import RESULTS, device_slug, environment, minifloat_recipe  # noqa: E402
+from small_m import device_ms, host_us  # noqa: E402
 
 import minifloat as mf  # noqa: E402
 from minifloat.distributed import quantize_master_weights  # noqa: E402
@@ -70,36 +71,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed_ms(run, steps: int, device: str) -> float:
-    """Median ms of `run()` over `steps` calls (CUDA events, or perf_counter on the CPU)."""
-    times = []
-    for _ in range(steps):
-        _sync(device)
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - began) * 1e3)
-    return float(statistics.median(times))
-
-
-def host_ms(run, steps: int, device: str) -> float:
-    times = []
-    for _ in range(steps):
-        _sync(device)
-        began = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - began) * 1e3)
-    _sync(device)
-    return float(statistics.median(times))
-
-
 def launches(run, device: str) -> int | None:
     if not device.startswith("cuda"):
         return None
@@ -111,13 +82,12 @@ def launches(run, device: str) -> int | None:
                if event.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def copy_gbps(total_bytes: int, steps: int, device: str) -> float:
+def copy_gbps(total_bytes: int, device: str) -> float:
     """Bandwidth of torch's copy moving total_bytes (half read, half written)."""
     half = max(int(total_bytes) // 2, 1)
     source = torch.empty(half, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
-    ms = timed_ms(lambda: target.copy_(source), steps, device)
-    return 2 * half / (ms * 1e-3) / 1e9
+    return 2 * half / (device_ms(lambda: target.copy_(source), device) * 1e-3) / 1e9
 
 
 def measure_recipe(name: str, shapes: list[tuple[int, int]], ranges: list[tuple[int, int]],
@@ -138,11 +108,11 @@ def measure_recipe(name: str, shapes: list[tuple[int, int]], ranges: list[tuple[
         cast()
     elements = sum(count for _, count in ranges)
     moved = int(elements * (4 + BYTES_PER_ELEMENT[name]))
-    device_time = timed_ms(cast, steps, device)
+    device_time = device_ms(cast, device)
     row = {"row": name, "weights": len(weights), "rank_elements": elements, "bytes": moved,
-           "device_ms": device_time, "host_ms": host_ms(cast, steps, device),
+           "device_ms": device_time, "host_ms": host_us(cast, device, repeats=steps) / 1e3,
            "gbps": moved / (device_time * 1e-3) / 1e9, "launches": launches(cast, device)}
-    row["copy_gbps"] = copy_gbps(moved, steps, device)
+    row["copy_gbps"] = copy_gbps(moved, device)
     row["copy_fraction"] = row["gbps"] / row["copy_gbps"]
     return row
 

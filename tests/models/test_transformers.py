@@ -168,17 +168,22 @@ def test_bf16_experts_run_by_another_kernel_are_still_converted():
     comparison refused every expert of a Mixtral on an H200, which then trained in bf16)."""
     model = build("mixtral").to(torch.bfloat16)
     experts = model.model.layers[0].mlp.experts
+    with torch.no_grad():  # outputs of order one: a bf16 rounding is then above 1e-3
+        experts.gate_up_proj.normal_(0, 0.5)
+        experts.down_proj.normal_(0, 0.5)
 
-    def rounded_otherwise(hidden_states, top_k_index, top_k_weights):  # same math, fp64 sums
-        out = torch.zeros(hidden_states.shape, dtype=torch.float64)
+    def rounded_otherwise(hidden_states, top_k_index, top_k_weights):
+        """The same math, each expert's output rounded to bf16 and summed in bf16 (the
+        elementwise bf16 test refuses this; a relative error norm accepts it)."""
+        out = torch.zeros_like(hidden_states)
         for k in range(top_k_index.shape[1]):
             for t in range(hidden_states.shape[0]):
                 e = int(top_k_index[t, k])
                 gate, up = (hidden_states[t].double() @ experts.gate_up_proj[e].double().t()
                             ).chunk(2)
                 h = (experts.act_fn(gate) * up) @ experts.down_proj[e].double().t()
-                out[t] += h * top_k_weights[t, k].double()
-        return out.to(hidden_states.dtype)
+                out[t] += h.to(out.dtype) * top_k_weights[t, k]
+        return out
 
     experts.forward = rounded_otherwise
     mf.convert_model(model, recipe=mf.Float8CurrentScaling(), filter_fn=not_head)

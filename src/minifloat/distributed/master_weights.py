@@ -189,26 +189,17 @@ def _partial_maxima(cast: _Cast, shape: tuple[int, int]) -> torch.Tensor:
         if cast.master is None or cast.master.numel() == 0:
             return torch.zeros(1, device=_device(cast))
         return numerics.compute_amax(cast.master).reshape(1)
-    window, first = _window(cast, shape), cast.window_row
-    rows, columns = shape
+    window, first, rows = _window(cast, shape), cast.window_row, shape[0]
     if cast.kind == "block":
-        grid_shape = (-(-rows // _TILE), -(-columns // _TILE))
-        local = (tile_amax(window, _TILE, _TILE) if window.numel()
-                 else torch.zeros(0, grid_shape[1], device=window.device))
-        return _placed(local, first // _TILE, grid_shape[0]).reshape(-1)
+        return _placed(tile_amax(window, _TILE, _TILE), first // _TILE,
+                       -(-rows // _TILE)).reshape(-1)
     if cast.kind == "nvfp4":  # the global amax, then the 16x16 tile maxima
-        local = tile_amax(window, _FP4_TILE, _FP4_TILE) if window.numel() else torch.zeros(
-            0, columns // _FP4_TILE, device=window.device)
-        amax = (numerics.compute_amax(window).reshape(1) if window.numel()
-                else torch.zeros(1, device=window.device))
-        return torch.cat([amax,
-                          _placed(local, first // _FP4_TILE, rows // _FP4_TILE).reshape(-1)])
-    local_rows = tile_amax(window, 1, _MX_BLOCK) if window.numel() else torch.zeros(
-        0, columns // _MX_BLOCK, device=window.device)
-    local_columns = tile_amax(window, _MX_BLOCK, 1) if window.numel() else torch.zeros(
-        0, columns, device=window.device)
-    return torch.cat([_placed(local_rows, first, rows).reshape(-1),
-                      _placed(local_columns, first // _MX_BLOCK, rows // _MX_BLOCK).reshape(-1)])
+        return torch.cat([numerics.compute_amax(window).reshape(1),
+                          _placed(tile_amax(window, _FP4_TILE, _FP4_TILE), first // _FP4_TILE,
+                                  rows // _FP4_TILE).reshape(-1)])
+    return torch.cat([_placed(tile_amax(window, 1, _MX_BLOCK), first, rows).reshape(-1),
+                      _placed(tile_amax(window, _MX_BLOCK, 1), first // _MX_BLOCK,
+                              rows // _MX_BLOCK).reshape(-1)])
 
 
 def all_reduce_max_keep_nan(values: torch.Tensor, group) -> torch.Tensor:
@@ -250,10 +241,11 @@ def _cast(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int]) -> None:
     window, first = _window(cast, shape), cast.window_row
     if cast.kind == "block":
         grid = maxima.reshape(-(-shape[0] // _TILE), -(-shape[1] // _TILE))
+        scale_inv = numerics.block_scale_inv(grid, power_2_scale=quantizer.power_2_scale,
+                                             amax_epsilon=quantizer.amax_epsilon,
+                                             input_dtype=torch.float32)
         if storage.rowwise_data is not None:
-            storage.rowwise_scale_inv.copy_(numerics.block_scale_inv(
-                grid, power_2_scale=quantizer.power_2_scale,
-                amax_epsilon=quantizer.amax_epsilon, input_dtype=torch.float32))
+            storage.rowwise_scale_inv.copy_(scale_inv)
             if window.numel():
                 data, _ = numerics.quantize_block_2d(
                     window, power_2_scale=quantizer.power_2_scale,
@@ -262,9 +254,7 @@ def _cast(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int]) -> None:
                 _write_range(storage.rowwise_data, _range_of(data, cast, shape),
                              cast.start - cast.base)
         if storage.columnwise_scale_inv is not None:
-            storage.columnwise_scale_inv.copy_(numerics.block_scale_inv(
-                grid, power_2_scale=quantizer.power_2_scale,
-                amax_epsilon=quantizer.amax_epsilon, input_dtype=torch.float32).t())
+            storage.columnwise_scale_inv.copy_(scale_inv.t())
         return
     if cast.kind == "nvfp4":
         _cast_nvfp4(cast, maxima, shape, window)

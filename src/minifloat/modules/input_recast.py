@@ -55,13 +55,12 @@ def _per_tensor_scales_fake(amax, e5m2, amax_epsilon, power_2_scale):
     return (amax.new_empty((), dtype=torch.float32), amax.new_empty((), dtype=torch.float32))
 
 
-def per_tensor_cast(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer | Float8Quantizer,
-                    scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(data [M, K], scale_inv [1]) of per-tensor scaling, as the quantizer makes them, in
-    fusible torch ops. `scales`: (scale, scale_inv) to cast with (delayed scaling: forward's,
-    carried by the forward op; no amax is taken or recorded), else current scaling's from this
-    tensor's amax.
+def per_tensor_copy(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer | Float8Quantizer,
+                    scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> Float8Storage:
+    """The columnwise copy of per-tensor scaling: data_transpose [K, M] and scale_inv, as the
+    quantizer makes them; the amax and the cast in fusible torch ops. `scales`: (scale,
+    scale_inv) forward cast with (delayed scaling: forward's, carried by the forward op; no
+    amax is taken or recorded), else current scaling's from this tensor's amax.
 
     The reference rounds on the format's grid in fp32 arithmetic, then encodes; torch's
     conversion to an FP8 dtype rounds to nearest even itself, so after clamping to +-max
@@ -79,29 +78,9 @@ def per_tensor_cast(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer 
                                              quantizer.amax_epsilon, quantizer.power_2_scale)
     data = torch.clamp(x2d.float() * scale, -fmt.max_value, fmt.max_value).to(
         quantizer.fp8_dtype)
-    return data, scale_inv.reshape(1)
-
-
-def per_tensor_copy(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer | Float8Quantizer,
-                    scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> Float8Storage:
-    """The columnwise copy of per-tensor scaling (data_transpose [K, M] and scale_inv) made by
-    per_tensor_cast."""
-    return columnwise_storage(*per_tensor_cast(x2d, quantizer, scales), x2d.dtype, quantizer)
-
-
-def columnwise_storage(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
-                       quantizer: Quantizer) -> Float8Storage:
-    """The columnwise copy of per-tensor bytes `data` [M, K]: its transpose and scale_inv."""
-    return Float8Storage(shape=data.shape, dtype=dtype, quantizer=quantizer, data=None,
-                         data_transpose=data.t().contiguous(), scale_inv=scale_inv,
+    return Float8Storage(shape=x2d.shape, dtype=x2d.dtype, quantizer=quantizer, data=None,
+                         data_transpose=data.t().contiguous(), scale_inv=scale_inv.reshape(1),
                          fp8_dtype=quantizer.fp8_dtype)
-
-
-def kept_buffers(storage: Float8Storage) -> list[torch.Tensor]:
-    """An input copy's buffers as a forward keeping it hands them to backward, in that order
-    (keep_for_backward's)."""
-    kept = keep_for_backward([storage], [], need_dgrad=False, need_wgrad=True)
-    return [t.contiguous() for t in kept.tensors if t is not None]
 
 
 def recasts(quantizers: list[Quantizer]) -> bool:
@@ -123,4 +102,6 @@ def input_copy_buffers(x: torch.Tensor, quantizers: list[Quantizer],
     """The buffers of the input copy that a forward keeping it would have handed to backward,
     in that order (keep_for_backward's); for quantizers that `recasts`, with forward's scales
     under delayed scaling."""
-    return kept_buffers(per_tensor_copy(x.reshape(-1, x.shape[-1]), quantizers[0], scales))
+    x_qs = [per_tensor_copy(x.reshape(-1, x.shape[-1]), quantizers[0], scales)]
+    kept = keep_for_backward(x_qs, [], need_dgrad=False, need_wgrad=True)
+    return [t.contiguous() for t in kept.tensors if t is not None]

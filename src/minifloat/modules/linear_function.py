@@ -222,8 +222,7 @@ def keep_for_backward(
     x_kept: list[QuantizedStorage | None] = []
     w_kept: list[QuantizedStorage | None] = []
     x_tensor_count = 0
-    # (an index, not `source is x_qs`: torch 2.11's dynamo cannot trace `is` on lists, which
-    # the cast-fused route's autograd.Function reaches)
+    # (an index, not `source is x_qs`: torch 2.11's dynamo cannot trace `is` on lists)
     for index, (source, kept, needed) in enumerate(
             ((x_qs, x_kept, need_wgrad), (w_qs, w_kept, need_dgrad))):
         for q in source:
