@@ -55,7 +55,7 @@ from ..quantizers import (
     NVFP4Storage,
     QuantizedTensor,
 )
-from .master_cast_batched import batchable, cast_current_scaling
+from .master_cast_batched import batchable, block_batchable, block_plans, cast_current_scaling
 from .quantized_shards import local_shard
 
 _MX_BLOCK = 32
@@ -385,19 +385,50 @@ def quantize_master_weights(
         cast_current_scaling(batched, group)
     done = {id(cast) for cast in batched}
     rest = [(cast, shape) for cast, shape in casts if id(cast) not in done]
-    pieces, offset = [], 0
-    for cast, shape in rest:
-        maxima = _partial_maxima(cast, shape)
-        cast.offset, cast.count = offset, maxima.numel()
-        offset += maxima.numel()
-        pieces.append(maxima)
-    if pieces:
-        reduced = all_reduce_max_keep_nan(torch.cat(pieces).float(), group)
-        for cast, shape in rest:
-            _cast(cast, reduced[cast.offset:cast.offset + cast.count], shape)
+    if rest:
+        _cast_from_reduced_maxima(rest, group)
     if not manual_post_all_gather_processing:
         for cast, _ in casts:
             _drop_derived_copies(cast.storage)
+
+
+def _maxima_size(cast: _Cast, shape: tuple[int, int]) -> int:
+    """Length of one weight's segment of the maxima vector (_partial_maxima's layout, which
+    kernels/master_cast.py writes too)."""
+    rows, columns = shape
+    if cast.kind in ("current", "delayed"):
+        return 1
+    if cast.kind == "block":
+        return -(-rows // _TILE) * -(-columns // _TILE)
+    if cast.kind == "mxfp8":  # rowwise 1x32 maxima [M, K/32], then columnwise 32x1 [M/32, K]
+        return rows * (columns // _MX_BLOCK) + (rows // _MX_BLOCK) * columns
+    return 1 + (rows // _FP4_TILE) * (columns // _FP4_TILE)  # the global amax, then the tiles
+
+
+def _cast_from_reduced_maxima(casts: list[tuple[_Cast, tuple[int, int]]], group) -> None:
+    """Every cast whose scales come from maxima: one vector of every weight's partial maxima,
+    one MAX all-reduce over `group`, then the casts. Block formats the kernels serve write
+    their maxima and cast in one launch each per plan (master_cast_batched.block_plans); the
+    others take the reference (torch) functions here."""
+    offset = 0
+    for cast, shape in casts:
+        cast.offset, cast.count = offset, _maxima_size(cast, shape)
+        offset += cast.count
+    maxima = torch.zeros(offset, dtype=torch.float32, device=_device(casts[0][0]))
+    served = [(cast, shape) for cast, shape in casts if block_batchable(cast)]
+    plans = block_plans([cast for cast, _ in served], [shape for _, shape in served]) \
+        if served else []
+    for plan, _ in plans:
+        plan.maxima(maxima)
+    done = {id(cast) for cast, _ in served}
+    rest = [(cast, shape) for cast, shape in casts if id(cast) not in done]
+    for cast, shape in rest:
+        maxima[cast.offset:cast.offset + cast.count] = _partial_maxima(cast, shape).reshape(-1)
+    reduced = all_reduce_max_keep_nan(maxima, group)
+    for plan, options in plans:
+        plan.cast(reduced, **options)
+    for cast, shape in rest:
+        _cast(cast, reduced[cast.offset:cast.offset + cast.count], shape)
 
 
 def cast_master_weights_to_nvfp4(

@@ -1,0 +1,428 @@
+"""Partial master-weight casts into block-scaled weights: every weight of a format in two
+launches (issue 16: "one launch per step for all weights").
+
+A ZeRO rank owns a flat element range [start, end) of each weight's master copy
+(distributed.master_weights). Every scale of a block format depends on the absolute maximum of
+its block (a 128x128 tile for block FP8, 1x32 and 32x1 blocks for MXFP8, 16x16 tiles and the
+global amax for 2D NVFP4), and a block cut by a range boundary is shared by ranks. So a cast is:
+
+1. `maxima`: every rank writes the maxima of the blocks its range touches into one flat fp32
+   vector laid out per weight as the reference (master_weights._partial_maxima) lays it out;
+   elements outside the range count as zeros. Blocks it does not touch stay zero.
+2. the caller reduces the vector (one MAX all-reduce over the data-parallel group).
+3. `cast`: every program takes one tile of the full weight, derives its scales from the reduced
+   maxima (the single-tensor kernels' device functions, so the bytes are theirs and so
+   numerics'), writes them to the weight's scale tensors (every rank writes every scale: they
+   are the same everywhere) and, where the tile meets the rank's range, casts those elements
+   into the weight's bytes. NVFP4 packs two elements a byte: where the range starts or ends
+   inside a byte, the other nibble is left as it was.
+
+Each program finds its weight in one int64 table (multi_tensor's scheme: a binary search over
+the running program counts). Destinations are addressed as offsets from one byte base and one
+fp32 base (pointer differences), so one launch writes into every weight's own tensors, whether
+a full-size weight or an FSDP2 shard of rows (`base`: the element where the storage starts,
+`rows_held`: its rows). One tile is TILE_COLUMNS columns by the format's block rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..numerics.formats import fp8_format
+from .block_fp8 import _scale, _scale_inv
+from .element_cast import E4M3_CONSTANTS, E5M2_CONSTANTS, expand_blocks, kernel_view, load_as_float
+from .element_cast import e8m0_exponent as e8m0_from_amax
+from .fp8_common import abs_bits, cvt_sat_rne_fp8, dtype_max_bits, fp8_codes, hw_cast
+from .launch import launch
+from .multi_tensor import _owner, _search_steps
+from .mxfp8 import _fp8_codes, _hw_factors, _reciprocal_bits
+from .nvfp4 import _block_scales, _e2m1_nibbles, _global_scales
+
+TILE_COLUMNS = 128
+TILE_ROWS = {"block": 128, "mxfp8": 32, "nvfp4": 16}  # one block (tile) of rows per format
+BLOCK_CHUNK = 32  # block FP8 sweeps its 128-row tile in chunks of this many rows
+FIELDS = 16  # int64 entries per weight in the table
+# table fields
+_MASTER, _START, _END, _M, _K, _MAXIMA, _BASE, _ROWS_HELD = range(8)
+_ROW_DATA, _COL_DATA, _ROW_SCALE, _COL_SCALE, _ROW_AMAX, _COL_AMAX, _WINDOW_ROW = range(8, 15)
+NUM_WARPS = 4
+
+
+@dataclass
+class PartialCast:
+    """One weight's share of a step: this rank's master range of it (None: owns none), the
+    element of the full weight where the storage starts and its rows, where its maxima go in
+    the vector, and the tensors the cast writes (None where the storage keeps no such copy)."""
+
+    master: torch.Tensor | None
+    start: int
+    shape: tuple[int, int]
+    maxima_offset: int
+    base: int
+    rows_held: int
+    row_data: torch.Tensor | None
+    row_scale: torch.Tensor | None
+    col_data: torch.Tensor | None = None
+    col_scale: torch.Tensor | None = None
+    row_amax: torch.Tensor | None = None
+    col_amax: torch.Tensor | None = None
+
+
+# ---- device functions ----
+
+
+@triton.jit
+def _tile(table_ptr, starts_ptr, n, WINDOW: tl.constexpr, STEPS: tl.constexpr,
+          FIELDS: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    """This program's weight (its table row) and tile: over the tile rows of the rank's window
+    (WINDOW) or of the whole weight. Returns the table row, M, K, the tile's first row and its
+    row and column indices (int64)."""
+    pid = tl.program_id(0)
+    i = _owner(starts_ptr, pid, n, STEPS)
+    row = table_ptr + i * FIELDS
+    M = tl.load(row + 3)
+    K = tl.load(row + 4)
+    tiles_k = tl.cdiv(K, COLUMNS)
+    local = pid - tl.load(starts_ptr + i)
+    tile_row = local // tiles_k
+    if WINDOW:
+        tile_row += tl.load(row + 14)
+    tile_col = local % tiles_k
+    return row, M, K, tile_row, tile_col
+
+
+@triton.jit
+def _load_range(master_base, row, rows, cols, M, K, BF16_BITS: tl.constexpr):
+    """Elements [rows, cols] of the full weight read from this rank's master range, zero outside
+    it (a zero never raises a maximum); with their flat positions and the in-range mask."""
+    position = rows[:, None] * K + cols[None, :]
+    inside = ((rows[:, None] < M) & (cols[None, :] < K) & (position >= tl.load(row + 1))
+              & (position < tl.load(row + 2)))
+    x = load_as_float(master_base + tl.load(row), position - tl.load(row + 1), inside, BF16_BITS)
+    return x, position, inside
+
+
+@triton.jit
+def _meets_range(row, first_row, last_row, K):
+    """Whether rows [first_row, last_row) of the weight hold any element of the range."""
+    return (tl.load(row + 1) < last_row * K) & (tl.load(row + 2) > first_row * K)
+
+
+# ---- block FP8, 128x128 tiles ----
+
+
+@triton.jit
+def _block_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
+                         BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
+                         CHUNK: tl.constexpr):
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS, 128,
+                                          128)
+    cols = tile_col * 128 + tl.arange(0, 128).to(tl.int64)
+    running = tl.zeros([CHUNK, 128], dtype=tl.int32)
+    for step in range(128 // CHUNK):
+        rows = tile_row * 128 + step * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
+        x, _, _ = _load_range(master_base, row, rows, cols, M, K, BF16_BITS)
+        running = tl.maximum(running, abs_bits(x))
+    tiles_k = tl.cdiv(K, 128)
+    tl.store(maxima_bits + tl.load(row + 5) + tile_row * tiles_k + tile_col,
+             tl.max(tl.max(running, axis=1), axis=0))
+
+
+@triton.jit
+def _block_cast_kernel(master_base, bytes_base, floats_base, maxima_bits, table_ptr, starts_ptr,
+                       n, eps, BF16_BITS: tl.constexpr, STEPS: tl.constexpr,
+                       FIELDS: tl.constexpr, CHUNK: tl.constexpr, POW2: tl.constexpr,
+                       OVERFLOW_BITS: tl.constexpr, HW_CAST: tl.constexpr):
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS, 128,
+                                          128)
+    tiles_m = tl.cdiv(M, 128)
+    tiles_k = tl.cdiv(K, 128)
+    amax_bits = tl.load(maxima_bits + tl.load(row + 5) + tile_row * tiles_k + tile_col)
+    scale = _scale(amax_bits, eps, POW2, OVERFLOW_BITS)
+    scale_inv = _scale_inv(scale, POW2)
+    tl.store(floats_base + tl.load(row + 10) + tile_row * tiles_k + tile_col, scale_inv)
+    col_scale = tl.load(row + 11)
+    if col_scale >= 0:
+        tl.store(floats_base + col_scale + tile_col * tiles_m + tile_row, scale_inv)
+    if _meets_range(row, tile_row * 128, tl.minimum(tile_row * 128 + 128, M), K):
+        data = bytes_base + tl.load(row + 8) - tl.load(row + 6)
+        cols = tile_col * 128 + tl.arange(0, 128).to(tl.int64)
+        for step in range(128 // CHUNK):
+            rows = tile_row * 128 + step * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
+            x, position, inside = _load_range(master_base, row, rows, cols, M, K, BF16_BITS)
+            tl.store(data + position, fp8_codes(x * scale, False, HW_CAST), mask=inside)
+
+
+# ---- MXFP8: 1x32 and 32x1 blocks, tiles of 32 x 128 ----
+
+
+@triton.jit
+def _mxfp8_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
+                         BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr):
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS, 32,
+                                          128)
+    rows = tile_row * 32 + tl.arange(0, 32).to(tl.int64)
+    cols = tile_col * 128 + tl.arange(0, 128).to(tl.int64)
+    x, _, _ = _load_range(master_base, row, rows, cols, M, K, BF16_BITS)
+    magnitude = abs_bits(x)
+    blocks = tile_col * 4 + tl.arange(0, 4).to(tl.int64)
+    segment = maxima_bits + tl.load(row + 5)
+    tl.store(segment + rows[:, None] * (K // 32) + blocks[None, :],
+             tl.max(tl.reshape(magnitude, [32, 4, 32]), axis=2),
+             mask=(rows[:, None] < M) & (blocks[None, :] < K // 32))
+    tl.store(segment + M * (K // 32) + tile_row * K + cols, tl.max(magnitude, axis=0),
+             mask=cols < K)
+
+
+@triton.jit
+def _mxfp8_codes(x, exponent, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+                 MAX_CODE: tl.constexpr, E5M2: tl.constexpr, HW_CAST: tl.constexpr):
+    """FP8 codes of x * 2^(127 - e), exponents broadcast to x: mxfp8_tile's two paths."""
+    if HW_CAST:
+        f, h = _hw_factors(exponent)
+        codes = cvt_sat_rne_fp8(x * f * h, E5M2)
+    else:
+        codes = _fp8_codes(x, exponent, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
+    return codes
+
+
+@triton.jit
+def _mxfp8_cast_kernel(master_base, bytes_base, maxima_bits, table_ptr, starts_ptr, n,
+                       BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
+                       MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+                       MAX_CODE: tl.constexpr, RECIPROCAL_BITS: tl.constexpr,
+                       E5M2: tl.constexpr, HW_CAST: tl.constexpr):
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS, 32,
+                                          128)
+    rows = tile_row * 32 + tl.arange(0, 32).to(tl.int64)
+    cols = tile_col * 128 + tl.arange(0, 128).to(tl.int64)
+    blocks = tile_col * 4 + tl.arange(0, 4).to(tl.int64)
+    segment = maxima_bits + tl.load(row + 5)
+    block_mask = (rows[:, None] < M) & (blocks[None, :] < K // 32)
+    row_exponent = e8m0_from_amax(tl.load(
+        segment + rows[:, None] * (K // 32) + blocks[None, :], mask=block_mask, other=0
+    ).to(tl.float32, bitcast=True), RECIPROCAL_BITS)  # [32, 4]
+    col_exponent = e8m0_from_amax(tl.load(
+        segment + M * (K // 32) + tile_row * K + cols, mask=cols < K, other=0
+    ).to(tl.float32, bitcast=True), RECIPROCAL_BITS)  # [128]
+    held = rows - tl.load(row + 6) // K  # the storage's own rows
+    row_scale = tl.load(row + 10)
+    if row_scale >= 0:
+        tl.store(bytes_base + row_scale + held[:, None] * (K // 32) + blocks[None, :],
+                 row_exponent.to(tl.uint8),
+                 mask=block_mask & (held[:, None] >= 0) & (held[:, None] < tl.load(row + 7)))
+    col_scale = tl.load(row + 11)
+    if col_scale >= 0:
+        tl.store(bytes_base + col_scale + tile_row * K + cols, col_exponent.to(tl.uint8),
+                 mask=cols < K)
+    if _meets_range(row, tile_row * 32, tl.minimum(tile_row * 32 + 32, M), K):
+        x, position, inside = _load_range(master_base, row, rows, cols, M, K, BF16_BITS)
+        row_data = tl.load(row + 8)
+        if row_data >= 0:
+            codes = _mxfp8_codes(x, expand_blocks(row_exponent, 32, 128, 32), MANTISSA_BITS,
+                                 MIN_EXPONENT, MAX_CODE, E5M2, HW_CAST)
+            tl.store(bytes_base + row_data - tl.load(row + 6) + position, codes, mask=inside)
+        col_data = tl.load(row + 9)
+        if col_data >= 0:
+            codes = _mxfp8_codes(x, col_exponent[None, :], MANTISSA_BITS, MIN_EXPONENT,
+                                 MAX_CODE, E5M2, HW_CAST)
+            tl.store(bytes_base + col_data - tl.load(row + 6) + position, codes, mask=inside)
+
+
+# ---- 2D NVFP4: 16x16 tiles and a global amax, tiles of 16 x 128 ----
+
+
+@triton.jit
+def _nvfp4_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
+                         BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr):
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS, 16,
+                                          128)
+    rows = tile_row * 16 + tl.arange(0, 16).to(tl.int64)
+    cols = tile_col * 128 + tl.arange(0, 128).to(tl.int64)
+    x, _, _ = _load_range(master_base, row, rows, cols, M, K, BF16_BITS)
+    tiles = tl.max(tl.max(tl.reshape(abs_bits(x), [16, 8, 16]), axis=2), axis=0)  # [8]
+    segment = maxima_bits + tl.load(row + 5)
+    blocks = tile_col * 8 + tl.arange(0, 8).to(tl.int64)
+    tl.store(segment + 1 + tile_row * (K // 16) + blocks, tiles, mask=blocks < K // 16)
+    tl.atomic_max(segment, tl.max(tiles, axis=0))
+
+
+@triton.jit
+def _nvfp4_cast_kernel(master_base, bytes_base, floats_base, maxima, table_ptr, starts_ptr, n,
+                       BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr):
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS, 16,
+                                          128)
+    rows = tile_row * 16 + tl.arange(0, 16).to(tl.int64)
+    cols = tile_col * 128 + tl.arange(0, 128).to(tl.int64)
+    blocks = tile_col * 8 + tl.arange(0, 8).to(tl.int64)
+    segment = maxima + tl.load(row + 5)
+    factor, s_dec = _global_scales(segment)
+    tile_amax = tl.load(segment + 1 + tile_row * (K // 16) + blocks, mask=blocks < K // 16,
+                        other=0.0)
+    code, element_scale = _block_scales(tile_amax, factor, s_dec)  # [8]
+    code = code.to(tl.uint8)
+    # rowwise scales: each tile's code over its 16 rows, in the rows the storage holds
+    held = rows - tl.load(row + 6) // K
+    tl.store(bytes_base + tl.load(row + 10) + held[:, None] * (K // 16) + blocks[None, :],
+             tl.broadcast_to(code[None, :], [16, 8]),
+             mask=(blocks[None, :] < K // 16) & (held[:, None] >= 0)
+             & (held[:, None] < tl.load(row + 7)))
+    col_scale = tl.load(row + 11)
+    if col_scale >= 0:  # the transposed layout [K, M/16]: column c holds its tile's code
+        tl.store(bytes_base + col_scale + cols * (M // 16) + tile_row,
+                 tl.reshape(tl.broadcast_to(code[:, None], [8, 16]), [128]), mask=cols < K)
+    if (tile_row == 0) & (tile_col == 0):
+        amax = tl.load(segment)
+        tl.store(floats_base + tl.load(row + 12), amax)
+        col_amax = tl.load(row + 13)
+        if col_amax >= 0:
+            tl.store(floats_base + col_amax, amax)
+    if _meets_range(row, tile_row * 16, tl.minimum(tile_row * 16 + 16, M), K):
+        x, position, inside = _load_range(master_base, row, rows, cols, M, K, BF16_BITS)
+        scale = expand_blocks(tl.broadcast_to(element_scale[None, :], [16, 8]), 16, 128, 16)
+        codes = _e2m1_nibbles(x, scale, 0.0, False)
+        codes = tl.where(scale == scale, codes, 0)  # NaN tiles encode as +0 (the reference)
+        low, high = tl.split(tl.reshape(codes, [16, 64, 2]))
+        low_in, high_in = tl.split(tl.reshape(inside.to(tl.int32), [16, 64, 2]))
+        even, _ = tl.split(tl.reshape(position, [16, 64, 2]))
+        target = bytes_base + tl.load(row + 8) + (even - tl.load(row + 6)) // 2
+        low_in = low_in != 0
+        high_in = high_in != 0
+        # a byte the range covers half of keeps its other nibble
+        old = tl.load(target, mask=low_in != high_in, other=0).to(tl.int32)
+        byte = tl.where(low_in, low, old & 0xF) | (tl.where(high_in, high, old >> 4) << 4)
+        tl.store(target, byte.to(tl.uint8), mask=low_in | high_in)
+
+
+# ---- host side ----
+
+
+def _offset(tensor: torch.Tensor | None, base: torch.Tensor) -> int:
+    """Element offset of `tensor` from `base` (same element size, lower address), -1 for
+    None."""
+    if tensor is None:
+        return -1
+    delta = tensor.data_ptr() - base.data_ptr()
+    if delta < 0 or delta % base.element_size():
+        raise ValueError("master_cast: a destination is not aligned to its element size")
+    return delta // base.element_size()
+
+
+def _bytes(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.view(torch.uint8)
+
+
+class PartialCastPlan:
+    """The table of one format's casts (one master dtype, one quantizer configuration), built
+    once per step: `maxima` and `cast` launch one kernel each over all of them."""
+
+    def __init__(self, kind: str, casts: Sequence[PartialCast], device: torch.device) -> None:
+        if kind not in TILE_ROWS:
+            raise ValueError(f"master_cast: unknown format {kind!r} (block, mxfp8 or nvfp4)")
+        self.kind, self.device, self.count = kind, device, len(casts)
+        masters = [c.master for c in casts if c.master is not None and c.master.numel()]
+        dtypes = {m.dtype for m in masters}
+        if len(dtypes) > 1 or not dtypes <= {torch.float32, torch.bfloat16}:
+            raise ValueError(f"master_cast: masters of one plan share fp32 or bf16, got {dtypes}")
+        self.master_base, self.bf16_bits = (
+            kernel_view(min(masters, key=torch.Tensor.data_ptr)) if masters
+            else (torch.zeros(1, device=device), False))
+        # the lowest address of each kind is the base, so every offset is >= 0 (-1: none)
+        tensors = [t for c in casts for t in (c.row_data, c.col_data, c.row_scale, c.col_scale,
+                                              c.row_amax, c.col_amax) if t is not None]
+        self.bytes_base = _bytes(min((t for t in tensors if t.dtype != torch.float32),
+                                     key=torch.Tensor.data_ptr))
+        floats = [t for t in tensors if t.dtype == torch.float32]
+        self.floats_base = (min(floats, key=torch.Tensor.data_ptr) if floats
+                            else torch.zeros(1, device=device))
+        rows_per_tile = TILE_ROWS[kind]
+        table, window_counts, grid_counts = [], [], []
+        for cast in casts:
+            rows, columns = cast.shape
+            tiles_k = triton.cdiv(columns, TILE_COLUMNS)
+            count = 0 if cast.master is None else cast.master.numel()
+            first_tile = cast.start // columns // rows_per_tile
+            end_tile = triton.cdiv(triton.cdiv(cast.start + count, columns), rows_per_tile)
+            window_counts.append((end_tile - first_tile) * tiles_k if count else 0)
+            grid_counts.append(triton.cdiv(rows, rows_per_tile) * tiles_k)
+            floats_or_bytes = self.floats_base if kind == "block" else self.bytes_base
+            scale_view = (lambda t: t) if kind == "block" else _bytes
+            entry = [0] * FIELDS
+            entry[_MASTER] = _offset(cast.master, self.master_base) if count else 0
+            entry[_START], entry[_END], entry[_M], entry[_K] = (
+                cast.start, cast.start + count, rows, columns)
+            entry[_MAXIMA], entry[_BASE], entry[_ROWS_HELD] = (
+                cast.maxima_offset, cast.base, cast.rows_held)
+            entry[_ROW_DATA] = _offset(_bytes(cast.row_data), self.bytes_base)
+            entry[_COL_DATA] = _offset(_bytes(cast.col_data), self.bytes_base)
+            entry[_ROW_SCALE] = _offset(scale_view(cast.row_scale), floats_or_bytes)
+            entry[_COL_SCALE] = _offset(
+                None if cast.col_scale is None else scale_view(cast.col_scale), floats_or_bytes)
+            entry[_ROW_AMAX] = _offset(cast.row_amax, self.floats_base)
+            entry[_COL_AMAX] = _offset(cast.col_amax, self.floats_base)
+            entry[_WINDOW_ROW] = first_tile
+            table.extend(entry)
+        self.window_programs, self.grid_programs = sum(window_counts), sum(grid_counts)
+        values = table + _running(window_counts) + _running(grid_counts)
+        host = torch.tensor(values, dtype=torch.int64)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        self.table = host.to(device, non_blocking=True)
+        self.window_starts = self.table[len(table):len(table) + len(casts)]
+        self.grid_starts = self.table[len(table) + len(casts):]
+        self.steps = _search_steps(len(casts))
+
+    def maxima(self, maxima: torch.Tensor) -> None:
+        """Write this rank's block maxima into `maxima` (fp32, zeros where the range touches
+        no block; NVFP4's global amax by atomic max, so it must start at zero)."""
+        if not self.window_programs:
+            return
+        kernel = {"block": _block_maxima_kernel, "mxfp8": _mxfp8_maxima_kernel,
+                  "nvfp4": _nvfp4_maxima_kernel}[self.kind]
+        extra = {"CHUNK": BLOCK_CHUNK} if self.kind == "block" else {}
+        launch(kernel, (self.window_programs,), self.master_base, maxima.view(torch.int32),
+               self.table, self.window_starts, self.count, BF16_BITS=self.bf16_bits,
+               STEPS=self.steps, FIELDS=FIELDS, num_warps=NUM_WARPS, **extra)
+
+    def cast(self, reduced: torch.Tensor, *, power_2_scale: bool = True,
+             amax_epsilon: float = 0.0, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> None:
+        """Every scale of every weight, and this rank's elements, from the reduced maxima."""
+        if not self.grid_programs:
+            return
+        hw = hw_cast(reduced)
+        common = (self.table, self.grid_starts, self.count)
+        if self.kind == "block":
+            launch(_block_cast_kernel, (self.grid_programs,), self.master_base,
+                   self.bytes_base, self.floats_base, reduced.view(torch.int32), *common,
+                   float(amax_epsilon), BF16_BITS=self.bf16_bits, STEPS=self.steps,
+                   FIELDS=FIELDS, CHUNK=BLOCK_CHUNK, POW2=power_2_scale,
+                   OVERFLOW_BITS=dtype_max_bits(torch.float32), HW_CAST=hw,
+                   num_warps=NUM_WARPS)
+        elif self.kind == "mxfp8":
+            mantissa_bits, min_exponent, max_code = (
+                E4M3_CONSTANTS if fp8_dtype == torch.float8_e4m3fn else E5M2_CONSTANTS)
+            launch(_mxfp8_cast_kernel, (self.grid_programs,), self.master_base,
+                   self.bytes_base, reduced.view(torch.int32), *common,
+                   BF16_BITS=self.bf16_bits, STEPS=self.steps, FIELDS=FIELDS,
+                   MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent, MAX_CODE=max_code,
+                   RECIPROCAL_BITS=_reciprocal_bits(fp8_format(fp8_dtype).max_value),
+                   E5M2=fp8_dtype == torch.float8_e5m2, HW_CAST=hw, num_warps=NUM_WARPS)
+        else:
+            launch(_nvfp4_cast_kernel, (self.grid_programs,), self.master_base,
+                   self.bytes_base, self.floats_base, reduced, *common,
+                   BF16_BITS=self.bf16_bits, STEPS=self.steps, FIELDS=FIELDS,
+                   num_warps=NUM_WARPS)
+
+
+def _running(counts: Sequence[int]) -> list[int]:
+    """Programs owned by the weights before each one (starts[0] = 0)."""
+    starts, total = [], 0
+    for count in counts:
+        starts.append(total)
+        total += count
+    return starts

@@ -1,0 +1,161 @@
+"""quantize_master_weights' block-format kernels (kernels/master_cast.py: one maxima launch and
+one cast launch per format) equal the per-weight reference cast bit for bit: the maxima vector
+handed to the all-reduce, then every buffer of every weight (the rank's bytes, every scale, the
+bytes outside its range untouched, NVFP4's other nibble of a shared byte kept). Block FP8,
+MXFP8 and 2D NVFP4; fp32 and bf16 masters; ranges cut inside rows, tiles, blocks and bytes,
+single elements, an empty range, a NaN in one master."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minifloat as mf
+import minifloat.distributed.master_weights as master_weights
+from minifloat import kernels
+from minifloat.distributed import quantize_master_weights
+
+DEVICE = kernels.kernel_device()
+if DEVICE is None:
+    pytest.skip("needs CUDA with Triton", allow_module_level=True)
+
+RECIPES = {"block": mf.Float8BlockScaling, "mxfp8": mf.MXFP8BlockScaling,
+           "nvfp4": mf.NVFP4BlockScaling}
+SHAPES = {"block": [(256, 384), (128, 128), (384, 256)],
+          "mxfp8": [(96, 64), (128, 160), (64, 256)],
+          "nvfp4": [(96, 64), (48, 144), (64, 256)]}
+
+
+def weights(name: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    with mf.quantized_model_init(recipe=RECIPES[name]()):
+        return [mf.Linear(k, n, bias=False, device=DEVICE).weight for n, k in SHAPES[name]]
+
+
+def ranges(name: str, case: str) -> list[tuple[int, int]]:
+    """(start, end) of the rank's range per weight."""
+    sizes = [n * k for n, k in SHAPES[name]]
+    if case == "cut":  # inside rows, tiles and (odd ends) bytes; the last weight not owned
+        return [(size // 3 + 1, 2 * size // 3 + 6) for size in sizes[:2]] + [(0, 0)]
+    if case == "single":  # one element at an odd start, one at an even start, the whole weight
+        return [(7, 8), (sizes[1] - 2, sizes[1] - 1), (0, sizes[2])]
+    return [(0, size // 2 + 1) for size in sizes]  # "head": a prefix ending inside a byte
+
+
+def masters(name: str, case: str, dtype: torch.dtype) -> tuple[list, list[int]]:
+    generator = torch.Generator().manual_seed(3)
+    shards, starts = [], []
+    for index, ((n, k), (start, end)) in enumerate(zip(SHAPES[name], ranges(name, case),
+                                                       strict=True)):
+        full = torch.randn(n * k, generator=generator) * (index + 2)
+        if index == 1 and case == "cut":
+            full[start + 5] = float("nan")
+        shards.append(full[start:end].to(dtype).to(DEVICE) if end > start else None)
+        starts.append(start)
+    return shards, starts
+
+
+def run(name: str, case: str, dtype: torch.dtype, monkeypatch) -> tuple[list, torch.Tensor]:
+    handed = []
+    reduce = master_weights.all_reduce_max_keep_nan
+    monkeypatch.setattr(master_weights, "all_reduce_max_keep_nan",
+                        lambda values, group: handed.append(values.clone()) or reduce(values,
+                                                                                      group))
+    model_weights = weights(name)
+    shards, starts = masters(name, case, dtype)
+    quantize_master_weights(model_weights, shards, starts)
+    storages = [w.quantized_storage for w in model_weights]
+    buffers = [{field: getattr(s, field).clone() for field in s.tensor_fields()
+                if getattr(s, field) is not None} for s in storages]
+    (vector,) = handed
+    return buffers, vector
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal; NaN equals NaN (payloads may differ in fp32 scales and amaxes)."""
+    if torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+        return True
+    if a.dtype != torch.float32:
+        return False
+    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["cut", "single", "head"])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_kernels_equal_the_reference(name, case, dtype, monkeypatch):
+    calls = []
+    original = master_weights._partial_maxima
+    monkeypatch.setattr(master_weights, "_partial_maxima",
+                        lambda cast, shape: calls.append(cast.kind) or original(cast, shape))
+    got, got_vector = run(name, case, dtype, monkeypatch)
+    assert calls == []  # every weight went through the kernels
+    monkeypatch.setenv("MINIFLOAT_DISABLE_KERNELS", "1")
+    want, want_vector = run(name, case, dtype, monkeypatch)
+    assert len(calls) == len(SHAPES[name])  # and here through the reference
+    assert same_bits(got_vector, want_vector)
+    for index, (mine, reference) in enumerate(zip(got, want, strict=True)):
+        assert mine.keys() == reference.keys()
+        for field in reference:
+            assert same_bits(mine[field], reference[field]), f"{name} weight {index} {field}"
+
+
+def shard_of(storage, name: str, first: int, last: int, copies: str):
+    """A storage over rows [first, last) of a full weight's buffers, as FSDP2's low-precision
+    shards hold them (quantized_shards.shard_storage): the rows of per-row tensors, the whole
+    of the shared grids (cloned: each path writes its own)."""
+    from minifloat.quantizers import Float8BlockStorage, MXFP8Storage, NVFP4Storage
+
+    rows = last - first
+    shape = (rows, storage.shape[-1])
+    common = {"shape": shape, "dtype": storage.dtype, "quantizer": storage.quantizer}
+    if name == "block":
+        return Float8BlockStorage(rowwise_data=storage.rowwise_data[first:last].clone(),
+                                  rowwise_scale_inv=storage.rowwise_scale_inv.clone(),
+                                  columnwise_data=None, columnwise_scale_inv=None,
+                                  block_scaling_dim=2, **common)
+    if name == "nvfp4":
+        return NVFP4Storage(rowwise_data=storage.rowwise_data[first:last].clone(),
+                            rowwise_scale=storage.rowwise_scale[first:last].clone(),
+                            amax_rowwise=storage.amax_rowwise.clone(), columnwise_data=None,
+                            columnwise_scale=None, amax_columnwise=None, two_dimensional=True,
+                            with_rht=False, **common)
+    rowwise, columnwise = "rowwise" in copies, "columnwise" in copies
+    return MXFP8Storage(
+        fp8_dtype=storage.fp8_dtype,
+        rowwise_data=storage.rowwise_data[first:last].clone() if rowwise else None,
+        rowwise_scale=storage.rowwise_scale[first:last].clone() if rowwise else None,
+        columnwise_data=storage.columnwise_data[first:last].clone() if columnwise else None,
+        columnwise_scale=storage.columnwise_scale.clone() if columnwise else None, **common)
+
+
+@pytest.mark.parametrize("copies", ["rowwise", "columnwise", "rowwise+columnwise"])
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_kernels_write_fsdp_shards_like_the_reference(name, copies, monkeypatch):
+    """A storage holding rows [first, last) of the weight (base > 0): the rank's range inside
+    them, every shared scale written whole, per-row scales of its own rows only."""
+    if name != "mxfp8" and copies != "rowwise":
+        pytest.skip("block FP8 and NVFP4 shards hold rowwise bytes only")
+    rows, columns = SHAPES[name][2]
+    first, last = {"block": (128, 256), "mxfp8": (32, 64), "nvfp4": (16, 48)}[name]
+    calls = []
+    original = master_weights._partial_maxima
+    monkeypatch.setattr(master_weights, "_partial_maxima",
+                        lambda cast, shape: calls.append(cast.kind) or original(cast, shape))
+    generator = torch.Generator().manual_seed(4)
+    full_master = torch.randn(rows * columns, generator=generator).to(DEVICE)
+    start, end = first * columns + 37, last * columns - 19  # inside rows and bytes
+    results = []
+    for disabled in ("0", "1"):
+        monkeypatch.setenv("MINIFLOAT_DISABLE_KERNELS", disabled)
+        storage = shard_of(weights(name)[2].quantized_storage, name, first, last, copies)
+        cast = master_weights._Cast(storage, full_master[start:end], start,
+                                    master_weights._kind(storage), base=first * columns)
+        master_weights._cast_from_reduced_maxima([(cast, (rows, columns))], None)
+        results.append({field: getattr(storage, field).clone() for field in
+                        storage.tensor_fields() if getattr(storage, field) is not None})
+    assert calls == [name]  # the reference ran once, the kernels the other time
+    mine, reference = results
+    assert mine.keys() == reference.keys()
+    for field in reference:
+        assert same_bits(mine[field], reference[field]), f"{name} {copies} {field}"
