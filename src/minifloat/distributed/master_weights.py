@@ -28,10 +28,11 @@ Hybrid weights (HybridRecipe: one format per direction) cast each sub-storage in
 format; a columnwise sub-storage of a format that derives its transposed copy keeps a rowwise
 copy for the ranges and the gather (cast_targets).
 
-This is the reference implementation (pure torch, any device), except FP8 current scaling on
-the GPU (master_cast_batched.py). A block format quantizes the whole tile rows its range
-touches (fp32, zeros outside the range): tiles are independent, so those rows give the range's
-bytes, and every scale comes from the reduced maxima without the data.
+This is the reference implementation (pure torch, any device); on the GPU every format runs in
+two launches per format instead (master_cast_batched.py, kernels/master_cast.py). A block
+format quantizes the whole tile rows its range touches (fp32, zeros outside the range): tiles
+are independent, so those rows give the range's bytes, and every scale comes from the reduced
+maxima without the data.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ from ..quantizers import (
     NVFP4Storage,
     QuantizedTensor,
 )
-from .master_cast_batched import batchable, block_batchable, block_plans, cast_current_scaling
+from .master_cast_batched import plan_batchable
+from .master_cast_batched import plans as batched_plans
 from .quantized_shards import local_shard
 
 _MX_BLOCK = 32
@@ -379,14 +381,8 @@ def quantize_master_weights(
         for sub in cast_targets(storage):
             casts.append((_Cast(sub, None if master is None else master.detach(), int(start),
                                 _kind(sub), base=base), _shape(weight)))
-    # GPU, FP8 current scaling: every such weight in a fixed number of launches
-    batched = [cast for cast, _ in casts if batchable(cast)]
-    if batched:
-        cast_current_scaling(batched, group)
-    done = {id(cast) for cast in batched}
-    rest = [(cast, shape) for cast, shape in casts if id(cast) not in done]
-    if rest:
-        _cast_from_reduced_maxima(rest, group)
+    if casts:
+        _cast_from_reduced_maxima(casts, group)
     if not manual_post_all_gather_processing:
         for cast, _ in casts:
             _drop_derived_copies(cast.storage)
@@ -406,17 +402,16 @@ def _maxima_size(cast: _Cast, shape: tuple[int, int]) -> int:
 
 
 def _cast_from_reduced_maxima(casts: list[tuple[_Cast, tuple[int, int]]], group) -> None:
-    """Every cast whose scales come from maxima: one vector of every weight's partial maxima,
-    one MAX all-reduce over `group`, then the casts. Block formats the kernels serve write
-    their maxima and cast in one launch each per plan (master_cast_batched.block_plans); the
-    others take the reference (torch) functions here."""
+    """One vector of every weight's partial maxima, one MAX all-reduce over `group`, then the
+    casts. Casts the kernels serve write their maxima and cast in one launch each per plan
+    (master_cast_batched.plans); the others take the reference (torch) functions here."""
     offset = 0
     for cast, shape in casts:
         cast.offset, cast.count = offset, _maxima_size(cast, shape)
         offset += cast.count
     maxima = torch.zeros(offset, dtype=torch.float32, device=_device(casts[0][0]))
-    served = [(cast, shape) for cast, shape in casts if block_batchable(cast)]
-    plans = block_plans([cast for cast, _ in served], [shape for _, shape in served]) \
+    served = [(cast, shape) for cast, shape in casts if plan_batchable(cast)]
+    plans = batched_plans([cast for cast, _ in served], [shape for _, shape in served]) \
         if served else []
     for plan, _ in plans:
         plan.maxima(maxima)

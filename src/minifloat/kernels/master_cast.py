@@ -37,7 +37,15 @@ from ..numerics.formats import fp8_format
 from .block_fp8 import _scale, _scale_inv
 from .element_cast import E4M3_CONSTANTS, E5M2_CONSTANTS, expand_blocks, kernel_view, load_as_float
 from .element_cast import e8m0_exponent as e8m0_from_amax
-from .fp8_common import abs_bits, cvt_sat_rne_fp8, dtype_max_bits, fp8_codes, hw_cast
+from .fp8_common import (
+    abs_bits,
+    cvt_sat_rne_fp8,
+    dtype_max_bits,
+    fp8_codes,
+    hw_cast,
+    reciprocal_rn,
+    scale_from_amax,
+)
 from .launch import launch
 from .multi_tensor import _owner, _search_steps
 from .mxfp8 import _fp8_codes, _hw_factors, _reciprocal_bits
@@ -45,11 +53,14 @@ from .nvfp4 import _block_scales, _e2m1_nibbles, _global_scales
 
 TILE_COLUMNS = 128
 TILE_ROWS = {"block": 128, "mxfp8": 32, "nvfp4": 16}  # one block (tile) of rows per format
+PER_TENSOR = ("current", "delayed")  # per-tensor FP8: flat runs of the range, no tiles
+FLAT_BLOCK = 4096  # elements per program of the per-tensor kernels
 BLOCK_CHUNK = 32  # block FP8 sweeps its 128-row tile in chunks of this many rows
 FIELDS = 16  # int64 entries per weight in the table
 # table fields
 _MASTER, _START, _END, _M, _K, _MAXIMA, _BASE, _ROWS_HELD = range(8)
 _ROW_DATA, _COL_DATA, _ROW_SCALE, _COL_SCALE, _ROW_AMAX, _COL_AMAX, _WINDOW_ROW = range(8, 15)
+_SCALE_SOURCE = 15  # delayed scaling: the recipe state's scale
 NUM_WARPS = 4
 
 
@@ -57,7 +68,10 @@ NUM_WARPS = 4
 class PartialCast:
     """One weight's share of a step: this rank's master range of it (None: owns none), the
     element of the full weight where the storage starts and its rows, where its maxima go in
-    the vector, and the tensors the cast writes (None where the storage keeps no such copy)."""
+    the vector, and the tensors the cast writes (None where the storage keeps no such copy).
+    Per-tensor FP8: row_data and row_scale are the bytes and scale_inv; delayed scaling reads
+    its scale from scale_source and folds the reduced amax into row_amax (the recipe state's
+    amax slot)."""
 
     master: torch.Tensor | None
     start: int
@@ -71,6 +85,7 @@ class PartialCast:
     col_scale: torch.Tensor | None = None
     row_amax: torch.Tensor | None = None
     col_amax: torch.Tensor | None = None
+    scale_source: torch.Tensor | None = None
 
 
 # ---- device functions ----
@@ -111,6 +126,59 @@ def _load_range(master_base, row, rows, cols, M, K, BF16_BITS: tl.constexpr):
 def _meets_range(row, first_row, last_row, K):
     """Whether rows [first_row, last_row) of the weight hold any element of the range."""
     return (tl.load(row + 1) < last_row * K) & (tl.load(row + 2) > first_row * K)
+
+
+# ---- per-tensor FP8 (current and delayed scaling): flat runs of the range ----
+
+
+@triton.jit
+def _flat(table_ptr, starts_ptr, n, STEPS: tl.constexpr, FIELDS: tl.constexpr,
+          BLOCK: tl.constexpr):
+    """This program's weight (table row), its run index and the run's positions in the full
+    weight, with the mask of those inside the range."""
+    pid = tl.program_id(0)
+    i = _owner(starts_ptr, pid, n, STEPS)
+    row = table_ptr + i * FIELDS
+    run = pid - tl.load(starts_ptr + i)
+    positions = tl.load(row + 1) + run * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    return row, run, positions, positions < tl.load(row + 2)
+
+
+@triton.jit
+def _per_tensor_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
+                              BF16_BITS: tl.constexpr, STEPS: tl.constexpr,
+                              FIELDS: tl.constexpr, BLOCK: tl.constexpr):
+    row, _, positions, inside = _flat(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
+    x = load_as_float(master_base + tl.load(row), positions - tl.load(row + 1), inside,
+                      BF16_BITS)
+    tl.atomic_max(maxima_bits + tl.load(row + 5), tl.max(abs_bits(x), axis=0))
+
+
+@triton.jit
+def _per_tensor_cast_kernel(master_base, bytes_base, floats_base, maxima, table_ptr, starts_ptr,
+                            n, eps, BF16_BITS: tl.constexpr, STEPS: tl.constexpr,
+                            FIELDS: tl.constexpr, BLOCK: tl.constexpr, E5M2: tl.constexpr,
+                            POW2: tl.constexpr, DELAYED: tl.constexpr, HW_CAST: tl.constexpr):
+    """Current scaling: the scale from the reduced amax (numerics.scale_from_amax, FLT_MAX on
+    overflow). Delayed: the recipe state's scale, and the first run folds the reduced amax into
+    the state's amax slot (torch.maximum: NaN wins). The first run writes scale_inv."""
+    row, run, positions, inside = _flat(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
+    amax = tl.load(maxima + tl.load(row + 5))
+    if DELAYED:
+        scale = tl.load(floats_base + tl.load(row + 15))
+    else:
+        scale = scale_from_amax(amax, eps, E5M2, POW2, 0x7F7FFFFF)
+    if run == 0:
+        tl.store(floats_base + tl.load(row + 10), reciprocal_rn(scale))
+        if DELAYED:
+            slot = floats_base + tl.load(row + 12)
+            old = tl.load(slot)
+            tl.store(slot, tl.where(old != old, old,
+                                    tl.where(amax != amax, amax, tl.maximum(old, amax))))
+    x = load_as_float(master_base + tl.load(row), positions - tl.load(row + 1), inside,
+                      BF16_BITS)
+    tl.store(bytes_base + tl.load(row + 8) - tl.load(row + 6) + positions,
+             fp8_codes(x * scale, E5M2, HW_CAST), mask=inside & (tl.load(row + 8) >= 0))
 
 
 # ---- block FP8, 128x128 tiles ----
@@ -322,8 +390,9 @@ class PartialCastPlan:
     once per step: `maxima` and `cast` launch one kernel each over all of them."""
 
     def __init__(self, kind: str, casts: Sequence[PartialCast], device: torch.device) -> None:
-        if kind not in TILE_ROWS:
-            raise ValueError(f"master_cast: unknown format {kind!r} (block, mxfp8 or nvfp4)")
+        if kind not in TILE_ROWS and kind not in PER_TENSOR:
+            raise ValueError(f"master_cast: unknown format {kind!r} (current, delayed, block, "
+                             "mxfp8 or nvfp4)")
         self.kind, self.device, self.count = kind, device, len(casts)
         masters = [c.master for c in casts if c.master is not None and c.master.numel()]
         dtypes = {m.dtype for m in masters}
@@ -334,57 +403,70 @@ class PartialCastPlan:
             else (torch.zeros(1, device=device), False))
         # the lowest address of each kind is the base, so every offset is >= 0 (-1: none)
         tensors = [t for c in casts for t in (c.row_data, c.col_data, c.row_scale, c.col_scale,
-                                              c.row_amax, c.col_amax) if t is not None]
-        self.bytes_base = _bytes(min((t for t in tensors if t.dtype != torch.float32),
-                                     key=torch.Tensor.data_ptr))
+                                              c.row_amax, c.col_amax, c.scale_source)
+                   if t is not None]
+        codes = [_bytes(t) for t in tensors if t.dtype != torch.float32]
         floats = [t for t in tensors if t.dtype == torch.float32]
+        self.bytes_base = (min(codes, key=torch.Tensor.data_ptr) if codes
+                           else torch.zeros(1, dtype=torch.uint8, device=device))
         self.floats_base = (min(floats, key=torch.Tensor.data_ptr) if floats
                             else torch.zeros(1, device=device))
-        rows_per_tile = TILE_ROWS[kind]
         table, window_counts, grid_counts = [], [], []
         for cast in casts:
-            rows, columns = cast.shape
-            tiles_k = triton.cdiv(columns, TILE_COLUMNS)
-            count = 0 if cast.master is None else cast.master.numel()
-            first_tile = cast.start // columns // rows_per_tile
-            end_tile = triton.cdiv(triton.cdiv(cast.start + count, columns), rows_per_tile)
-            window_counts.append((end_tile - first_tile) * tiles_k if count else 0)
-            grid_counts.append(triton.cdiv(rows, rows_per_tile) * tiles_k)
-            floats_or_bytes = self.floats_base if kind == "block" else self.bytes_base
-            scale_view = (lambda t: t) if kind == "block" else _bytes
-            entry = [0] * FIELDS
-            entry[_MASTER] = _offset(cast.master, self.master_base) if count else 0
-            entry[_START], entry[_END], entry[_M], entry[_K] = (
-                cast.start, cast.start + count, rows, columns)
-            entry[_MAXIMA], entry[_BASE], entry[_ROWS_HELD] = (
-                cast.maxima_offset, cast.base, cast.rows_held)
-            entry[_ROW_DATA] = _offset(_bytes(cast.row_data), self.bytes_base)
-            entry[_COL_DATA] = _offset(_bytes(cast.col_data), self.bytes_base)
-            entry[_ROW_SCALE] = _offset(scale_view(cast.row_scale), floats_or_bytes)
-            entry[_COL_SCALE] = _offset(
-                None if cast.col_scale is None else scale_view(cast.col_scale), floats_or_bytes)
-            entry[_ROW_AMAX] = _offset(cast.row_amax, self.floats_base)
-            entry[_COL_AMAX] = _offset(cast.col_amax, self.floats_base)
-            entry[_WINDOW_ROW] = first_tile
+            entry, window, grid = self._entry(cast)
             table.extend(entry)
+            window_counts.append(window)
+            grid_counts.append(grid)
         self.window_programs, self.grid_programs = sum(window_counts), sum(grid_counts)
-        values = table + _running(window_counts) + _running(grid_counts)
-        host = torch.tensor(values, dtype=torch.int64)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        self.table = host.to(device, non_blocking=True)
+        self.table = _device_table(table + _running(window_counts) + _running(grid_counts),
+                                   device)
         self.window_starts = self.table[len(table):len(table) + len(casts)]
         self.grid_starts = self.table[len(table) + len(casts):]
         self.steps = _search_steps(len(casts))
 
+    def _entry(self, cast: PartialCast) -> tuple[list[int], int, int]:
+        """(the weight's table row, its programs in the maxima launch, in the cast launch)."""
+        rows, columns = cast.shape
+        count = 0 if cast.master is None else cast.master.numel()
+        # fp32 scales (per-tensor and block scale_inv) or code bytes (E8M0, UE4M3)
+        scale_base = self.floats_base if self.kind in ("block", *PER_TENSOR) else self.bytes_base
+        scale_view = _bytes if scale_base is self.bytes_base else (lambda t: t)
+        entry = [0] * FIELDS
+        entry[_MASTER] = _offset(cast.master, self.master_base) if count else 0
+        entry[_START], entry[_END], entry[_M], entry[_K] = (
+            cast.start, cast.start + count, rows, columns)
+        entry[_MAXIMA], entry[_BASE], entry[_ROWS_HELD] = (
+            cast.maxima_offset, cast.base, cast.rows_held)
+        entry[_ROW_DATA] = _offset(_bytes(cast.row_data), self.bytes_base)
+        entry[_COL_DATA] = _offset(_bytes(cast.col_data), self.bytes_base)
+        entry[_ROW_SCALE] = _offset(
+            None if cast.row_scale is None else scale_view(cast.row_scale), scale_base)
+        entry[_COL_SCALE] = _offset(
+            None if cast.col_scale is None else scale_view(cast.col_scale), scale_base)
+        entry[_ROW_AMAX] = _offset(cast.row_amax, self.floats_base)
+        entry[_COL_AMAX] = _offset(cast.col_amax, self.floats_base)
+        entry[_SCALE_SOURCE] = _offset(cast.scale_source, self.floats_base)
+        if self.kind in PER_TENSOR:  # runs of the range; one run writes the scale at least
+            runs = triton.cdiv(count, FLAT_BLOCK)
+            return entry, runs, max(runs, 1)
+        tile_rows = TILE_ROWS[self.kind]
+        tiles_k = triton.cdiv(columns, TILE_COLUMNS)
+        first_tile = cast.start // columns // tile_rows
+        end_tile = triton.cdiv(triton.cdiv(cast.start + count, columns), tile_rows)
+        entry[_WINDOW_ROW] = first_tile
+        window = (end_tile - first_tile) * tiles_k if count else 0
+        return entry, window, triton.cdiv(rows, tile_rows) * tiles_k
+
     def maxima(self, maxima: torch.Tensor) -> None:
-        """Write this rank's block maxima into `maxima` (fp32, zeros where the range touches
-        no block; NVFP4's global amax by atomic max, so it must start at zero)."""
+        """Write this rank's maxima into `maxima` (fp32, zeros where the range touches no
+        block; per-tensor amaxes and NVFP4's global amax by atomic max: they start at zero)."""
         if not self.window_programs:
             return
-        kernel = {"block": _block_maxima_kernel, "mxfp8": _mxfp8_maxima_kernel,
+        kernel = {"current": _per_tensor_maxima_kernel, "delayed": _per_tensor_maxima_kernel,
+                  "block": _block_maxima_kernel, "mxfp8": _mxfp8_maxima_kernel,
                   "nvfp4": _nvfp4_maxima_kernel}[self.kind]
-        extra = {"CHUNK": BLOCK_CHUNK} if self.kind == "block" else {}
+        extra = ({"CHUNK": BLOCK_CHUNK} if self.kind == "block"
+                 else {"BLOCK": FLAT_BLOCK} if self.kind in PER_TENSOR else {})
         launch(kernel, (self.window_programs,), self.master_base, maxima.view(torch.int32),
                self.table, self.window_starts, self.count, BF16_BITS=self.bf16_bits,
                STEPS=self.steps, FIELDS=FIELDS, num_warps=NUM_WARPS, **extra)
@@ -392,11 +474,16 @@ class PartialCastPlan:
     def cast(self, reduced: torch.Tensor, *, power_2_scale: bool = True,
              amax_epsilon: float = 0.0, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> None:
         """Every scale of every weight, and this rank's elements, from the reduced maxima."""
-        if not self.grid_programs:
-            return
         hw = hw_cast(reduced)
         common = (self.table, self.grid_starts, self.count)
-        if self.kind == "block":
+        if self.kind in PER_TENSOR:
+            launch(_per_tensor_cast_kernel, (self.grid_programs,), self.master_base,
+                   self.bytes_base, self.floats_base, reduced, *common, float(amax_epsilon),
+                   BF16_BITS=self.bf16_bits, STEPS=self.steps, FIELDS=FIELDS,
+                   BLOCK=FLAT_BLOCK, E5M2=fp8_dtype == torch.float8_e5m2,
+                   POW2=power_2_scale, DELAYED=self.kind == "delayed", HW_CAST=hw,
+                   num_warps=NUM_WARPS)
+        elif self.kind == "block":
             launch(_block_cast_kernel, (self.grid_programs,), self.master_base,
                    self.bytes_base, self.floats_base, reduced.view(torch.int32), *common,
                    float(amax_epsilon), BF16_BITS=self.bf16_bits, STEPS=self.steps,
@@ -417,6 +504,24 @@ class PartialCastPlan:
                    self.bytes_base, self.floats_base, reduced, *common,
                    BF16_BITS=self.bf16_bits, STEPS=self.steps, FIELDS=FIELDS,
                    num_warps=NUM_WARPS)
+
+
+_TABLES: dict[tuple, torch.Tensor] = {}
+_TABLES_KEPT = 16
+
+
+def _device_table(values: list[int], device: torch.device) -> torch.Tensor:
+    """The int64 table on the device, kept across steps: a distributed optimizer casts the same
+    ranges into the same buffers every step, and the table is a function of these values only
+    (addresses, offsets, shapes), so an equal table is reused instead of copied again."""
+    key = (device, tuple(values))
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= _TABLES_KEPT:
+            _TABLES.pop(next(iter(_TABLES)))
+        table = torch.tensor(values, dtype=torch.int64).to(device)
+        _TABLES[key] = table
+    return table
 
 
 def _running(counts: Sequence[int]) -> list[int]:

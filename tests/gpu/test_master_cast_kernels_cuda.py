@@ -1,9 +1,10 @@
-"""quantize_master_weights' block-format kernels (kernels/master_cast.py: one maxima launch and
-one cast launch per format) equal the per-weight reference cast bit for bit: the maxima vector
-handed to the all-reduce, then every buffer of every weight (the rank's bytes, every scale, the
-bytes outside its range untouched, NVFP4's other nibble of a shared byte kept). Block FP8,
-MXFP8 and 2D NVFP4; fp32 and bf16 masters; ranges cut inside rows, tiles, blocks and bytes,
-single elements, an empty range, a NaN in one master."""
+"""quantize_master_weights' kernels (kernels/master_cast.py: one maxima launch and one cast
+launch per format) equal the per-weight reference cast bit for bit: the maxima vector handed to
+the all-reduce, then every buffer of every weight (the rank's bytes, every scale, the bytes
+outside its range untouched, NVFP4's other nibble of a shared byte kept) and delayed scaling's
+recorded amax. FP8 current and delayed scaling, block FP8, MXFP8 and 2D NVFP4; fp32 and bf16
+masters; ranges cut inside rows, tiles, blocks and bytes, single elements, an empty range, a
+NaN in one master; FSDP2 row shards."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ DEVICE = kernels.kernel_device()
 if DEVICE is None:
     pytest.skip("needs CUDA with Triton", allow_module_level=True)
 
-RECIPES = {"block": mf.Float8BlockScaling, "mxfp8": mf.MXFP8BlockScaling,
+RECIPES = {"current": mf.Float8CurrentScaling, "delayed": mf.DelayedScaling,
+           "block": mf.Float8BlockScaling, "mxfp8": mf.MXFP8BlockScaling,
            "nvfp4": mf.NVFP4BlockScaling}
-SHAPES = {"block": [(256, 384), (128, 128), (384, 256)],
+SHAPES = {"current": [(64, 96), (128, 256), (48, 80)],
+          "delayed": [(64, 96), (128, 256), (48, 80)],
+          "block": [(256, 384), (128, 128), (384, 256)],
           "mxfp8": [(96, 64), (128, 160), (64, 256)],
           "nvfp4": [(96, 64), (48, 144), (64, 256)]}
 
@@ -67,6 +71,9 @@ def run(name: str, case: str, dtype: torch.dtype, monkeypatch) -> tuple[list, to
     storages = [w.quantized_storage for w in model_weights]
     buffers = [{field: getattr(s, field).clone() for field in s.tensor_fields()
                 if getattr(s, field) is not None} for s in storages]
+    if name == "delayed":  # the recipe state's amax slot, where the reduced amax is recorded
+        for buffer, storage in zip(buffers, storages, strict=True):
+            buffer["recorded amax"] = storage.quantizer.amax.clone()
     (vector,) = handed
     return buffers, vector
 
@@ -104,11 +111,15 @@ def shard_of(storage, name: str, first: int, last: int, copies: str):
     """A storage over rows [first, last) of a full weight's buffers, as FSDP2's low-precision
     shards hold them (quantized_shards.shard_storage): the rows of per-row tensors, the whole
     of the shared grids (cloned: each path writes its own)."""
-    from minifloat.quantizers import Float8BlockStorage, MXFP8Storage, NVFP4Storage
+    from minifloat.quantizers import Float8BlockStorage, Float8Storage, MXFP8Storage, NVFP4Storage
 
     rows = last - first
     shape = (rows, storage.shape[-1])
     common = {"shape": shape, "dtype": storage.dtype, "quantizer": storage.quantizer}
+    if name in ("current", "delayed"):
+        return Float8Storage(data=storage.data[first:last].clone(), data_transpose=None,
+                             scale_inv=storage.scale_inv.clone(), fp8_dtype=storage.fp8_dtype,
+                             **common)
     if name == "block":
         return Float8BlockStorage(rowwise_data=storage.rowwise_data[first:last].clone(),
                                   rowwise_scale_inv=storage.rowwise_scale_inv.clone(),
@@ -135,9 +146,9 @@ def test_kernels_write_fsdp_shards_like_the_reference(name, copies, monkeypatch)
     """A storage holding rows [first, last) of the weight (base > 0): the rank's range inside
     them, every shared scale written whole, per-row scales of its own rows only."""
     if name != "mxfp8" and copies != "rowwise":
-        pytest.skip("block FP8 and NVFP4 shards hold rowwise bytes only")
+        pytest.skip("per-tensor FP8, block FP8 and NVFP4 shards hold rowwise bytes only")
     rows, columns = SHAPES[name][2]
-    first, last = {"block": (128, 256), "mxfp8": (32, 64), "nvfp4": (16, 48)}[name]
+    first, last = {"block": (128, 256), "mxfp8": (32, 64)}.get(name, (16, 48))
     calls = []
     original = master_weights._partial_maxima
     monkeypatch.setattr(master_weights, "_partial_maxima",
