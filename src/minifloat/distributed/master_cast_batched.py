@@ -36,12 +36,19 @@ def _bytes_of(cast) -> torch.Tensor | None:
     return storage.columnwise_data if cast.kind == "mxfp8" else None
 
 
-def plan_batchable(cast) -> bool:
+def plan_batchable(cast, kernel_devices: dict | None = None) -> bool:
     """A cast the plan kernels serve: on a kernel device, an fp32 or bf16 contiguous master (or
     none), the bytes the reference writes (the rowwise copy for block FP8 and NVFP4: the
-    reference raises for NVFP4 without it), and delayed scaling's recipe state beside them."""
+    reference raises for NVFP4 without it), and delayed scaling's recipe state beside them.
+    `kernel_devices` memoizes kernels.available per device over one call's casts."""
     data = _bytes_of(cast)
-    if data is None or not kernels.available(data):
+    if data is None:
+        return False
+    kernel_devices = {} if kernel_devices is None else kernel_devices
+    served = kernel_devices.get(data.device)
+    if served is None:
+        served = kernel_devices[data.device] = kernels.available(data)
+    if not served:
         return False
     master = cast.master
     if master is not None and not (master.dtype in _PLAN_MASTER_DTYPES

@@ -37,6 +37,7 @@ maxima without the data.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -410,7 +411,8 @@ def _cast_from_reduced_maxima(casts: list[tuple[_Cast, tuple[int, int]]], group)
         cast.offset, cast.count = offset, _maxima_size(cast, shape)
         offset += cast.count
     maxima = torch.zeros(offset, dtype=torch.float32, device=_device(casts[0][0]))
-    served = [(cast, shape) for cast, shape in casts if plan_batchable(cast)]
+    kernel_devices: dict = {}  # kernels.available per device, asked once per call
+    served = [(cast, shape) for cast, shape in casts if plan_batchable(cast, kernel_devices)]
     plans = batched_plans([cast for cast, _ in served], [shape for _, shape in served]) \
         if served else []
     for plan, _ in plans:
@@ -474,7 +476,13 @@ def cast_targets(storage) -> list:
 
 
 def _shape(weight: torch.Tensor) -> tuple[int, int]:
-    return tuple(as_2d(torch.empty(weight.shape, device="meta")).shape)
+    """The 2D view [M, K] a weight is quantized as (numerics.blocks.as_2d's, without a
+    tensor: this runs per weight and step)."""
+    shape = tuple(weight.shape)
+    if len(shape) < 2:
+        return tuple(as_2d(torch.empty(shape, device="meta")).shape)
+    columns = shape[-1]
+    return (weight.numel() // columns if columns else math.prod(shape[:-1])), columns
 
 
 def _drop_derived_copies(storage) -> None:

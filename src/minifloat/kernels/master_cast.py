@@ -447,15 +447,15 @@ class PartialCastPlan:
         entry[_COL_AMAX] = _offset(cast.col_amax, self.floats_base)
         entry[_SCALE_SOURCE] = _offset(cast.scale_source, self.floats_base)
         if self.kind in PER_TENSOR:  # runs of the range; one run writes the scale at least
-            runs = triton.cdiv(count, FLAT_BLOCK)
+            runs = _ceil_div(count, FLAT_BLOCK)
             return entry, runs, max(runs, 1)
         tile_rows = TILE_ROWS[self.kind]
-        tiles_k = triton.cdiv(columns, TILE_COLUMNS)
+        tiles_k = _ceil_div(columns, TILE_COLUMNS)
         first_tile = cast.start // columns // tile_rows
-        end_tile = triton.cdiv(triton.cdiv(cast.start + count, columns), tile_rows)
+        end_tile = _ceil_div(_ceil_div(cast.start + count, columns), tile_rows)
         entry[_WINDOW_ROW] = first_tile
         window = (end_tile - first_tile) * tiles_k if count else 0
-        return entry, window, triton.cdiv(rows, tile_rows) * tiles_k
+        return entry, window, _ceil_div(rows, tile_rows) * tiles_k
 
     def maxima(self, maxima: torch.Tensor) -> None:
         """Write this rank's maxima into `maxima` (fp32, zeros where the range touches no
@@ -522,6 +522,12 @@ def _device_table(values: list[int], device: torch.device) -> torch.Tensor:
         table = torch.tensor(values, dtype=torch.int64).to(device)
         _TABLES[key] = table
     return table
+
+
+def _ceil_div(a: int, b: int) -> int:
+    """Host integer ceil division (triton.cdiv is a jit function: tens of microseconds a call
+    from the host)."""
+    return -(-a // b)
 
 
 def _running(counts: Sequence[int]) -> list[int]:
