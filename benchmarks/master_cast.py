@@ -20,7 +20,10 @@ Per recipe row (the model weights built under quantized_model_init with that rec
   written, timed the same way; copy_fraction = gbps / copy_gbps.
 - launches, kernel_ms: CUDA kernels of one cast and their summed GPU time (torch.profiler; GPU
   only); kernel_copy_fraction = bytes / kernel time / copy_gbps: the cast kernels' own
-  bandwidth, issue 16's target (>= 0.7), which device_ms hides when the cast is host-bound.
+  bandwidth, issue 16's target (>= 0.7), which device_ms hides when the cast is host-bound;
+  two_pass_copy_fraction counts what the kernels must move: the masters read twice (the
+  maxima pass before the all-reduce, then the cast) and the quantized bytes written (MXFP8:
+  both copies).
 
 Usage: python benchmarks/master_cast.py [--preset 1b] [--ranks 8] [--rank 0]
        [--recipes fp8-current,fp8-delayed,fp8-block,mxfp8,nvfp4] [--steps 10] [--device cuda]
@@ -47,6 +50,7 @@ from minifloat.models.torch_gpt import PRESETS, TorchGPT, not_head  # noqa: E402
 
 BYTES_PER_ELEMENT = {"fp8-current": 1.0, "fp8-delayed": 1.0, "fp8-block": 1.0, "mxfp8": 1.0,
                      "nvfp4": 0.5}
+WRITTEN_PER_ELEMENT = {**BYTES_PER_ELEMENT, "mxfp8": 2.0}  # MXFP8 weights keep both copies
 
 
 def weight_shapes(preset: str) -> list[tuple[int, int]]:
@@ -124,6 +128,11 @@ def measure_recipe(name: str, shapes: list[tuple[int, int]], ranges: list[tuple[
     row["copy_fraction"] = row["gbps"] / row["copy_gbps"]
     if kernel_ms:  # the cast kernels' own bandwidth (issue 16's target)
         row["kernel_copy_fraction"] = moved / (kernel_ms * 1e-3) / 1e9 / row["copy_gbps"]
+        # what the two passes must move (the maxima pass reads the masters too, before the
+        # all-reduce; MXFP8 writes both copies): their bandwidth against the copy's
+        row["two_pass_bytes"] = int(elements * (8 + WRITTEN_PER_ELEMENT[name]))
+        row["two_pass_copy_fraction"] = (row["two_pass_bytes"] / (kernel_ms * 1e-3) / 1e9
+                                         / row["copy_gbps"])
     return row
 
 
@@ -169,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['gbps']:7.1f} GB/s = {row['copy_fraction']:.2f} of copy "
                   f"({row['copy_gbps']:.1f})  launches {row['launches']}  kernels "
                   f"{row['kernel_ms'] or 0:.3f} ms = {row.get('kernel_copy_fraction', 0):.2f} "
-                  "of copy", flush=True)
+                  f"of copy (two passes {row.get('two_pass_copy_fraction', 0):.2f})", flush=True)
     out = args.out or RESULTS / f"master_cast_{device_slug(env)}_{args.preset}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=2))

@@ -69,13 +69,26 @@ def run(name: str, case: str, dtype: torch.dtype, monkeypatch) -> tuple[list, to
     shards, starts = masters(name, case, dtype)
     quantize_master_weights(model_weights, shards, starts)
     storages = [w.quantized_storage for w in model_weights]
-    buffers = [{field: getattr(s, field).clone() for field in s.tensor_fields()
-                if getattr(s, field) is not None} for s in storages]
+    buffers = [{field: getattr(s, field).clone() for field in cast_fields(name, s)}
+               for s in storages]
     if name == "delayed":  # the recipe state's amax slot, where the reduced amax is recorded
         for buffer, storage in zip(buffers, storages, strict=True):
             buffer["recorded amax"] = storage.quantizer.amax.clone()
     (vector,) = handed
     return buffers, vector
+
+
+# transposed copies the format derives after the gather (post_all_gather_processing): the
+# cast leaves them stale, and the reference's own quantization may alias them to the rowwise
+# tensors (a one-tile grid's transpose is itself), so they are not compared
+DERIVED = {"current": ("data_transpose",), "delayed": ("data_transpose",),
+           "block": ("columnwise_data", "columnwise_scale_inv"),
+           "nvfp4": ("columnwise_data", "columnwise_scale", "amax_columnwise"), "mxfp8": ()}
+
+
+def cast_fields(name: str, storage) -> list[str]:
+    return [field for field in storage.tensor_fields()
+            if getattr(storage, field) is not None and field not in DERIVED[name]]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -163,8 +176,8 @@ def test_kernels_write_fsdp_shards_like_the_reference(name, copies, monkeypatch)
         cast = master_weights._Cast(storage, full_master[start:end], start,
                                     master_weights._kind(storage), base=first * columns)
         master_weights._cast_from_reduced_maxima([(cast, (rows, columns))], None)
-        results.append({field: getattr(storage, field).clone() for field in
-                        storage.tensor_fields() if getattr(storage, field) is not None})
+        results.append({field: getattr(storage, field).clone()
+                        for field in cast_fields(name, storage)})
     assert calls == [name]  # the reference ran once, the kernels the other time
     mine, reference = results
     assert mine.keys() == reference.keys()

@@ -114,16 +114,13 @@ def _partial(master_cast, cast, shape: tuple[int, int]):
             scale_source=storage.quantizer.scale if delayed else None, **common)
     if cast.kind == "block":
         return master_cast.PartialCast(row_data=storage.rowwise_data,
-                                       row_scale=storage.rowwise_scale_inv,
-                                       col_scale=storage.columnwise_scale_inv, **common)
+                                       row_scale=storage.rowwise_scale_inv, **common)
     if cast.kind == "mxfp8":
         return master_cast.PartialCast(row_data=storage.rowwise_data,
                                        row_scale=storage.rowwise_scale,
                                        col_data=storage.columnwise_data,
                                        col_scale=storage.columnwise_scale, **common)
+    # block FP8 and NVFP4: the transposed copy, scales included, is rebuilt after the gather
     return master_cast.PartialCast(row_data=storage.rowwise_data,
                                    row_scale=storage.rowwise_scale,
-                                   col_scale=storage.columnwise_scale,
-                                   row_amax=storage.amax_rowwise,
-                                   col_amax=storage.amax_columnwise
-                                   if storage.columnwise_scale is not None else None, **common)
+                                   row_amax=storage.amax_rowwise, **common)

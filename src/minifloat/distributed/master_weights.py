@@ -16,13 +16,14 @@ scales a NaN gives the full cast.
 
 Formats: per-tensor FP8 with current scaling (the scale from the reduced amax) and with delayed
 scaling (the scale of the recipe state; the reduced amax is recorded into its history slot),
-128x128 block FP8 and MXFP8 (both copies written, their layouts being [M, K] each). The columnwise
-copies of per-tensor and block FP8 are transposes of the rowwise bytes, made after the all-gather
-by `post_all_gather_processing`. 2D NVFP4 (weights): the global amax and the 16x16 tile maxima
-are reduced, the rank writes its elements nibble by nibble (a range may start or end inside a
-byte), and the columnwise copy is the nibble transpose of the gathered bytes. A byte shared by
-two ranks holds each rank's nibble only on that rank: gather such bytes by OR-ing the ranks'
-nibbles (each rank's other nibble is left as it was).
+128x128 block FP8 and MXFP8 (both copies written, their layouts being [M, K] each). The
+columnwise copies of per-tensor and block FP8 are transposes of the rowwise bytes and scales,
+made after the all-gather by `post_all_gather_processing` (the cast leaves them, scales
+included, stale). 2D NVFP4 (weights): the global amax and the 16x16 tile maxima are reduced,
+the rank writes its elements nibble by nibble (a range may start or end inside a byte), and
+the columnwise copy is the nibble transpose of the gathered bytes. A byte shared by two ranks
+holds each rank's nibble only on that rank: gather such bytes by OR-ing the ranks' nibbles
+(each rank's other nibble is left as it was).
 
 Hybrid weights (HybridRecipe: one format per direction) cast each sub-storage in its own
 format; a columnwise sub-storage of a format that derives its transposed copy keeps a rowwise
@@ -46,7 +47,6 @@ import torch
 from .. import numerics
 from ..numerics.blocks import as_2d, tile_amax
 from ..numerics.nvfp4 import scale_2d as nvfp4_scale_2d
-from ..numerics.nvfp4 import transpose_scale_2d as nvfp4_transpose_scale_2d
 from ..quantizers import (
     Float8BlockStorage,
     Float8CurrentScalingQuantizer,
@@ -256,8 +256,6 @@ def _cast(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int]) -> None:
                     tile_amaxes=grid[first // _TILE:-(-(first + window.shape[0]) // _TILE)])
                 _write_range(storage.rowwise_data, _range_of(data, cast, shape),
                              cast.start - cast.base)
-        if storage.columnwise_scale_inv is not None:
-            storage.columnwise_scale_inv.copy_(scale_inv.t())
         return
     if cast.kind == "nvfp4":
         _cast_nvfp4(cast, maxima, shape, window)
@@ -316,9 +314,6 @@ def _cast_nvfp4(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int],
     scale = nvfp4_scale_2d(grid, amax)
     storage.rowwise_scale.copy_(_storage_rows(scale, cast, shape, target.shape[0]))
     storage.amax_rowwise.copy_(amax.reshape(storage.amax_rowwise.shape))
-    if storage.columnwise_scale is not None:  # the scales are final now; the data after gather
-        storage.columnwise_scale.copy_(nvfp4_transpose_scale_2d(scale))
-        storage.amax_columnwise.copy_(amax.reshape(storage.amax_columnwise.shape))
     if cast.master is None or cast.master.numel() == 0:
         return
     first = cast.window_row
@@ -362,8 +357,9 @@ def quantize_master_weights(
     data-parallel group); one MAX all-reduce over it per call, for all weights together.
 
     Afterwards this rank's ranges of the rowwise bytes (and of MXFP8's columnwise bytes) and
-    every scale are those of quantizing the full master weight; all-gather the ranges, then
-    call post_all_gather_processing(model_weights) to rebuild the transposed copies (with
+    every scale of those copies are those of quantizing the full master weight; all-gather the
+    ranges, then call post_all_gather_processing(model_weights) to rebuild the transposed
+    copies, bytes and scales, of per-tensor FP8, block FP8 and 2D NVFP4 (with
     manual_post_all_gather_processing=False the stale transposed copies are dropped instead,
     and rebuilt from the rowwise bytes when a GEMM next asks for them).
     """

@@ -1,27 +1,31 @@
-"""Partial master-weight casts into block-scaled weights: every weight of a format in two
-launches (issue 16: "one launch per step for all weights").
+"""Partial master-weight casts (ZeRO ranges) into quantized weights: every weight of a format
+in two launches (issue 16: "one launch per step for all weights").
 
 A ZeRO rank owns a flat element range [start, end) of each weight's master copy
-(distributed.master_weights). Every scale of a block format depends on the absolute maximum of
-its block (a 128x128 tile for block FP8, 1x32 and 32x1 blocks for MXFP8, 16x16 tiles and the
-global amax for 2D NVFP4), and a block cut by a range boundary is shared by ranks. So a cast is:
+(distributed.master_weights). Every scale depends on an absolute maximum: of the tensor
+(per-tensor FP8), of a 128x128 tile (block FP8), of 1x32 and 32x1 blocks (MXFP8), of 16x16 tiles
+and the tensor (2D NVFP4); a block cut by a range boundary is shared by ranks. So a cast is:
 
-1. `maxima`: every rank writes the maxima of the blocks its range touches into one flat fp32
-   vector laid out per weight as the reference (master_weights._partial_maxima) lays it out;
-   elements outside the range count as zeros. Blocks it does not touch stay zero.
+1. `maxima`: every rank writes the maxima of what its range touches into one flat fp32 vector,
+   laid out per weight as the reference (master_weights._partial_maxima) lays it out; elements
+   outside the range count as zeros, blocks it does not touch stay zero.
 2. the caller reduces the vector (one MAX all-reduce over the data-parallel group).
-3. `cast`: every program takes one tile of the full weight, derives its scales from the reduced
+3. `cast`: the per-tensor kernel casts the range in flat runs (its first run writes scale_inv);
+   the block kernels take every tile of the full weight, derive its scales from the reduced
    maxima (the single-tensor kernels' device functions, so the bytes are theirs and so
-   numerics'), writes them to the weight's scale tensors (every rank writes every scale: they
-   are the same everywhere) and, where the tile meets the rank's range, casts those elements
-   into the weight's bytes. NVFP4 packs two elements a byte: where the range starts or ends
-   inside a byte, the other nibble is left as it was.
+   numerics'), write them (every rank writes every scale: they are the same everywhere) and,
+   where the tile meets the range, cast those elements. NVFP4 packs two elements a byte: where
+   the range starts or ends inside a byte, the other nibble is left as it was. Transposed
+   copies that the format derives (block FP8, 2D NVFP4) are left to post_all_gather_processing,
+   scales included.
 
 Each program finds its weight in one int64 table (multi_tensor's scheme: a binary search over
 the running program counts). Destinations are addressed as offsets from one byte base and one
-fp32 base (pointer differences), so one launch writes into every weight's own tensors, whether
-a full-size weight or an FSDP2 shard of rows (`base`: the element where the storage starts,
-`rows_held`: its rows). One tile is TILE_COLUMNS columns by the format's block rows.
+fp32 base (pointer differences from the lowest address), so one launch writes into every
+weight's own tensors, whether a full-size weight or an FSDP2 shard of rows (`base`: the element
+where the storage starts, `rows_held`: its rows). Inside a tile, offsets are int32 from the
+tile's origin (one int64 scalar a program): int64 arithmetic per element made the first version
+instruction-bound.
 """
 
 from __future__ import annotations
@@ -51,17 +55,20 @@ from .multi_tensor import _owner, _search_steps
 from .mxfp8 import _fp8_codes, _hw_factors, _reciprocal_bits
 from .nvfp4 import _block_scales, _e2m1_nibbles, _global_scales
 
-TILE_COLUMNS = 128
-TILE_ROWS = {"block": 128, "mxfp8": 32, "nvfp4": 16}  # one block (tile) of rows per format
+# tiles: rows = the format's block rows; columns per program
+TILE_ROWS = {"block": 128, "mxfp8": 32, "nvfp4": 16}
+TILE_COLUMNS = {"block": 128, "mxfp8": 256, "nvfp4": 256}
 PER_TENSOR = ("current", "delayed")  # per-tensor FP8: flat runs of the range, no tiles
 FLAT_BLOCK = 4096  # elements per program of the per-tensor kernels
 BLOCK_CHUNK = 32  # block FP8 sweeps its 128-row tile in chunks of this many rows
 FIELDS = 16  # int64 entries per weight in the table
 # table fields
 _MASTER, _START, _END, _M, _K, _MAXIMA, _BASE, _ROWS_HELD = range(8)
-_ROW_DATA, _COL_DATA, _ROW_SCALE, _COL_SCALE, _ROW_AMAX, _COL_AMAX, _WINDOW_ROW = range(8, 15)
+_ROW_DATA, _COL_DATA, _ROW_SCALE, _COL_SCALE, _ROW_AMAX = range(8, 13)
+_WINDOW_ROW = 14
 _SCALE_SOURCE = 15  # delayed scaling: the recipe state's scale
 NUM_WARPS = 4
+_INT32_REACH = 2**30  # range bounds relative to a tile, clamped into int32
 
 
 @dataclass
@@ -71,7 +78,8 @@ class PartialCast:
     the vector, and the tensors the cast writes (None where the storage keeps no such copy).
     Per-tensor FP8: row_data and row_scale are the bytes and scale_inv; delayed scaling reads
     its scale from scale_source and folds the reduced amax into row_amax (the recipe state's
-    amax slot)."""
+    amax slot). NVFP4: row_amax receives the global amax. MXFP8 alone writes a columnwise copy
+    (col_data, col_scale): the other formats derive theirs after the gather."""
 
     master: torch.Tensor | None
     start: int
@@ -84,7 +92,6 @@ class PartialCast:
     col_data: torch.Tensor | None = None
     col_scale: torch.Tensor | None = None
     row_amax: torch.Tensor | None = None
-    col_amax: torch.Tensor | None = None
     scale_source: torch.Tensor | None = None
 
 
@@ -93,10 +100,9 @@ class PartialCast:
 
 @triton.jit
 def _tile(table_ptr, starts_ptr, n, WINDOW: tl.constexpr, STEPS: tl.constexpr,
-          FIELDS: tl.constexpr, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
-    """This program's weight (its table row) and tile: over the tile rows of the rank's window
-    (WINDOW) or of the whole weight. Returns the table row, M, K, the tile's first row and its
-    row and column indices (int64)."""
+          FIELDS: tl.constexpr, COLUMNS: tl.constexpr):
+    """This program's weight (its table row), M, K and tile (row, column) index: over the tile
+    rows of the rank's window (WINDOW) or of the whole weight."""
     pid = tl.program_id(0)
     i = _owner(starts_ptr, pid, n, STEPS)
     row = table_ptr + i * FIELDS
@@ -107,19 +113,29 @@ def _tile(table_ptr, starts_ptr, n, WINDOW: tl.constexpr, STEPS: tl.constexpr,
     tile_row = local // tiles_k
     if WINDOW:
         tile_row += tl.load(row + 14)
-    tile_col = local % tiles_k
-    return row, M, K, tile_row, tile_col
+    return row, M, K, tile_row, local % tiles_k
 
 
 @triton.jit
-def _load_range(master_base, row, rows, cols, M, K, BF16_BITS: tl.constexpr):
-    """Elements [rows, cols] of the full weight read from this rank's master range, zero outside
-    it (a zero never raises a maximum); with their flat positions and the in-range mask."""
-    position = rows[:, None] * K + cols[None, :]
-    inside = ((rows[:, None] < M) & (cols[None, :] < K) & (position >= tl.load(row + 1))
-              & (position < tl.load(row + 2)))
-    x = load_as_float(master_base + tl.load(row), position - tl.load(row + 1), inside, BF16_BITS)
-    return x, position, inside
+def _tile_range(row, M, K, row0, col0, rows, cols):
+    """For a tile whose element (0, 0) is (row0, col0) of the weight: its flat origin (int64)
+    and, for local indices rows x cols (int32), the int32 offsets from it and the mask of the
+    elements inside the weight and inside the rank's range."""
+    origin = row0 * K + col0
+    lo = tl.maximum(tl.minimum(tl.load(row + 1) - origin, _INT32_REACH), -1).to(tl.int32)
+    hi = tl.maximum(tl.minimum(tl.load(row + 2) - origin, _INT32_REACH), -1).to(tl.int32)
+    offsets = rows[:, None] * K.to(tl.int32) + cols[None, :]
+    inside = ((rows[:, None] < (M - row0).to(tl.int32)) & (cols[None, :] < (K - col0).to(tl.int32))
+              & (offsets >= lo) & (offsets < hi))
+    return origin, offsets, inside
+
+
+@triton.jit
+def _load_tile(master_base, row, origin, offsets, inside, BF16_BITS: tl.constexpr):
+    """The tile's elements from the rank's master range, zero outside it (a zero never raises a
+    maximum)."""
+    return load_as_float(master_base + (tl.load(row) + origin - tl.load(row + 1)), offsets,
+                         inside, BF16_BITS)
 
 
 @triton.jit
@@ -134,23 +150,24 @@ def _meets_range(row, first_row, last_row, K):
 @triton.jit
 def _flat(table_ptr, starts_ptr, n, STEPS: tl.constexpr, FIELDS: tl.constexpr,
           BLOCK: tl.constexpr):
-    """This program's weight (table row), its run index and the run's positions in the full
-    weight, with the mask of those inside the range."""
+    """This program's weight (table row), its run index, the run's first element (from the
+    range's start) and the mask of the run's elements inside the range."""
     pid = tl.program_id(0)
     i = _owner(starts_ptr, pid, n, STEPS)
     row = table_ptr + i * FIELDS
     run = pid - tl.load(starts_ptr + i)
-    positions = tl.load(row + 1) + run * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    return row, run, positions, positions < tl.load(row + 2)
+    first = run * BLOCK
+    left = tl.minimum(tl.load(row + 2) - tl.load(row + 1) - first, BLOCK).to(tl.int32)
+    lanes = tl.arange(0, BLOCK)
+    return row, run, first, lanes, lanes < left
 
 
 @triton.jit
 def _per_tensor_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
                               BF16_BITS: tl.constexpr, STEPS: tl.constexpr,
                               FIELDS: tl.constexpr, BLOCK: tl.constexpr):
-    row, _, positions, inside = _flat(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
-    x = load_as_float(master_base + tl.load(row), positions - tl.load(row + 1), inside,
-                      BF16_BITS)
+    row, _, first, lanes, inside = _flat(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
+    x = load_as_float(master_base + (tl.load(row) + first), lanes, inside, BF16_BITS)
     tl.atomic_max(maxima_bits + tl.load(row + 5), tl.max(abs_bits(x), axis=0))
 
 
@@ -162,7 +179,7 @@ def _per_tensor_cast_kernel(master_base, bytes_base, floats_base, maxima, table_
     """Current scaling: the scale from the reduced amax (numerics.scale_from_amax, FLT_MAX on
     overflow). Delayed: the recipe state's scale, and the first run folds the reduced amax into
     the state's amax slot (torch.maximum: NaN wins). The first run writes scale_inv."""
-    row, run, positions, inside = _flat(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
+    row, run, first, lanes, inside = _flat(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
     amax = tl.load(maxima + tl.load(row + 5))
     if DELAYED:
         scale = tl.load(floats_base + tl.load(row + 15))
@@ -175,10 +192,10 @@ def _per_tensor_cast_kernel(master_base, bytes_base, floats_base, maxima, table_
             old = tl.load(slot)
             tl.store(slot, tl.where(old != old, old,
                                     tl.where(amax != amax, amax, tl.maximum(old, amax))))
-    x = load_as_float(master_base + tl.load(row), positions - tl.load(row + 1), inside,
-                      BF16_BITS)
-    tl.store(bytes_base + tl.load(row + 8) - tl.load(row + 6) + positions,
-             fp8_codes(x * scale, E5M2, HW_CAST), mask=inside & (tl.load(row + 8) >= 0))
+    x = load_as_float(master_base + (tl.load(row) + first), lanes, inside, BF16_BITS)
+    data = tl.load(row + 8)
+    target = bytes_base + (data + tl.load(row + 1) - tl.load(row + 6) + first)
+    tl.store(target + lanes, fp8_codes(x * scale, E5M2, HW_CAST), mask=inside & (data >= 0))
 
 
 # ---- block FP8, 128x128 tiles ----
@@ -188,16 +205,15 @@ def _per_tensor_cast_kernel(master_base, bytes_base, floats_base, maxima, table_
 def _block_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
                          BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
                          CHUNK: tl.constexpr):
-    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS, 128,
-                                          128)
-    cols = tile_col * 128 + tl.arange(0, 128).to(tl.int64)
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS, 128)
+    cols = tl.arange(0, 128)
     running = tl.zeros([CHUNK, 128], dtype=tl.int32)
     for step in range(128 // CHUNK):
-        rows = tile_row * 128 + step * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
-        x, _, _ = _load_range(master_base, row, rows, cols, M, K, BF16_BITS)
+        origin, offsets, inside = _tile_range(row, M, K, tile_row * 128 + step * CHUNK,
+                                              tile_col * 128, tl.arange(0, CHUNK), cols)
+        x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS)
         running = tl.maximum(running, abs_bits(x))
-    tiles_k = tl.cdiv(K, 128)
-    tl.store(maxima_bits + tl.load(row + 5) + tile_row * tiles_k + tile_col,
+    tl.store(maxima_bits + tl.load(row + 5) + tile_row * tl.cdiv(K, 128) + tile_col,
              tl.max(tl.max(running, axis=1), axis=0))
 
 
@@ -206,45 +222,47 @@ def _block_cast_kernel(master_base, bytes_base, floats_base, maxima_bits, table_
                        n, eps, BF16_BITS: tl.constexpr, STEPS: tl.constexpr,
                        FIELDS: tl.constexpr, CHUNK: tl.constexpr, POW2: tl.constexpr,
                        OVERFLOW_BITS: tl.constexpr, HW_CAST: tl.constexpr):
-    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS, 128,
-                                          128)
-    tiles_m = tl.cdiv(M, 128)
-    tiles_k = tl.cdiv(K, 128)
-    amax_bits = tl.load(maxima_bits + tl.load(row + 5) + tile_row * tiles_k + tile_col)
-    scale = _scale(amax_bits, eps, POW2, OVERFLOW_BITS)
-    scale_inv = _scale_inv(scale, POW2)
-    tl.store(floats_base + tl.load(row + 10) + tile_row * tiles_k + tile_col, scale_inv)
-    col_scale = tl.load(row + 11)
-    if col_scale >= 0:
-        tl.store(floats_base + col_scale + tile_col * tiles_m + tile_row, scale_inv)
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS, 128)
+    grid_index = tile_row * tl.cdiv(K, 128) + tile_col
+    scale = _scale(tl.load(maxima_bits + tl.load(row + 5) + grid_index), eps, POW2,
+                   OVERFLOW_BITS)
+    tl.store(floats_base + tl.load(row + 10) + grid_index, _scale_inv(scale, POW2))
     if _meets_range(row, tile_row * 128, tl.minimum(tile_row * 128 + 128, M), K):
-        data = bytes_base + tl.load(row + 8) - tl.load(row + 6)
-        cols = tile_col * 128 + tl.arange(0, 128).to(tl.int64)
+        data = bytes_base + (tl.load(row + 8) - tl.load(row + 6))
+        cols = tl.arange(0, 128)
         for step in range(128 // CHUNK):
-            rows = tile_row * 128 + step * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
-            x, position, inside = _load_range(master_base, row, rows, cols, M, K, BF16_BITS)
-            tl.store(data + position, fp8_codes(x * scale, False, HW_CAST), mask=inside)
+            origin, offsets, inside = _tile_range(row, M, K, tile_row * 128 + step * CHUNK,
+                                                  tile_col * 128, tl.arange(0, CHUNK), cols)
+            x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS)
+            tl.store(data + origin + offsets, fp8_codes(x * scale, False, HW_CAST),
+                     mask=inside)
 
 
-# ---- MXFP8: 1x32 and 32x1 blocks, tiles of 32 x 128 ----
+# ---- MXFP8: 1x32 and 32x1 blocks, tiles of 32 rows ----
 
 
 @triton.jit
 def _mxfp8_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
-                         BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr):
-    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS, 32,
-                                          128)
-    rows = tile_row * 32 + tl.arange(0, 32).to(tl.int64)
-    cols = tile_col * 128 + tl.arange(0, 128).to(tl.int64)
-    x, _, _ = _load_range(master_base, row, rows, cols, M, K, BF16_BITS)
-    magnitude = abs_bits(x)
-    blocks = tile_col * 4 + tl.arange(0, 4).to(tl.int64)
+                         BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
+                         COLUMNS: tl.constexpr):
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS,
+                                          COLUMNS)
+    rows = tl.arange(0, 32)
+    cols = tl.arange(0, COLUMNS)
+    origin, offsets, inside = _tile_range(row, M, K, tile_row * 32, tile_col * COLUMNS, rows,
+                                          cols)
+    magnitude = abs_bits(_load_tile(master_base, row, origin, offsets, inside, BF16_BITS))
+    blocks = tl.arange(0, COLUMNS // 32)
+    first_block = tile_col * (COLUMNS // 32)
     segment = maxima_bits + tl.load(row + 5)
-    tl.store(segment + rows[:, None] * (K // 32) + blocks[None, :],
-             tl.max(tl.reshape(magnitude, [32, 4, 32]), axis=2),
-             mask=(rows[:, None] < M) & (blocks[None, :] < K // 32))
-    tl.store(segment + M * (K // 32) + tile_row * K + cols, tl.max(magnitude, axis=0),
-             mask=cols < K)
+    row_grid = segment + (tile_row * 32) * (K // 32) + first_block  # [M, K/32] from the tile
+    tl.store(row_grid + rows[:, None] * (K // 32).to(tl.int32) + blocks[None, :],
+             tl.max(tl.reshape(magnitude, [32, COLUMNS // 32, 32]), axis=2),
+             mask=(rows[:, None] < (M - tile_row * 32).to(tl.int32))
+             & (blocks[None, :] < (K // 32 - first_block).to(tl.int32)))
+    column_grid = segment + M * (K // 32) + tile_row * K + tile_col * COLUMNS  # [M/32, K]
+    tl.store(column_grid + cols, tl.max(magnitude, axis=0),
+             mask=cols < (K - tile_col * COLUMNS).to(tl.int32))
 
 
 @triton.jit
@@ -262,103 +280,118 @@ def _mxfp8_codes(x, exponent, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.cons
 @triton.jit
 def _mxfp8_cast_kernel(master_base, bytes_base, maxima_bits, table_ptr, starts_ptr, n,
                        BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
-                       MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
-                       MAX_CODE: tl.constexpr, RECIPROCAL_BITS: tl.constexpr,
-                       E5M2: tl.constexpr, HW_CAST: tl.constexpr):
-    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS, 32,
-                                          128)
-    rows = tile_row * 32 + tl.arange(0, 32).to(tl.int64)
-    cols = tile_col * 128 + tl.arange(0, 128).to(tl.int64)
-    blocks = tile_col * 4 + tl.arange(0, 4).to(tl.int64)
+                       COLUMNS: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+                       MIN_EXPONENT: tl.constexpr, MAX_CODE: tl.constexpr,
+                       RECIPROCAL_BITS: tl.constexpr, E5M2: tl.constexpr,
+                       HW_CAST: tl.constexpr):
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS,
+                                          COLUMNS)
+    rows = tl.arange(0, 32)
+    cols = tl.arange(0, COLUMNS)
+    blocks = tl.arange(0, COLUMNS // 32)
+    first_block = tile_col * (COLUMNS // 32)
+    blocks_k = (K // 32).to(tl.int32)
     segment = maxima_bits + tl.load(row + 5)
-    block_mask = (rows[:, None] < M) & (blocks[None, :] < K // 32)
-    row_exponent = e8m0_from_amax(tl.load(
-        segment + rows[:, None] * (K // 32) + blocks[None, :], mask=block_mask, other=0
-    ).to(tl.float32, bitcast=True), RECIPROCAL_BITS)  # [32, 4]
-    col_exponent = e8m0_from_amax(tl.load(
-        segment + M * (K // 32) + tile_row * K + cols, mask=cols < K, other=0
-    ).to(tl.float32, bitcast=True), RECIPROCAL_BITS)  # [128]
-    held = rows - tl.load(row + 6) // K  # the storage's own rows
+    block_offsets = rows[:, None] * blocks_k + blocks[None, :]
+    block_mask = ((rows[:, None] < (M - tile_row * 32).to(tl.int32))
+                  & (blocks[None, :] < (K // 32 - first_block).to(tl.int32)))
+    row_grid = (tile_row * 32) * (K // 32) + first_block
+    row_exponent = e8m0_from_amax(tl.load(segment + row_grid + block_offsets, mask=block_mask,
+                                          other=0).to(tl.float32, bitcast=True),
+                                  RECIPROCAL_BITS)  # [32, COLUMNS / 32]
+    column_mask = cols < (K - tile_col * COLUMNS).to(tl.int32)
+    column_grid = tile_row * K + tile_col * COLUMNS
+    col_exponent = e8m0_from_amax(tl.load(segment + M * (K // 32) + column_grid + cols,
+                                          mask=column_mask, other=0
+                                          ).to(tl.float32, bitcast=True),
+                                  RECIPROCAL_BITS)  # [COLUMNS]
     row_scale = tl.load(row + 10)
-    if row_scale >= 0:
-        tl.store(bytes_base + row_scale + held[:, None] * (K // 32) + blocks[None, :],
+    if row_scale >= 0:  # the storage's own rows of the [M, K/32] scales
+        held = tile_row * 32 - tl.load(row + 6) // K
+        tl.store(bytes_base + (row_scale + held * (K // 32) + first_block) + block_offsets,
                  row_exponent.to(tl.uint8),
-                 mask=block_mask & (held[:, None] >= 0) & (held[:, None] < tl.load(row + 7)))
+                 mask=block_mask & (rows[:, None] >= (-held).to(tl.int32))
+                 & (rows[:, None] < (tl.load(row + 7) - held).to(tl.int32)))
     col_scale = tl.load(row + 11)
     if col_scale >= 0:
-        tl.store(bytes_base + col_scale + tile_row * K + cols, col_exponent.to(tl.uint8),
-                 mask=cols < K)
+        tl.store(bytes_base + (col_scale + column_grid) + cols, col_exponent.to(tl.uint8),
+                 mask=column_mask)
     if _meets_range(row, tile_row * 32, tl.minimum(tile_row * 32 + 32, M), K):
-        x, position, inside = _load_range(master_base, row, rows, cols, M, K, BF16_BITS)
+        origin, offsets, inside = _tile_range(row, M, K, tile_row * 32, tile_col * COLUMNS,
+                                              rows, cols)
+        x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS)
         row_data = tl.load(row + 8)
         if row_data >= 0:
-            codes = _mxfp8_codes(x, expand_blocks(row_exponent, 32, 128, 32), MANTISSA_BITS,
+            codes = _mxfp8_codes(x, expand_blocks(row_exponent, 32, COLUMNS, 32), MANTISSA_BITS,
                                  MIN_EXPONENT, MAX_CODE, E5M2, HW_CAST)
-            tl.store(bytes_base + row_data - tl.load(row + 6) + position, codes, mask=inside)
+            tl.store(bytes_base + (row_data - tl.load(row + 6) + origin) + offsets, codes,
+                     mask=inside)
         col_data = tl.load(row + 9)
         if col_data >= 0:
             codes = _mxfp8_codes(x, col_exponent[None, :], MANTISSA_BITS, MIN_EXPONENT,
                                  MAX_CODE, E5M2, HW_CAST)
-            tl.store(bytes_base + col_data - tl.load(row + 6) + position, codes, mask=inside)
+            tl.store(bytes_base + (col_data - tl.load(row + 6) + origin) + offsets, codes,
+                     mask=inside)
 
 
-# ---- 2D NVFP4: 16x16 tiles and a global amax, tiles of 16 x 128 ----
+# ---- 2D NVFP4: 16x16 tiles and a global amax, tiles of 16 rows ----
 
 
 @triton.jit
 def _nvfp4_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
-                         BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr):
-    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS, 16,
-                                          128)
-    rows = tile_row * 16 + tl.arange(0, 16).to(tl.int64)
-    cols = tile_col * 128 + tl.arange(0, 128).to(tl.int64)
-    x, _, _ = _load_range(master_base, row, rows, cols, M, K, BF16_BITS)
-    tiles = tl.max(tl.max(tl.reshape(abs_bits(x), [16, 8, 16]), axis=2), axis=0)  # [8]
+                         BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
+                         COLUMNS: tl.constexpr):
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS,
+                                          COLUMNS)
+    origin, offsets, inside = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS,
+                                          tl.arange(0, 16), tl.arange(0, COLUMNS))
+    x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS)
+    tiles = tl.max(tl.max(tl.reshape(abs_bits(x), [16, COLUMNS // 16, 16]), axis=2), axis=0)
     segment = maxima_bits + tl.load(row + 5)
-    blocks = tile_col * 8 + tl.arange(0, 8).to(tl.int64)
-    tl.store(segment + 1 + tile_row * (K // 16) + blocks, tiles, mask=blocks < K // 16)
+    blocks = tl.arange(0, COLUMNS // 16)
+    first_block = tile_col * (COLUMNS // 16)
+    tl.store(segment + (1 + tile_row * (K // 16) + first_block) + blocks, tiles,
+             mask=blocks < (K // 16 - first_block).to(tl.int32))
     tl.atomic_max(segment, tl.max(tiles, axis=0))
 
 
 @triton.jit
 def _nvfp4_cast_kernel(master_base, bytes_base, floats_base, maxima, table_ptr, starts_ptr, n,
-                       BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr):
-    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS, 16,
-                                          128)
-    rows = tile_row * 16 + tl.arange(0, 16).to(tl.int64)
-    cols = tile_col * 128 + tl.arange(0, 128).to(tl.int64)
-    blocks = tile_col * 8 + tl.arange(0, 8).to(tl.int64)
+                       BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
+                       COLUMNS: tl.constexpr):
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS,
+                                          COLUMNS)
+    rows = tl.arange(0, 16)
+    blocks = tl.arange(0, COLUMNS // 16)
+    first_block = tile_col * (COLUMNS // 16)
+    block_mask = blocks < (K // 16 - first_block).to(tl.int32)
     segment = maxima + tl.load(row + 5)
     factor, s_dec = _global_scales(segment)
-    tile_amax = tl.load(segment + 1 + tile_row * (K // 16) + blocks, mask=blocks < K // 16,
-                        other=0.0)
-    code, element_scale = _block_scales(tile_amax, factor, s_dec)  # [8]
-    code = code.to(tl.uint8)
+    tile_amax = tl.load(segment + (1 + tile_row * (K // 16) + first_block) + blocks,
+                        mask=block_mask, other=0.0)
+    code, element_scale = _block_scales(tile_amax, factor, s_dec)  # [COLUMNS / 16]
     # rowwise scales: each tile's code over its 16 rows, in the rows the storage holds
-    held = rows - tl.load(row + 6) // K
-    tl.store(bytes_base + tl.load(row + 10) + held[:, None] * (K // 16) + blocks[None, :],
-             tl.broadcast_to(code[None, :], [16, 8]),
-             mask=(blocks[None, :] < K // 16) & (held[:, None] >= 0)
-             & (held[:, None] < tl.load(row + 7)))
-    col_scale = tl.load(row + 11)
-    if col_scale >= 0:  # the transposed layout [K, M/16]: column c holds its tile's code
-        tl.store(bytes_base + col_scale + cols * (M // 16) + tile_row,
-                 tl.reshape(tl.broadcast_to(code[:, None], [8, 16]), [128]), mask=cols < K)
+    held = tile_row * 16 - tl.load(row + 6) // K
+    tl.store(bytes_base + (tl.load(row + 10) + held * (K // 16) + first_block)
+             + rows[:, None] * (K // 16).to(tl.int32) + blocks[None, :],
+             tl.broadcast_to(code.to(tl.uint8)[None, :], [16, COLUMNS // 16]),
+             mask=block_mask[None, :] & (rows[:, None] >= (-held).to(tl.int32))
+             & (rows[:, None] < (tl.load(row + 7) - held).to(tl.int32)))
     if (tile_row == 0) & (tile_col == 0):
-        amax = tl.load(segment)
-        tl.store(floats_base + tl.load(row + 12), amax)
-        col_amax = tl.load(row + 13)
-        if col_amax >= 0:
-            tl.store(floats_base + col_amax, amax)
+        tl.store(floats_base + tl.load(row + 12), tl.load(segment))
     if _meets_range(row, tile_row * 16, tl.minimum(tile_row * 16 + 16, M), K):
-        x, position, inside = _load_range(master_base, row, rows, cols, M, K, BF16_BITS)
-        scale = expand_blocks(tl.broadcast_to(element_scale[None, :], [16, 8]), 16, 128, 16)
+        origin, offsets, inside = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS,
+                                              rows, tl.arange(0, COLUMNS))
+        x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS)
+        scale = expand_blocks(tl.broadcast_to(element_scale[None, :], [16, COLUMNS // 16]), 16,
+                              COLUMNS, 16)
         codes = _e2m1_nibbles(x, scale, 0.0, False)
         codes = tl.where(scale == scale, codes, 0)  # NaN tiles encode as +0 (the reference)
-        low, high = tl.split(tl.reshape(codes, [16, 64, 2]))
-        low_in, high_in = tl.split(tl.reshape(inside.to(tl.int32), [16, 64, 2]))
-        even, _ = tl.split(tl.reshape(position, [16, 64, 2]))
-        target = bytes_base + tl.load(row + 8) + (even - tl.load(row + 6)) // 2
+        low, high = tl.split(tl.reshape(codes, [16, COLUMNS // 2, 2]))
+        low_in, high_in = tl.split(tl.reshape(inside.to(tl.int32), [16, COLUMNS // 2, 2]))
+        even, _ = tl.split(tl.reshape(offsets, [16, COLUMNS // 2, 2]))
+        # origin and base are even (K is), so byte = (element - base) / 2
+        target = bytes_base + (tl.load(row + 8) + (origin - tl.load(row + 6)) // 2) + even // 2
         low_in = low_in != 0
         high_in = high_in != 0
         # a byte the range covers half of keeps its other nibble
@@ -403,8 +436,7 @@ class PartialCastPlan:
             else (torch.zeros(1, device=device), False))
         # the lowest address of each kind is the base, so every offset is >= 0 (-1: none)
         tensors = [t for c in casts for t in (c.row_data, c.col_data, c.row_scale, c.col_scale,
-                                              c.row_amax, c.col_amax, c.scale_source)
-                   if t is not None]
+                                              c.row_amax, c.scale_source) if t is not None]
         codes = [_bytes(t) for t in tensors if t.dtype != torch.float32]
         floats = [t for t in tensors if t.dtype == torch.float32]
         self.bytes_base = (min(codes, key=torch.Tensor.data_ptr) if codes
@@ -444,13 +476,12 @@ class PartialCastPlan:
         entry[_COL_SCALE] = _offset(
             None if cast.col_scale is None else scale_view(cast.col_scale), scale_base)
         entry[_ROW_AMAX] = _offset(cast.row_amax, self.floats_base)
-        entry[_COL_AMAX] = _offset(cast.col_amax, self.floats_base)
         entry[_SCALE_SOURCE] = _offset(cast.scale_source, self.floats_base)
         if self.kind in PER_TENSOR:  # runs of the range; one run writes the scale at least
             runs = _ceil_div(count, FLAT_BLOCK)
             return entry, runs, max(runs, 1)
         tile_rows = TILE_ROWS[self.kind]
-        tiles_k = _ceil_div(columns, TILE_COLUMNS)
+        tiles_k = _ceil_div(columns, TILE_COLUMNS[self.kind])
         first_tile = cast.start // columns // tile_rows
         end_tile = _ceil_div(_ceil_div(cast.start + count, columns), tile_rows)
         entry[_WINDOW_ROW] = first_tile
@@ -466,7 +497,8 @@ class PartialCastPlan:
                   "block": _block_maxima_kernel, "mxfp8": _mxfp8_maxima_kernel,
                   "nvfp4": _nvfp4_maxima_kernel}[self.kind]
         extra = ({"CHUNK": BLOCK_CHUNK} if self.kind == "block"
-                 else {"BLOCK": FLAT_BLOCK} if self.kind in PER_TENSOR else {})
+                 else {"BLOCK": FLAT_BLOCK} if self.kind in PER_TENSOR
+                 else {"COLUMNS": TILE_COLUMNS[self.kind]})
         launch(kernel, (self.window_programs,), self.master_base, maxima.view(torch.int32),
                self.table, self.window_starts, self.count, BF16_BITS=self.bf16_bits,
                STEPS=self.steps, FIELDS=FIELDS, num_warps=NUM_WARPS, **extra)
@@ -496,14 +528,15 @@ class PartialCastPlan:
             launch(_mxfp8_cast_kernel, (self.grid_programs,), self.master_base,
                    self.bytes_base, reduced.view(torch.int32), *common,
                    BF16_BITS=self.bf16_bits, STEPS=self.steps, FIELDS=FIELDS,
-                   MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent, MAX_CODE=max_code,
+                   COLUMNS=TILE_COLUMNS["mxfp8"], MANTISSA_BITS=mantissa_bits,
+                   MIN_EXPONENT=min_exponent, MAX_CODE=max_code,
                    RECIPROCAL_BITS=_reciprocal_bits(fp8_format(fp8_dtype).max_value),
                    E5M2=fp8_dtype == torch.float8_e5m2, HW_CAST=hw, num_warps=NUM_WARPS)
         else:
             launch(_nvfp4_cast_kernel, (self.grid_programs,), self.master_base,
                    self.bytes_base, self.floats_base, reduced, *common,
                    BF16_BITS=self.bf16_bits, STEPS=self.steps, FIELDS=FIELDS,
-                   num_warps=NUM_WARPS)
+                   COLUMNS=TILE_COLUMNS["nvfp4"], num_warps=NUM_WARPS)
 
 
 _TABLES: dict[tuple, torch.Tensor] = {}
