@@ -27,6 +27,7 @@ Per recipe row (the model weights built under quantized_model_init with that rec
 
 Usage: python benchmarks/master_cast.py [--preset 1b] [--ranks 8] [--rank 0]
        [--recipes fp8-current,fp8-delayed,fp8-block,mxfp8,nvfp4] [--steps 10] [--device cuda]
+       [--host-profile]
        [--out FILE]
 """
 
@@ -100,8 +101,19 @@ def copy_gbps(total_bytes: int, device: str) -> float:
     return 2 * half / (device_ms(lambda: target.copy_(source), device) * 1e-3) / 1e9
 
 
+def print_host_profile(cast, name: str) -> None:
+    """Where one cast's host time goes (cProfile, top entries by cumulative time)."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.runcall(cast)
+    print(f"--- host profile of one {name} cast")
+    pstats.Stats(profile).sort_stats("cumulative").print_stats(14)
+
+
 def measure_recipe(name: str, shapes: list[tuple[int, int]], ranges: list[tuple[int, int]],
-                   steps: int, device: str) -> dict:
+                   steps: int, device: str, profile: bool = False) -> dict:
     torch.manual_seed(0)
     with mf.quantized_model_init(recipe=minifloat_recipe(name)):
         layers = [mf.Linear(k, n, bias=False, device=device) for n, k in shapes]
@@ -119,6 +131,8 @@ def measure_recipe(name: str, shapes: list[tuple[int, int]], ranges: list[tuple[
     elements = sum(count for _, count in ranges)
     moved = int(elements * (4 + BYTES_PER_ELEMENT[name]))
     device_time = device_ms(cast, device)
+    if profile:
+        print_host_profile(cast, name)
     launches, kernel_ms = kernels_of(cast, device)
     row = {"row": name, "weights": len(weights), "rank_elements": elements, "bytes": moved,
            "device_ms": device_time, "host_ms": host_us(cast, device, repeats=steps) / 1e3,
@@ -145,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--host-profile", action="store_true",
+                        help="print a cProfile of one cast per recipe")
     args = parser.parse_args(argv)
     recipes = [name for name in args.recipes.split(",") if name]
     unknown = [name for name in recipes if name not in BYTES_PER_ELEMENT]
@@ -167,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.rank} of {args.ranks}", flush=True)
     for name in recipes:
         try:
-            row = measure_recipe(name, shapes, ranges, args.steps, args.device)
+            row = measure_recipe(name, shapes, ranges, args.steps, args.device,
+                                 args.host_profile)
         except Exception as error:  # noqa: BLE001 - recorded, the other recipes still run
             row = {"row": name, "error": f"{type(error).__name__}: {error}"[:500]}
         data["rows"].append(row)
