@@ -68,7 +68,7 @@ _ROW_DATA, _COL_DATA, _ROW_SCALE, _COL_SCALE, _ROW_AMAX = range(8, 13)
 _WINDOW_ROW = 14
 _SCALE_SOURCE = 15  # delayed scaling: the recipe state's scale
 NUM_WARPS = 4
-_INT32_REACH = 2**30  # range bounds relative to a tile, clamped into int32
+_INT32_REACH = tl.constexpr(2**30)  # range bounds relative to a tile, clamped into int32
 
 
 @dataclass
