@@ -58,6 +58,9 @@ from .nvfp4 import _block_scales, _e2m1_nibbles, _global_scales
 # tiles: rows = the format's block rows; columns per program
 TILE_ROWS = {"block": 128, "mxfp8": 32, "nvfp4": 16}
 TILE_COLUMNS = {"block": 128, "mxfp8": 256, "nvfp4": 256}
+# tiles one cast program sweeps (every rank writes every scale: most programs only write
+# scales, and one program a tile left the launch latency-bound; 128 x 512 rows a program)
+TILE_GROUP = {"block": 4, "mxfp8": 4, "nvfp4": 8}
 PER_TENSOR = ("current", "delayed")  # per-tensor FP8: flat runs of the range, no tiles
 FLAT_BLOCK = 4096  # elements per program of the per-tensor kernels
 BLOCK_CHUNK = 32  # block FP8 sweeps its 128-row tile in chunks of this many rows
@@ -221,8 +224,20 @@ def _block_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
 def _block_cast_kernel(master_base, bytes_base, floats_base, maxima_bits, table_ptr, starts_ptr,
                        n, eps, BF16_BITS: tl.constexpr, STEPS: tl.constexpr,
                        FIELDS: tl.constexpr, CHUNK: tl.constexpr, POW2: tl.constexpr,
-                       OVERFLOW_BITS: tl.constexpr, HW_CAST: tl.constexpr):
-    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS, 128)
+                       OVERFLOW_BITS: tl.constexpr, HW_CAST: tl.constexpr, GROUP: tl.constexpr):
+    row, M, K, group_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS, 128)
+    for member in range(GROUP):
+        tile_row = group_row * GROUP + member
+        if tile_row * 128 < M:
+            _block_cast_tile(master_base, bytes_base, floats_base, maxima_bits, row, M, K,
+                             tile_row, tile_col, eps, BF16_BITS, CHUNK, POW2, OVERFLOW_BITS,
+                             HW_CAST)
+
+
+@triton.jit
+def _block_cast_tile(master_base, bytes_base, floats_base, maxima_bits, row, M, K, tile_row,
+                     tile_col, eps, BF16_BITS: tl.constexpr, CHUNK: tl.constexpr,
+                     POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr, HW_CAST: tl.constexpr):
     grid_index = tile_row * tl.cdiv(K, 128) + tile_col
     scale = _scale(tl.load(maxima_bits + tl.load(row + 5) + grid_index), eps, POW2,
                    OVERFLOW_BITS)
@@ -283,9 +298,23 @@ def _mxfp8_cast_kernel(master_base, bytes_base, maxima_bits, table_ptr, starts_p
                        COLUMNS: tl.constexpr, MANTISSA_BITS: tl.constexpr,
                        MIN_EXPONENT: tl.constexpr, MAX_CODE: tl.constexpr,
                        RECIPROCAL_BITS: tl.constexpr, E5M2: tl.constexpr,
-                       HW_CAST: tl.constexpr):
-    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS,
-                                          COLUMNS)
+                       HW_CAST: tl.constexpr, GROUP: tl.constexpr):
+    row, M, K, group_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS,
+                                           COLUMNS)
+    for member in range(GROUP):
+        tile_row = group_row * GROUP + member
+        if tile_row * 32 < M:
+            _mxfp8_cast_tile(master_base, bytes_base, maxima_bits, row, M, K, tile_row,
+                             tile_col, BF16_BITS, COLUMNS, MANTISSA_BITS, MIN_EXPONENT,
+                             MAX_CODE, RECIPROCAL_BITS, E5M2, HW_CAST)
+
+
+@triton.jit
+def _mxfp8_cast_tile(master_base, bytes_base, maxima_bits, row, M, K, tile_row, tile_col,
+                     BF16_BITS: tl.constexpr, COLUMNS: tl.constexpr,
+                     MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+                     MAX_CODE: tl.constexpr, RECIPROCAL_BITS: tl.constexpr,
+                     E5M2: tl.constexpr, HW_CAST: tl.constexpr):
     rows = tl.arange(0, 32)
     cols = tl.arange(0, COLUMNS)
     blocks = tl.arange(0, COLUMNS // 32)
@@ -358,9 +387,19 @@ def _nvfp4_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
 @triton.jit
 def _nvfp4_cast_kernel(master_base, bytes_base, floats_base, maxima, table_ptr, starts_ptr, n,
                        BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
-                       COLUMNS: tl.constexpr):
-    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS,
-                                          COLUMNS)
+                       COLUMNS: tl.constexpr, GROUP: tl.constexpr):
+    row, M, K, group_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS,
+                                           COLUMNS)
+    for member in range(GROUP):
+        tile_row = group_row * GROUP + member
+        if tile_row * 16 < M:
+            _nvfp4_cast_tile(master_base, bytes_base, floats_base, maxima, row, M, K, tile_row,
+                             tile_col, BF16_BITS, COLUMNS)
+
+
+@triton.jit
+def _nvfp4_cast_tile(master_base, bytes_base, floats_base, maxima, row, M, K, tile_row,
+                     tile_col, BF16_BITS: tl.constexpr, COLUMNS: tl.constexpr):
     rows = tl.arange(0, 16)
     blocks = tl.arange(0, COLUMNS // 16)
     first_block = tile_col * (COLUMNS // 16)
@@ -450,8 +489,8 @@ class PartialCastPlan:
             window_counts.append(window)
             grid_counts.append(grid)
         self.window_programs, self.grid_programs = sum(window_counts), sum(grid_counts)
-        self.table = _device_table(table + _running(window_counts) + _running(grid_counts),
-                                   device)
+        self.table = torch.tensor(table + _running(window_counts) + _running(grid_counts),
+                                  dtype=torch.int64).to(device)
         self.window_starts = self.table[len(table):len(table) + len(casts)]
         self.grid_starts = self.table[len(table) + len(casts):]
         self.steps = _search_steps(len(casts))
@@ -486,7 +525,7 @@ class PartialCastPlan:
         end_tile = _ceil_div(_ceil_div(cast.start + count, columns), tile_rows)
         entry[_WINDOW_ROW] = first_tile
         window = (end_tile - first_tile) * tiles_k if count else 0
-        return entry, window, _ceil_div(rows, tile_rows) * tiles_k
+        return entry, window, _ceil_div(rows, tile_rows * TILE_GROUP[self.kind]) * tiles_k
 
     def maxima(self, maxima: torch.Tensor) -> None:
         """Write this rank's maxima into `maxima` (fp32, zeros where the range touches no
@@ -521,7 +560,7 @@ class PartialCastPlan:
                    float(amax_epsilon), BF16_BITS=self.bf16_bits, STEPS=self.steps,
                    FIELDS=FIELDS, CHUNK=BLOCK_CHUNK, POW2=power_2_scale,
                    OVERFLOW_BITS=dtype_max_bits(torch.float32), HW_CAST=hw,
-                   num_warps=NUM_WARPS)
+                   GROUP=TILE_GROUP["block"], num_warps=NUM_WARPS)
         elif self.kind == "mxfp8":
             mantissa_bits, min_exponent, max_code = (
                 E4M3_CONSTANTS if fp8_dtype == torch.float8_e4m3fn else E5M2_CONSTANTS)
@@ -531,30 +570,14 @@ class PartialCastPlan:
                    COLUMNS=TILE_COLUMNS["mxfp8"], MANTISSA_BITS=mantissa_bits,
                    MIN_EXPONENT=min_exponent, MAX_CODE=max_code,
                    RECIPROCAL_BITS=_reciprocal_bits(fp8_format(fp8_dtype).max_value),
-                   E5M2=fp8_dtype == torch.float8_e5m2, HW_CAST=hw, num_warps=NUM_WARPS)
+                   E5M2=fp8_dtype == torch.float8_e5m2, HW_CAST=hw,
+                   GROUP=TILE_GROUP["mxfp8"], num_warps=NUM_WARPS)
         else:
             launch(_nvfp4_cast_kernel, (self.grid_programs,), self.master_base,
                    self.bytes_base, self.floats_base, reduced, *common,
                    BF16_BITS=self.bf16_bits, STEPS=self.steps, FIELDS=FIELDS,
-                   COLUMNS=TILE_COLUMNS["nvfp4"], num_warps=NUM_WARPS)
-
-
-_TABLES: dict[tuple, torch.Tensor] = {}
-_TABLES_KEPT = 16
-
-
-def _device_table(values: list[int], device: torch.device) -> torch.Tensor:
-    """The int64 table on the device, kept across steps: a distributed optimizer casts the same
-    ranges into the same buffers every step, and the table is a function of these values only
-    (addresses, offsets, shapes), so an equal table is reused instead of copied again."""
-    key = (device, tuple(values))
-    table = _TABLES.get(key)
-    if table is None:
-        if len(_TABLES) >= _TABLES_KEPT:
-            _TABLES.pop(next(iter(_TABLES)))
-        table = torch.tensor(values, dtype=torch.int64).to(device)
-        _TABLES[key] = table
-    return table
+                   COLUMNS=TILE_COLUMNS["nvfp4"], GROUP=TILE_GROUP["nvfp4"],
+                   num_warps=NUM_WARPS)
 
 
 def _ceil_div(a: int, b: int) -> int:
