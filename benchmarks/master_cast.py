@@ -78,19 +78,22 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def kernels_of(run, device: str) -> tuple[int | None, float | None]:
-    """(CUDA kernels one cast launches, their summed GPU time in ms) from torch.profiler; the
-    kernel time leaves out the host's gaps between launches (device_ms includes them when the
-    cast is host-bound). (None, None) off CUDA."""
+def kernels_of(run, device: str) -> tuple[int | None, float | None, dict[str, float]]:
+    """(CUDA kernels one cast launches, their summed GPU time in ms, ms per kernel name) from
+    torch.profiler; the kernel time leaves out the host's gaps between launches (device_ms
+    includes them when the cast is host-bound). (None, None, {}) off CUDA."""
     if not device.startswith("cuda"):
-        return None, None
+        return None, None, {}
     _sync(device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         run()
         _sync(device)
     events = [event for event in profile.events()
               if event.device_type == torch.autograd.DeviceType.CUDA]
-    return len(events), sum(event.device_time for event in events) / 1e3
+    per_kernel: dict[str, float] = {}
+    for event in events:
+        per_kernel[event.name[:60]] = per_kernel.get(event.name[:60], 0.0) + event.device_time / 1e3
+    return len(events), sum(per_kernel.values()), per_kernel
 
 
 def copy_gbps(total_bytes: int, device: str) -> float:
@@ -133,11 +136,11 @@ def measure_recipe(name: str, shapes: list[tuple[int, int]], ranges: list[tuple[
     device_time = device_ms(cast, device)
     if profile:
         print_host_profile(cast, name)
-    launches, kernel_ms = kernels_of(cast, device)
+    launches, kernel_ms, per_kernel = kernels_of(cast, device)
     row = {"row": name, "weights": len(weights), "rank_elements": elements, "bytes": moved,
            "device_ms": device_time, "host_ms": host_us(cast, device, repeats=steps) / 1e3,
            "gbps": moved / (device_time * 1e-3) / 1e9, "launches": launches,
-           "kernel_ms": kernel_ms}
+           "kernel_ms": kernel_ms, "kernel_ms_by_name": per_kernel}
     row["copy_gbps"] = copy_gbps(moved, device)
     row["copy_fraction"] = row["gbps"] / row["copy_gbps"]
     if kernel_ms:  # the cast kernels' own bandwidth (issue 16's target)
@@ -196,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"({row['copy_gbps']:.1f})  launches {row['launches']}  kernels "
                   f"{row['kernel_ms'] or 0:.3f} ms = {row.get('kernel_copy_fraction', 0):.2f} "
                   f"of copy (two passes {row.get('two_pass_copy_fraction', 0):.2f})", flush=True)
+            for kernel, ms in row.get("kernel_ms_by_name", {}).items():
+                print(f"    {ms:8.3f} ms  {kernel}", flush=True)
     out = args.out or RESULTS / f"master_cast_{device_slug(env)}_{args.preset}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=2))

@@ -87,5 +87,9 @@ def test_tensor_parallel_trains_like_one_process():
     data_parallel = _losses(_run("--standalone", "--nproc-per-node", "2",
                                  recipe="fp8-delayed"))
     assert len(two_d) == 3
+    # on GPUs the row-parallel partial sums are bf16 and FP8 re-quantizes what they feed:
+    # measured 3.7e-4 relative on four H200s after 3 steps (a wrong split or a missing
+    # reduction moves the loss by far more)
+    bound = 1e-3 if torch.cuda.is_available() else 1e-4
     for a, b in zip(two_d, data_parallel, strict=True):
-        assert abs(a - b) <= 1e-4 * b
+        assert abs(a - b) <= bound * b

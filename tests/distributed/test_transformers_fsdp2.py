@@ -30,7 +30,11 @@ def build() -> torch.nn.Module:
 
 
 def batch(step: int) -> torch.Tensor:
-    return torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(step))
+    """The step's tokens, drawn on the CPU (the same on every backend), on the default device
+    (cuda:rank under NCCL, where the model is)."""
+    tokens = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(step),
+                           device="cpu")
+    return tokens.to(torch.get_default_device())
 
 
 def sharded_worker(rank: int, world_size: int, low_precision: bool) -> list[torch.Tensor]:

@@ -57,10 +57,11 @@ from .nvfp4 import _block_scales, _e2m1_nibbles, _global_scales
 
 # tiles: rows = the format's block rows; columns per program
 TILE_ROWS = {"block": 128, "mxfp8": 32, "nvfp4": 16}
-TILE_COLUMNS = {"block": 128, "mxfp8": 256, "nvfp4": 256}
+TILE_COLUMNS = {"block": 128, "mxfp8": 128, "nvfp4": 256}
 # tiles one cast program sweeps (every rank writes every scale: most programs only write
-# scales, and one program a tile left the launch latency-bound; 128 x 512 rows a program)
-TILE_GROUP = {"block": 4, "mxfp8": 4, "nvfp4": 8}
+# scales, and one program a tile left the MXFP8 launch latency-bound; block FP8 tiles are
+# large enough alone, and a group of them left too few programs for the rank's elements)
+TILE_GROUP = {"block": 1, "mxfp8": 4, "nvfp4": 8}
 PER_TENSOR = ("current", "delayed")  # per-tensor FP8: flat runs of the range, no tiles
 FLAT_BLOCK = 4096  # elements per program of the per-tensor kernels
 BLOCK_CHUNK = 32  # block FP8 sweeps its 128-row tile in chunks of this many rows
@@ -419,20 +420,24 @@ def _nvfp4_cast_tile(master_base, bytes_base, floats_base, maxima, row, M, K, ti
     if (tile_row == 0) & (tile_col == 0):
         tl.store(floats_base + tl.load(row + 12), tl.load(segment))
     if _meets_range(row, tile_row * 16, tl.minimum(tile_row * 16 + 16, M), K):
-        origin, offsets, inside = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS,
-                                              rows, tl.arange(0, COLUMNS))
-        x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS)
+        # the even and the odd elements as two [16, COLUMNS / 2] halves: byte j of a row takes
+        # element 2j (low nibble) and 2j + 1 (high), so the halves pack without a reshape
+        pairs = tl.arange(0, COLUMNS // 2) * 2
+        origin, even, low_in = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS, rows,
+                                           pairs)
+        _, odd, high_in = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS, rows,
+                                      pairs + 1)
         scale = expand_blocks(tl.broadcast_to(element_scale[None, :], [16, COLUMNS // 16]), 16,
-                              COLUMNS, 16)
-        codes = _e2m1_nibbles(x, scale, 0.0, False)
-        codes = tl.where(scale == scale, codes, 0)  # NaN tiles encode as +0 (the reference)
-        low, high = tl.split(tl.reshape(codes, [16, COLUMNS // 2, 2]))
-        low_in, high_in = tl.split(tl.reshape(inside.to(tl.int32), [16, COLUMNS // 2, 2]))
-        even, _ = tl.split(tl.reshape(offsets, [16, COLUMNS // 2, 2]))
+                              COLUMNS // 2, 8)
+        keep = scale == scale  # NaN tiles encode as +0 (the reference)
+        low = _e2m1_nibbles(_load_tile(master_base, row, origin, even, low_in, BF16_BITS),
+                            scale, 0.0, False)
+        high = _e2m1_nibbles(_load_tile(master_base, row, origin, odd, high_in, BF16_BITS),
+                             scale, 0.0, False)
+        low = tl.where(keep, low, 0)
+        high = tl.where(keep, high, 0)
         # origin and base are even (K is), so byte = (element - base) / 2
         target = bytes_base + (tl.load(row + 8) + (origin - tl.load(row + 6)) // 2) + even // 2
-        low_in = low_in != 0
-        high_in = high_in != 0
         # a byte the range covers half of keeps its other nibble
         old = tl.load(target, mask=low_in != high_in, other=0).to(tl.int32)
         byte = tl.where(low_in, low, old & 0xF) | (tl.where(high_in, high, old >> 4) << 4)
