@@ -1,5 +1,5 @@
 """Partial master-weight casts (ZeRO ranges) into quantized weights: every weight of a format
-in two launches (issue 16: "one launch per step for all weights").
+in two or three launches (issue 16: "one launch per step for all weights").
 
 A ZeRO rank owns a flat element range [start, end) of each weight's master copy
 (distributed.master_weights). Every scale depends on an absolute maximum: of the tensor
@@ -10,14 +10,20 @@ and the tensor (2D NVFP4); a block cut by a range boundary is shared by ranks. S
    laid out per weight as the reference (master_weights._partial_maxima) lays it out; elements
    outside the range count as zeros, blocks it does not touch stay zero.
 2. the caller reduces the vector (one MAX all-reduce over the data-parallel group).
-3. `cast`: the per-tensor kernel casts the range in flat runs (its first run writes scale_inv);
-   the block kernels take every tile of the full weight, derive its scales from the reduced
-   maxima (the single-tensor kernels' device functions, so the bytes are theirs and so
-   numerics'), write them (every rank writes every scale: they are the same everywhere) and,
-   where the tile meets the range, cast those elements. NVFP4 packs two elements a byte: where
+3. `cast`: the per-tensor kernel casts the range in flat runs (its first run writes scale_inv).
+   A block format writes every scale of every weight in flat runs of the scale tensors (every
+   rank writes every scale: they are the same everywhere; the tensors are laid out as their
+   maxima, so a run reads a run), then casts the tiles of the rank's window, each tile's scales
+   derived from the reduced maxima again. Scales come from the single-tensor kernels' device
+   functions, so the bytes are theirs and so numerics'. NVFP4 packs two elements a byte: where
    the range starts or ends inside a byte, the other nibble is left as it was. Transposed
    copies that the format derives (block FP8, 2D NVFP4) are left to post_all_gather_processing,
    scales included.
+
+Why scales apart from the cast: a first version had every cast program take one tile of the
+full weight and write its scales, casting where the tile met the range; seven of eight ranks'
+tiles wrote only scales, and those programs left the launch latency-bound (1b over 8 ranks on
+an H200: 1.8 ms for MXFP8, 1.4 ms for NVFP4).
 
 Each program finds its weight in one int64 table (multi_tensor's scheme: a binary search over
 the running program counts). Destinations are addressed as offsets from one byte base and one
@@ -57,11 +63,8 @@ from .nvfp4 import _block_scales, _e2m1_nibbles, _global_scales
 
 # tiles: rows = the format's block rows; columns per program
 TILE_ROWS = {"block": 128, "mxfp8": 32, "nvfp4": 16}
-TILE_COLUMNS = {"block": 128, "mxfp8": 128, "nvfp4": 256}
-# tiles one cast program sweeps (every rank writes every scale: most programs only write
-# scales, and one program a tile left the MXFP8 launch latency-bound; block FP8 tiles are
-# large enough alone, and a group of them left too few programs for the rank's elements)
-TILE_GROUP = {"block": 1, "mxfp8": 4, "nvfp4": 8}
+TILE_COLUMNS = {"block": 128, "mxfp8": 256, "nvfp4": 256}
+SCALE_BLOCK = 2048  # scale entries per program of the scale kernels
 PER_TENSOR = ("current", "delayed")  # per-tensor FP8: flat runs of the range, no tiles
 FLAT_BLOCK = 4096  # elements per program of the per-tensor kernels
 BLOCK_CHUNK = 32  # block FP8 sweeps its 128-row tile in chunks of this many rows
@@ -142,12 +145,6 @@ def _load_tile(master_base, row, origin, offsets, inside, BF16_BITS: tl.constexp
                          inside, BF16_BITS)
 
 
-@triton.jit
-def _meets_range(row, first_row, last_row, K):
-    """Whether rows [first_row, last_row) of the weight hold any element of the range."""
-    return (tl.load(row + 1) < last_row * K) & (tl.load(row + 2) > first_row * K)
-
-
 # ---- per-tensor FP8 (current and delayed scaling): flat runs of the range ----
 
 
@@ -202,6 +199,74 @@ def _per_tensor_cast_kernel(master_base, bytes_base, floats_base, maxima, table_
     tl.store(target + lanes, fp8_codes(x * scale, E5M2, HW_CAST), mask=inside & (data >= 0))
 
 
+# ---- block formats: every scale in flat runs of the scale tensors ----
+
+
+@triton.jit
+def _scale_run(table_ptr, starts_ptr, n, STEPS: tl.constexpr, FIELDS: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """This program's weight (table row), M, K, the first index of its run of scale entries
+    and the run's indices."""
+    pid = tl.program_id(0)
+    i = _owner(starts_ptr, pid, n, STEPS)
+    row = table_ptr + i * FIELDS
+    first = (pid - tl.load(starts_ptr + i)) * BLOCK
+    return (row, tl.load(row + 3), tl.load(row + 4), first,
+            first + tl.arange(0, BLOCK).to(tl.int64))
+
+
+@triton.jit
+def _block_scales_kernel(floats_base, maxima_bits, table_ptr, starts_ptr, n, eps,
+                         STEPS: tl.constexpr, FIELDS: tl.constexpr, BLOCK: tl.constexpr,
+                         POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr):
+    """scale_inv of every 128x128 tile: the grid [ceil(M/128), ceil(K/128)] is laid out as its
+    maxima are."""
+    row, M, K, first, index = _scale_run(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
+    mask = index < tl.cdiv(M, 128) * tl.cdiv(K, 128)
+    scale = _scale(tl.load(maxima_bits + tl.load(row + 5) + index, mask=mask, other=0), eps,
+                   POW2, OVERFLOW_BITS)
+    tl.store(floats_base + tl.load(row + 10) + index, _scale_inv(scale, POW2), mask=mask)
+
+
+@triton.jit
+def _mxfp8_scales_kernel(bytes_base, maxima_bits, table_ptr, starts_ptr, n,
+                         STEPS: tl.constexpr, FIELDS: tl.constexpr, BLOCK: tl.constexpr,
+                         RECIPROCAL_BITS: tl.constexpr):
+    """E8M0 exponents: first the rowwise scales [rows held, K/32] (the storage's rows of the
+    maxima [M, K/32]), then the columnwise ones [M/32, K]; each laid out as its maxima."""
+    row, M, K, first, index = _scale_run(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
+    row_scale = tl.load(row + 10)
+    col_scale = tl.load(row + 11)
+    rowwise = tl.where(row_scale >= 0, tl.load(row + 7) * (K // 32), 0)
+    columnwise = tl.where(col_scale >= 0, (M // 32) * K, 0)
+    is_row = index < rowwise
+    source = tl.where(is_row, tl.load(row + 6) // 32 + index, M * (K // 32) + index - rowwise)
+    mask = index < rowwise + columnwise
+    exponent = e8m0_from_amax(tl.load(maxima_bits + tl.load(row + 5) + source, mask=mask,
+                                      other=0).to(tl.float32, bitcast=True), RECIPROCAL_BITS)
+    target = tl.where(is_row, row_scale + index, col_scale + index - rowwise)
+    tl.store(bytes_base + target, exponent.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _nvfp4_scales_kernel(bytes_base, floats_base, maxima, table_ptr, starts_ptr, n,
+                         STEPS: tl.constexpr, FIELDS: tl.constexpr, BLOCK: tl.constexpr):
+    """UE4M3 codes of the rowwise scales [rows held, K/16]: each 16x16 tile's code over its 16
+    rows; and the global amax."""
+    row, M, K, first, index = _scale_run(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
+    segment = maxima + tl.load(row + 5)
+    blocks_k = K // 16
+    mask = index < tl.load(row + 7) * blocks_k
+    weight_row = tl.load(row + 6) // K + index // blocks_k
+    tile_amax = tl.load(segment + 1 + (weight_row // 16) * blocks_k + index % blocks_k,
+                        mask=mask, other=0.0)
+    factor, s_dec = _global_scales(segment)
+    code, _ = _block_scales(tile_amax, factor, s_dec)
+    tl.store(bytes_base + tl.load(row + 10) + index, code.to(tl.uint8), mask=mask)
+    if first == 0:
+        tl.store(floats_base + tl.load(row + 12), tl.load(segment))
+
+
 # ---- block FP8, 128x128 tiles ----
 
 
@@ -222,36 +287,21 @@ def _block_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
 
 
 @triton.jit
-def _block_cast_kernel(master_base, bytes_base, floats_base, maxima_bits, table_ptr, starts_ptr,
-                       n, eps, BF16_BITS: tl.constexpr, STEPS: tl.constexpr,
-                       FIELDS: tl.constexpr, CHUNK: tl.constexpr, POW2: tl.constexpr,
-                       OVERFLOW_BITS: tl.constexpr, HW_CAST: tl.constexpr, GROUP: tl.constexpr):
-    row, M, K, group_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS, 128)
-    for member in range(GROUP):
-        tile_row = group_row * GROUP + member
-        if tile_row * 128 < M:
-            _block_cast_tile(master_base, bytes_base, floats_base, maxima_bits, row, M, K,
-                             tile_row, tile_col, eps, BF16_BITS, CHUNK, POW2, OVERFLOW_BITS,
-                             HW_CAST)
-
-
-@triton.jit
-def _block_cast_tile(master_base, bytes_base, floats_base, maxima_bits, row, M, K, tile_row,
-                     tile_col, eps, BF16_BITS: tl.constexpr, CHUNK: tl.constexpr,
-                     POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr, HW_CAST: tl.constexpr):
-    grid_index = tile_row * tl.cdiv(K, 128) + tile_col
-    scale = _scale(tl.load(maxima_bits + tl.load(row + 5) + grid_index), eps, POW2,
-                   OVERFLOW_BITS)
-    tl.store(floats_base + tl.load(row + 10) + grid_index, _scale_inv(scale, POW2))
-    if _meets_range(row, tile_row * 128, tl.minimum(tile_row * 128 + 128, M), K):
-        data = bytes_base + (tl.load(row + 8) - tl.load(row + 6))
-        cols = tl.arange(0, 128)
-        for step in range(128 // CHUNK):
-            origin, offsets, inside = _tile_range(row, M, K, tile_row * 128 + step * CHUNK,
-                                                  tile_col * 128, tl.arange(0, CHUNK), cols)
-            x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS)
-            tl.store(data + origin + offsets, fp8_codes(x * scale, False, HW_CAST),
-                     mask=inside)
+def _block_cast_kernel(master_base, bytes_base, maxima_bits, table_ptr, starts_ptr, n, eps,
+                       BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
+                       CHUNK: tl.constexpr, POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr,
+                       HW_CAST: tl.constexpr):
+    """The rank's elements of one window tile, with the tile's scale from the reduced maximum."""
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS, 128)
+    scale = _scale(tl.load(maxima_bits + tl.load(row + 5) + tile_row * tl.cdiv(K, 128)
+                           + tile_col), eps, POW2, OVERFLOW_BITS)
+    data = bytes_base + (tl.load(row + 8) - tl.load(row + 6))
+    cols = tl.arange(0, 128)
+    for step in range(128 // CHUNK):
+        origin, offsets, inside = _tile_range(row, M, K, tile_row * 128 + step * CHUNK,
+                                              tile_col * 128, tl.arange(0, CHUNK), cols)
+        x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS)
+        tl.store(data + origin + offsets, fp8_codes(x * scale, False, HW_CAST), mask=inside)
 
 
 # ---- MXFP8: 1x32 and 32x1 blocks, tiles of 32 rows ----
@@ -299,69 +349,41 @@ def _mxfp8_cast_kernel(master_base, bytes_base, maxima_bits, table_ptr, starts_p
                        COLUMNS: tl.constexpr, MANTISSA_BITS: tl.constexpr,
                        MIN_EXPONENT: tl.constexpr, MAX_CODE: tl.constexpr,
                        RECIPROCAL_BITS: tl.constexpr, E5M2: tl.constexpr,
-                       HW_CAST: tl.constexpr, GROUP: tl.constexpr):
-    row, M, K, group_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS,
-                                           COLUMNS)
-    for member in range(GROUP):
-        tile_row = group_row * GROUP + member
-        if tile_row * 32 < M:
-            _mxfp8_cast_tile(master_base, bytes_base, maxima_bits, row, M, K, tile_row,
-                             tile_col, BF16_BITS, COLUMNS, MANTISSA_BITS, MIN_EXPONENT,
-                             MAX_CODE, RECIPROCAL_BITS, E5M2, HW_CAST)
-
-
-@triton.jit
-def _mxfp8_cast_tile(master_base, bytes_base, maxima_bits, row, M, K, tile_row, tile_col,
-                     BF16_BITS: tl.constexpr, COLUMNS: tl.constexpr,
-                     MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
-                     MAX_CODE: tl.constexpr, RECIPROCAL_BITS: tl.constexpr,
-                     E5M2: tl.constexpr, HW_CAST: tl.constexpr):
+                       HW_CAST: tl.constexpr):
+    """The rank's elements of one window tile, both copies, with the tile's exponents from the
+    reduced maxima."""
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS,
+                                          COLUMNS)
     rows = tl.arange(0, 32)
     cols = tl.arange(0, COLUMNS)
     blocks = tl.arange(0, COLUMNS // 32)
     first_block = tile_col * (COLUMNS // 32)
-    blocks_k = (K // 32).to(tl.int32)
     segment = maxima_bits + tl.load(row + 5)
-    block_offsets = rows[:, None] * blocks_k + blocks[None, :]
     block_mask = ((rows[:, None] < (M - tile_row * 32).to(tl.int32))
                   & (blocks[None, :] < (K // 32 - first_block).to(tl.int32)))
-    row_grid = (tile_row * 32) * (K // 32) + first_block
-    row_exponent = e8m0_from_amax(tl.load(segment + row_grid + block_offsets, mask=block_mask,
-                                          other=0).to(tl.float32, bitcast=True),
-                                  RECIPROCAL_BITS)  # [32, COLUMNS / 32]
-    column_mask = cols < (K - tile_col * COLUMNS).to(tl.int32)
-    column_grid = tile_row * K + tile_col * COLUMNS
-    col_exponent = e8m0_from_amax(tl.load(segment + M * (K // 32) + column_grid + cols,
-                                          mask=column_mask, other=0
-                                          ).to(tl.float32, bitcast=True),
-                                  RECIPROCAL_BITS)  # [COLUMNS]
-    row_scale = tl.load(row + 10)
-    if row_scale >= 0:  # the storage's own rows of the [M, K/32] scales
-        held = tile_row * 32 - tl.load(row + 6) // K
-        tl.store(bytes_base + (row_scale + held * (K // 32) + first_block) + block_offsets,
-                 row_exponent.to(tl.uint8),
-                 mask=block_mask & (rows[:, None] >= (-held).to(tl.int32))
-                 & (rows[:, None] < (tl.load(row + 7) - held).to(tl.int32)))
-    col_scale = tl.load(row + 11)
-    if col_scale >= 0:
-        tl.store(bytes_base + (col_scale + column_grid) + cols, col_exponent.to(tl.uint8),
-                 mask=column_mask)
-    if _meets_range(row, tile_row * 32, tl.minimum(tile_row * 32 + 32, M), K):
-        origin, offsets, inside = _tile_range(row, M, K, tile_row * 32, tile_col * COLUMNS,
-                                              rows, cols)
-        x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS)
-        row_data = tl.load(row + 8)
-        if row_data >= 0:
-            codes = _mxfp8_codes(x, expand_blocks(row_exponent, 32, COLUMNS, 32), MANTISSA_BITS,
-                                 MIN_EXPONENT, MAX_CODE, E5M2, HW_CAST)
-            tl.store(bytes_base + (row_data - tl.load(row + 6) + origin) + offsets, codes,
-                     mask=inside)
-        col_data = tl.load(row + 9)
-        if col_data >= 0:
-            codes = _mxfp8_codes(x, col_exponent[None, :], MANTISSA_BITS, MIN_EXPONENT,
-                                 MAX_CODE, E5M2, HW_CAST)
-            tl.store(bytes_base + (col_data - tl.load(row + 6) + origin) + offsets, codes,
-                     mask=inside)
+    row_grid = segment + (tile_row * 32) * (K // 32) + first_block
+    row_exponent = e8m0_from_amax(tl.load(
+        row_grid + rows[:, None] * (K // 32).to(tl.int32) + blocks[None, :], mask=block_mask,
+        other=0).to(tl.float32, bitcast=True), RECIPROCAL_BITS)  # [32, COLUMNS / 32]
+    column_grid = segment + M * (K // 32) + tile_row * K + tile_col * COLUMNS
+    col_exponent = e8m0_from_amax(tl.load(
+        column_grid + cols, mask=cols < (K - tile_col * COLUMNS).to(tl.int32), other=0
+    ).to(tl.float32, bitcast=True), RECIPROCAL_BITS)  # [COLUMNS]
+    origin, offsets, inside = _tile_range(row, M, K, tile_row * 32, tile_col * COLUMNS, rows,
+                                          cols)
+    x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS)
+    row_data = tl.load(row + 8)
+    if row_data >= 0:
+        codes = _mxfp8_codes(x, expand_blocks(row_exponent, 32, COLUMNS, 32), MANTISSA_BITS,
+                             MIN_EXPONENT, MAX_CODE, E5M2, HW_CAST)
+        tl.store(bytes_base + (row_data - tl.load(row + 6) + origin) + offsets, codes,
+                 mask=inside)
+    col_data = tl.load(row + 9)
+    if col_data >= 0:
+        codes = _mxfp8_codes(x, col_exponent[None, :], MANTISSA_BITS, MIN_EXPONENT, MAX_CODE,
+                             E5M2, HW_CAST)
+        tl.store(bytes_base + (col_data - tl.load(row + 6) + origin) + offsets, codes,
+                 mask=inside)
 
 
 # ---- 2D NVFP4: 16x16 tiles and a global amax, tiles of 16 rows ----
@@ -386,62 +408,42 @@ def _nvfp4_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
 
 
 @triton.jit
-def _nvfp4_cast_kernel(master_base, bytes_base, floats_base, maxima, table_ptr, starts_ptr, n,
+def _nvfp4_cast_kernel(master_base, bytes_base, maxima, table_ptr, starts_ptr, n,
                        BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
-                       COLUMNS: tl.constexpr, GROUP: tl.constexpr):
-    row, M, K, group_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS,
-                                           COLUMNS)
-    for member in range(GROUP):
-        tile_row = group_row * GROUP + member
-        if tile_row * 16 < M:
-            _nvfp4_cast_tile(master_base, bytes_base, floats_base, maxima, row, M, K, tile_row,
-                             tile_col, BF16_BITS, COLUMNS)
-
-
-@triton.jit
-def _nvfp4_cast_tile(master_base, bytes_base, floats_base, maxima, row, M, K, tile_row,
-                     tile_col, BF16_BITS: tl.constexpr, COLUMNS: tl.constexpr):
-    rows = tl.arange(0, 16)
+                       COLUMNS: tl.constexpr):
+    """The rank's elements of one window tile, nibble by nibble, with the tiles' scales from
+    the reduced maxima. The even and the odd elements are loaded as two [16, COLUMNS / 2]
+    halves: byte j of a row takes element 2j (low nibble) and 2j + 1 (high), so the halves
+    pack without a reshape."""
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS,
+                                          COLUMNS)
     blocks = tl.arange(0, COLUMNS // 16)
     first_block = tile_col * (COLUMNS // 16)
-    block_mask = blocks < (K // 16 - first_block).to(tl.int32)
     segment = maxima + tl.load(row + 5)
     factor, s_dec = _global_scales(segment)
     tile_amax = tl.load(segment + (1 + tile_row * (K // 16) + first_block) + blocks,
-                        mask=block_mask, other=0.0)
-    code, element_scale = _block_scales(tile_amax, factor, s_dec)  # [COLUMNS / 16]
-    # rowwise scales: each tile's code over its 16 rows, in the rows the storage holds
-    held = tile_row * 16 - tl.load(row + 6) // K
-    tl.store(bytes_base + (tl.load(row + 10) + held * (K // 16) + first_block)
-             + rows[:, None] * (K // 16).to(tl.int32) + blocks[None, :],
-             tl.broadcast_to(code.to(tl.uint8)[None, :], [16, COLUMNS // 16]),
-             mask=block_mask[None, :] & (rows[:, None] >= (-held).to(tl.int32))
-             & (rows[:, None] < (tl.load(row + 7) - held).to(tl.int32)))
-    if (tile_row == 0) & (tile_col == 0):
-        tl.store(floats_base + tl.load(row + 12), tl.load(segment))
-    if _meets_range(row, tile_row * 16, tl.minimum(tile_row * 16 + 16, M), K):
-        # the even and the odd elements as two [16, COLUMNS / 2] halves: byte j of a row takes
-        # element 2j (low nibble) and 2j + 1 (high), so the halves pack without a reshape
-        pairs = tl.arange(0, COLUMNS // 2) * 2
-        origin, even, low_in = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS, rows,
-                                           pairs)
-        _, odd, high_in = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS, rows,
-                                      pairs + 1)
-        scale = expand_blocks(tl.broadcast_to(element_scale[None, :], [16, COLUMNS // 16]), 16,
-                              COLUMNS // 2, 8)
-        keep = scale == scale  # NaN tiles encode as +0 (the reference)
-        low = _e2m1_nibbles(_load_tile(master_base, row, origin, even, low_in, BF16_BITS),
-                            scale, 0.0, False)
-        high = _e2m1_nibbles(_load_tile(master_base, row, origin, odd, high_in, BF16_BITS),
-                             scale, 0.0, False)
-        low = tl.where(keep, low, 0)
-        high = tl.where(keep, high, 0)
-        # origin and base are even (K is), so byte = (element - base) / 2
-        target = bytes_base + (tl.load(row + 8) + (origin - tl.load(row + 6)) // 2) + even // 2
-        # a byte the range covers half of keeps its other nibble
-        old = tl.load(target, mask=low_in != high_in, other=0).to(tl.int32)
-        byte = tl.where(low_in, low, old & 0xF) | (tl.where(high_in, high, old >> 4) << 4)
-        tl.store(target, byte.to(tl.uint8), mask=low_in | high_in)
+                        mask=blocks < (K // 16 - first_block).to(tl.int32), other=0.0)
+    _, element_scale = _block_scales(tile_amax, factor, s_dec)  # [COLUMNS / 16]
+    rows = tl.arange(0, 16)
+    pairs = tl.arange(0, COLUMNS // 2) * 2
+    origin, even, low_in = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS, rows,
+                                       pairs)
+    _, odd, high_in = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS, rows, pairs + 1)
+    scale = expand_blocks(tl.broadcast_to(element_scale[None, :], [16, COLUMNS // 16]), 16,
+                          COLUMNS // 2, 8)
+    keep = scale == scale  # NaN tiles encode as +0 (the reference)
+    low = _e2m1_nibbles(_load_tile(master_base, row, origin, even, low_in, BF16_BITS), scale,
+                        0.0, False)
+    high = _e2m1_nibbles(_load_tile(master_base, row, origin, odd, high_in, BF16_BITS), scale,
+                         0.0, False)
+    low = tl.where(keep, low, 0)
+    high = tl.where(keep, high, 0)
+    # origin and base are even (K is), so byte = (element - base) / 2
+    target = bytes_base + (tl.load(row + 8) + (origin - tl.load(row + 6)) // 2) + even // 2
+    # a byte the range covers half of keeps its other nibble
+    old = tl.load(target, mask=low_in != high_in, other=0).to(tl.int32)
+    byte = tl.where(low_in, low, old & 0xF) | (tl.where(high_in, high, old >> 4) << 4)
+    tl.store(target, byte.to(tl.uint8), mask=low_in | high_in)
 
 
 # ---- host side ----
@@ -487,21 +489,25 @@ class PartialCastPlan:
                            else torch.zeros(1, dtype=torch.uint8, device=device))
         self.floats_base = (min(floats, key=torch.Tensor.data_ptr) if floats
                             else torch.zeros(1, device=device))
-        table, window_counts, grid_counts = [], [], []
+        table, window_counts, cast_counts, scale_counts = [], [], [], []
         for cast in casts:
-            entry, window, grid = self._entry(cast)
+            entry, window, cast_programs, scale_programs = self._entry(cast)
             table.extend(entry)
             window_counts.append(window)
-            grid_counts.append(grid)
-        self.window_programs, self.grid_programs = sum(window_counts), sum(grid_counts)
-        self.table = torch.tensor(table + _running(window_counts) + _running(grid_counts),
-                                  dtype=torch.int64).to(device)
-        self.window_starts = self.table[len(table):len(table) + len(casts)]
-        self.grid_starts = self.table[len(table) + len(casts):]
-        self.steps = _search_steps(len(casts))
+            cast_counts.append(cast_programs)
+            scale_counts.append(scale_programs)
+        self.window_programs, self.cast_programs, self.scale_programs = (
+            sum(window_counts), sum(cast_counts), sum(scale_counts))
+        self.table = torch.tensor(table + _running(window_counts) + _running(cast_counts)
+                                  + _running(scale_counts), dtype=torch.int64).to(device)
+        n = len(casts)
+        self.window_starts, self.cast_starts, self.scale_starts = (
+            self.table[len(table) + k * n:len(table) + (k + 1) * n] for k in range(3))
+        self.steps = _search_steps(n)
 
-    def _entry(self, cast: PartialCast) -> tuple[list[int], int, int]:
-        """(the weight's table row, its programs in the maxima launch, in the cast launch)."""
+    def _entry(self, cast: PartialCast) -> tuple[list[int], int, int, int]:
+        """(the weight's table row, its programs in the maxima launch, in the cast launch and
+        in the scale launch)."""
         rows, columns = cast.shape
         count = 0 if cast.master is None else cast.master.numel()
         # fp32 scales (per-tensor and block scale_inv) or code bytes (E8M0, UE4M3)
@@ -523,14 +529,24 @@ class PartialCastPlan:
         entry[_SCALE_SOURCE] = _offset(cast.scale_source, self.floats_base)
         if self.kind in PER_TENSOR:  # runs of the range; one run writes the scale at least
             runs = _ceil_div(count, FLAT_BLOCK)
-            return entry, runs, max(runs, 1)
+            return entry, runs, max(runs, 1), 0
         tile_rows = TILE_ROWS[self.kind]
         tiles_k = _ceil_div(columns, TILE_COLUMNS[self.kind])
         first_tile = cast.start // columns // tile_rows
         end_tile = _ceil_div(_ceil_div(cast.start + count, columns), tile_rows)
         entry[_WINDOW_ROW] = first_tile
         window = (end_tile - first_tile) * tiles_k if count else 0
-        return entry, window, _ceil_div(rows, tile_rows * TILE_GROUP[self.kind]) * tiles_k
+        return entry, window, window, _ceil_div(self._scale_entries(cast), SCALE_BLOCK)
+
+    def _scale_entries(self, cast: PartialCast) -> int:
+        """How many scale entries the scale kernel writes for this weight (its layouts)."""
+        rows, columns = cast.shape
+        if self.kind == "block":
+            return _ceil_div(rows, 128) * _ceil_div(columns, 128)
+        if self.kind == "nvfp4":
+            return cast.rows_held * (columns // 16)
+        rowwise = cast.rows_held * (columns // 32) if cast.row_scale is not None else 0
+        return rowwise + ((rows // 32) * columns if cast.col_scale is not None else 0)
 
     def maxima(self, maxima: torch.Tensor) -> None:
         """Write this rank's maxima into `maxima` (fp32, zeros where the range touches no
@@ -549,40 +565,53 @@ class PartialCastPlan:
 
     def cast(self, reduced: torch.Tensor, *, power_2_scale: bool = True,
              amax_epsilon: float = 0.0, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> None:
-        """Every scale of every weight, and this rank's elements, from the reduced maxima."""
+        """Every scale of every weight, and this rank's elements, from the reduced maxima: the
+        per-tensor formats in one launch; the block formats write their scales in flat runs
+        of the scale tensors (one launch), then cast the window tiles (one launch)."""
         hw = hw_cast(reduced)
-        common = (self.table, self.grid_starts, self.count)
+        rest = {"BF16_BITS": self.bf16_bits, "STEPS": self.steps, "FIELDS": FIELDS,
+                "num_warps": NUM_WARPS}
+        window = (self.table, self.window_starts, self.count)
+        scales = (self.table, self.scale_starts, self.count)
         if self.kind in PER_TENSOR:
-            launch(_per_tensor_cast_kernel, (self.grid_programs,), self.master_base,
-                   self.bytes_base, self.floats_base, reduced, *common, float(amax_epsilon),
-                   BF16_BITS=self.bf16_bits, STEPS=self.steps, FIELDS=FIELDS,
-                   BLOCK=FLAT_BLOCK, E5M2=fp8_dtype == torch.float8_e5m2,
-                   POW2=power_2_scale, DELAYED=self.kind == "delayed", HW_CAST=hw,
-                   num_warps=NUM_WARPS)
+            launch(_per_tensor_cast_kernel, (self.cast_programs,), self.master_base,
+                   self.bytes_base, self.floats_base, reduced, self.table, self.cast_starts,
+                   self.count, float(amax_epsilon), BLOCK=FLAT_BLOCK,
+                   E5M2=fp8_dtype == torch.float8_e5m2, POW2=power_2_scale,
+                   DELAYED=self.kind == "delayed", HW_CAST=hw, **rest)
         elif self.kind == "block":
-            launch(_block_cast_kernel, (self.grid_programs,), self.master_base,
-                   self.bytes_base, self.floats_base, reduced.view(torch.int32), *common,
-                   float(amax_epsilon), BF16_BITS=self.bf16_bits, STEPS=self.steps,
-                   FIELDS=FIELDS, CHUNK=BLOCK_CHUNK, POW2=power_2_scale,
-                   OVERFLOW_BITS=dtype_max_bits(torch.float32), HW_CAST=hw,
-                   GROUP=TILE_GROUP["block"], num_warps=NUM_WARPS)
+            overflow = dtype_max_bits(torch.float32)
+            launch(_block_scales_kernel, (self.scale_programs,), self.floats_base,
+                   reduced.view(torch.int32), *scales, float(amax_epsilon), STEPS=self.steps,
+                   FIELDS=FIELDS, BLOCK=SCALE_BLOCK, POW2=power_2_scale,
+                   OVERFLOW_BITS=overflow, num_warps=NUM_WARPS)
+            if self.window_programs:
+                launch(_block_cast_kernel, (self.window_programs,), self.master_base,
+                       self.bytes_base, reduced.view(torch.int32), *window,
+                       float(amax_epsilon), CHUNK=BLOCK_CHUNK, POW2=power_2_scale,
+                       OVERFLOW_BITS=overflow, HW_CAST=hw, **rest)
         elif self.kind == "mxfp8":
             mantissa_bits, min_exponent, max_code = (
                 E4M3_CONSTANTS if fp8_dtype == torch.float8_e4m3fn else E5M2_CONSTANTS)
-            launch(_mxfp8_cast_kernel, (self.grid_programs,), self.master_base,
-                   self.bytes_base, reduced.view(torch.int32), *common,
-                   BF16_BITS=self.bf16_bits, STEPS=self.steps, FIELDS=FIELDS,
-                   COLUMNS=TILE_COLUMNS["mxfp8"], MANTISSA_BITS=mantissa_bits,
-                   MIN_EXPONENT=min_exponent, MAX_CODE=max_code,
-                   RECIPROCAL_BITS=_reciprocal_bits(fp8_format(fp8_dtype).max_value),
-                   E5M2=fp8_dtype == torch.float8_e5m2, HW_CAST=hw,
-                   GROUP=TILE_GROUP["mxfp8"], num_warps=NUM_WARPS)
+            reciprocal = _reciprocal_bits(fp8_format(fp8_dtype).max_value)
+            launch(_mxfp8_scales_kernel, (self.scale_programs,), self.bytes_base,
+                   reduced.view(torch.int32), *scales, STEPS=self.steps, FIELDS=FIELDS,
+                   BLOCK=SCALE_BLOCK, RECIPROCAL_BITS=reciprocal, num_warps=NUM_WARPS)
+            if self.window_programs:
+                launch(_mxfp8_cast_kernel, (self.window_programs,), self.master_base,
+                       self.bytes_base, reduced.view(torch.int32), *window,
+                       COLUMNS=TILE_COLUMNS["mxfp8"], MANTISSA_BITS=mantissa_bits,
+                       MIN_EXPONENT=min_exponent, MAX_CODE=max_code,
+                       RECIPROCAL_BITS=reciprocal, E5M2=fp8_dtype == torch.float8_e5m2,
+                       HW_CAST=hw, **rest)
         else:
-            launch(_nvfp4_cast_kernel, (self.grid_programs,), self.master_base,
-                   self.bytes_base, self.floats_base, reduced, *common,
-                   BF16_BITS=self.bf16_bits, STEPS=self.steps, FIELDS=FIELDS,
-                   COLUMNS=TILE_COLUMNS["nvfp4"], GROUP=TILE_GROUP["nvfp4"],
-                   num_warps=NUM_WARPS)
+            launch(_nvfp4_scales_kernel, (self.scale_programs,), self.bytes_base,
+                   self.floats_base, reduced, *scales, STEPS=self.steps, FIELDS=FIELDS,
+                   BLOCK=SCALE_BLOCK, num_warps=NUM_WARPS)
+            if self.window_programs:
+                launch(_nvfp4_cast_kernel, (self.window_programs,), self.master_base,
+                       self.bytes_base, reduced, *window, COLUMNS=TILE_COLUMNS["nvfp4"],
+                       **rest)
 
 
 def _ceil_div(a: int, b: int) -> int:
