@@ -65,6 +65,7 @@ from .nvfp4 import _block_scales, _e2m1_nibbles, _global_scales
 TILE_ROWS = {"block": 128, "mxfp8": 32, "nvfp4": 16}
 TILE_COLUMNS = {"block": 128, "mxfp8": 256, "nvfp4": 256}
 SCALE_BLOCK = 2048  # scale entries per program of the scale kernels
+NVFP4_SCALE_COLUMNS = 128  # NVFP4: scale columns per program (times the tile's 16 rows)
 PER_TENSOR = ("current", "delayed")  # per-tensor FP8: flat runs of the range, no tiles
 FLAT_BLOCK = 4096  # elements per program of the per-tensor kernels
 BLOCK_CHUNK = 32  # block FP8 sweeps its 128-row tile in chunks of this many rows
@@ -124,25 +125,40 @@ def _tile(table_ptr, starts_ptr, n, WINDOW: tl.constexpr, STEPS: tl.constexpr,
 
 
 @triton.jit
-def _tile_range(row, M, K, row0, col0, rows, cols):
+def _tile_range(row, M, K, row0, col0, rows, cols, ALIGNED: tl.constexpr):
     """For a tile whose element (0, 0) is (row0, col0) of the weight: its flat origin (int64)
     and, for local indices rows x cols (int32), the int32 offsets from it and the mask of the
     elements inside the weight and inside the rank's range."""
     origin = row0 * K + col0
     lo = tl.maximum(tl.minimum(tl.load(row + 1) - origin, _INT32_REACH), -1).to(tl.int32)
     hi = tl.maximum(tl.minimum(tl.load(row + 2) - origin, _INT32_REACH), -1).to(tl.int32)
-    offsets = rows[:, None] * K.to(tl.int32) + cols[None, :]
+    columns = K.to(tl.int32)
+    if ALIGNED:  # the host found every K a multiple of 16 (rows of 16-element runs)
+        columns = tl.multiple_of(columns, 16)
+    offsets = rows[:, None] * columns + cols[None, :]
     inside = ((rows[:, None] < (M - row0).to(tl.int32)) & (cols[None, :] < (K - col0).to(tl.int32))
               & (offsets >= lo) & (offsets < hi))
     return origin, offsets, inside
 
 
 @triton.jit
-def _load_tile(master_base, row, origin, offsets, inside, BF16_BITS: tl.constexpr):
+def _load_tile(master_base, row, origin, offsets, inside, BF16_BITS: tl.constexpr,
+               ALIGNED: tl.constexpr):
     """The tile's elements from the rank's master range, zero outside it (a zero never raises a
-    maximum)."""
-    return load_as_float(master_base + (tl.load(row) + origin - tl.load(row + 1)), offsets,
-                         inside, BF16_BITS)
+    maximum). ALIGNED: the host found every master's element (0, 0) 16 elements aligned, so
+    16-byte loads may be used."""
+    start = tl.load(row) + origin - tl.load(row + 1)
+    if ALIGNED:
+        start = tl.multiple_of(start, 16)
+    return load_as_float(master_base + start, offsets, inside, BF16_BITS)
+
+
+@triton.jit
+def _aligned(offset, ALIGNED: tl.constexpr):
+    """A destination's scalar offset, hinted a multiple of 16 where the host found it so."""
+    if ALIGNED:
+        offset = tl.multiple_of(offset, 16)
+    return offset
 
 
 # ---- per-tensor FP8 (current and delayed scaling): flat runs of the range ----
@@ -166,9 +182,11 @@ def _flat(table_ptr, starts_ptr, n, STEPS: tl.constexpr, FIELDS: tl.constexpr,
 @triton.jit
 def _per_tensor_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
                               BF16_BITS: tl.constexpr, STEPS: tl.constexpr,
-                              FIELDS: tl.constexpr, BLOCK: tl.constexpr):
+                              FIELDS: tl.constexpr, BLOCK: tl.constexpr,
+        ALIGNED: tl.constexpr):
     row, _, first, lanes, inside = _flat(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
-    x = load_as_float(master_base + (tl.load(row) + first), lanes, inside, BF16_BITS)
+    x = load_as_float(master_base + _aligned(tl.load(row) + first, ALIGNED), lanes, inside,
+                      BF16_BITS)
     tl.atomic_max(maxima_bits + tl.load(row + 5), tl.max(abs_bits(x), axis=0))
 
 
@@ -176,7 +194,8 @@ def _per_tensor_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n
 def _per_tensor_cast_kernel(master_base, bytes_base, floats_base, maxima, table_ptr, starts_ptr,
                             n, eps, BF16_BITS: tl.constexpr, STEPS: tl.constexpr,
                             FIELDS: tl.constexpr, BLOCK: tl.constexpr, E5M2: tl.constexpr,
-                            POW2: tl.constexpr, DELAYED: tl.constexpr, HW_CAST: tl.constexpr):
+                            POW2: tl.constexpr, DELAYED: tl.constexpr, HW_CAST: tl.constexpr,
+        ALIGNED: tl.constexpr):
     """Current scaling: the scale from the reduced amax (numerics.scale_from_amax, FLT_MAX on
     overflow). Delayed: the recipe state's scale, and the first run folds the reduced amax into
     the state's amax slot (torch.maximum: NaN wins). The first run writes scale_inv."""
@@ -193,9 +212,10 @@ def _per_tensor_cast_kernel(master_base, bytes_base, floats_base, maxima, table_
             old = tl.load(slot)
             tl.store(slot, tl.where(old != old, old,
                                     tl.where(amax != amax, amax, tl.maximum(old, amax))))
-    x = load_as_float(master_base + (tl.load(row) + first), lanes, inside, BF16_BITS)
+    x = load_as_float(master_base + _aligned(tl.load(row) + first, ALIGNED), lanes, inside,
+                      BF16_BITS)
     data = tl.load(row + 8)
-    target = bytes_base + (data + tl.load(row + 1) - tl.load(row + 6) + first)
+    target = bytes_base + _aligned(data + tl.load(row + 1) - tl.load(row + 6) + first, ALIGNED)
     tl.store(target + lanes, fp8_codes(x * scale, E5M2, HW_CAST), mask=inside & (data >= 0))
 
 
@@ -232,38 +252,59 @@ def _block_scales_kernel(floats_base, maxima_bits, table_ptr, starts_ptr, n, eps
 def _mxfp8_scales_kernel(bytes_base, maxima_bits, table_ptr, starts_ptr, n,
                          STEPS: tl.constexpr, FIELDS: tl.constexpr, BLOCK: tl.constexpr,
                          RECIPROCAL_BITS: tl.constexpr):
-    """E8M0 exponents: first the rowwise scales [rows held, K/32] (the storage's rows of the
-    maxima [M, K/32]), then the columnwise ones [M/32, K]; each laid out as its maxima."""
+    """E8M0 exponents: the runs of the rowwise scales [rows held, K/32] (the storage's rows of
+    the maxima [M, K/32]) come first, then those of the columnwise ones [M/32, K]; each laid out
+    as its maxima, so a run reads one contiguous run of maxima."""
     row, M, K, first, index = _scale_run(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
     row_scale = tl.load(row + 10)
-    col_scale = tl.load(row + 11)
     rowwise = tl.where(row_scale >= 0, tl.load(row + 7) * (K // 32), 0)
-    columnwise = tl.where(col_scale >= 0, (M // 32) * K, 0)
-    is_row = index < rowwise
-    source = tl.where(is_row, tl.load(row + 6) // 32 + index, M * (K // 32) + index - rowwise)
-    mask = index < rowwise + columnwise
-    exponent = e8m0_from_amax(tl.load(maxima_bits + tl.load(row + 5) + source, mask=mask,
-                                      other=0).to(tl.float32, bitcast=True), RECIPROCAL_BITS)
-    target = tl.where(is_row, row_scale + index, col_scale + index - rowwise)
-    tl.store(bytes_base + target, exponent.to(tl.uint8), mask=mask)
+    row_runs = tl.cdiv(rowwise, BLOCK) * BLOCK  # the columnwise runs start after these
+    lanes = tl.arange(0, BLOCK)
+    if first < row_runs:
+        source = tl.load(row + 6) // 32 + first  # the storage's first row of [M, K/32]
+        target = row_scale + first
+        left = rowwise - first
+    else:
+        source = M * (K // 32) + first - row_runs
+        target = tl.load(row + 11) + first - row_runs
+        left = (M // 32) * K - (first - row_runs)
+    mask = lanes < tl.minimum(left, BLOCK).to(tl.int32)
+    amax = tl.load(maxima_bits + (tl.load(row + 5) + source) + lanes, mask=mask, other=0)
+    exponent = e8m0_from_amax(amax.to(tl.float32, bitcast=True), RECIPROCAL_BITS)
+    tl.store(bytes_base + target + lanes, exponent.to(tl.uint8), mask=mask)
 
 
 @triton.jit
 def _nvfp4_scales_kernel(bytes_base, floats_base, maxima, table_ptr, starts_ptr, n,
                          STEPS: tl.constexpr, FIELDS: tl.constexpr, BLOCK: tl.constexpr):
-    """UE4M3 codes of the rowwise scales [rows held, K/16]: each 16x16 tile's code over its 16
-    rows; and the global amax."""
-    row, M, K, first, index = _scale_run(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
-    segment = maxima + tl.load(row + 5)
+    """UE4M3 codes of the rowwise scales [rows held, K/16], one program per 16-row tile row and
+    BLOCK scale columns: the tiles' codes, each stored over its 16 rows (the rows the storage
+    holds); and the global amax."""
+    pid = tl.program_id(0)
+    i = _owner(starts_ptr, pid, n, STEPS)
+    row = table_ptr + i * FIELDS
+    K = tl.load(row + 4)
     blocks_k = K // 16
-    mask = index < tl.load(row + 7) * blocks_k
-    weight_row = tl.load(row + 6) // K + index // blocks_k
-    tile_amax = tl.load(segment + 1 + (weight_row // 16) * blocks_k + index % blocks_k,
-                        mask=mask, other=0.0)
+    runs_k = tl.cdiv(blocks_k, BLOCK)
+    local = pid - tl.load(starts_ptr + i)
+    first_row = tl.load(row + 6) // K
+    tile_row = first_row // 16 + local // runs_k
+    first_block = (local % runs_k) * BLOCK
+    segment = maxima + tl.load(row + 5)
+    lanes = tl.arange(0, BLOCK)
+    column_mask = lanes < (blocks_k - first_block).to(tl.int32)
+    tile_amax = tl.load(segment + (1 + tile_row * blocks_k + first_block) + lanes,
+                        mask=column_mask, other=0.0)
     factor, s_dec = _global_scales(segment)
     code, _ = _block_scales(tile_amax, factor, s_dec)
-    tl.store(bytes_base + tl.load(row + 10) + index, code.to(tl.uint8), mask=mask)
-    if first == 0:
+    held = tile_row * 16 - first_row  # the storage row of the tile's first row
+    rows = tl.arange(0, 16)
+    tl.store(bytes_base + (tl.load(row + 10) + held * blocks_k + first_block)
+             + rows[:, None] * blocks_k.to(tl.int32) + lanes[None, :],
+             tl.broadcast_to(code.to(tl.uint8)[None, :], [16, BLOCK]),
+             mask=column_mask[None, :] & (rows[:, None] >= (-held).to(tl.int32))
+             & (rows[:, None] < (tl.load(row + 7) - held).to(tl.int32)))
+    if local == 0:
         tl.store(floats_base + tl.load(row + 12), tl.load(segment))
 
 
@@ -273,14 +314,15 @@ def _nvfp4_scales_kernel(bytes_base, floats_base, maxima, table_ptr, starts_ptr,
 @triton.jit
 def _block_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
                          BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
-                         CHUNK: tl.constexpr):
+                         CHUNK: tl.constexpr,
+        ALIGNED: tl.constexpr):
     row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS, 128)
     cols = tl.arange(0, 128)
     running = tl.zeros([CHUNK, 128], dtype=tl.int32)
     for step in range(128 // CHUNK):
         origin, offsets, inside = _tile_range(row, M, K, tile_row * 128 + step * CHUNK,
-                                              tile_col * 128, tl.arange(0, CHUNK), cols)
-        x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS)
+                                              tile_col * 128, tl.arange(0, CHUNK), cols, ALIGNED)
+        x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)
         running = tl.maximum(running, abs_bits(x))
     tl.store(maxima_bits + tl.load(row + 5) + tile_row * tl.cdiv(K, 128) + tile_col,
              tl.max(tl.max(running, axis=1), axis=0))
@@ -290,18 +332,20 @@ def _block_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
 def _block_cast_kernel(master_base, bytes_base, maxima_bits, table_ptr, starts_ptr, n, eps,
                        BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
                        CHUNK: tl.constexpr, POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr,
-                       HW_CAST: tl.constexpr):
+                       HW_CAST: tl.constexpr,
+        ALIGNED: tl.constexpr):
     """The rank's elements of one window tile, with the tile's scale from the reduced maximum."""
     row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS, 128)
     scale = _scale(tl.load(maxima_bits + tl.load(row + 5) + tile_row * tl.cdiv(K, 128)
                            + tile_col), eps, POW2, OVERFLOW_BITS)
-    data = bytes_base + (tl.load(row + 8) - tl.load(row + 6))
+    data = tl.load(row + 8) - tl.load(row + 6)
     cols = tl.arange(0, 128)
     for step in range(128 // CHUNK):
         origin, offsets, inside = _tile_range(row, M, K, tile_row * 128 + step * CHUNK,
-                                              tile_col * 128, tl.arange(0, CHUNK), cols)
-        x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS)
-        tl.store(data + origin + offsets, fp8_codes(x * scale, False, HW_CAST), mask=inside)
+                                              tile_col * 128, tl.arange(0, CHUNK), cols, ALIGNED)
+        x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)
+        tl.store(bytes_base + _aligned(data + origin, ALIGNED) + offsets,
+                 fp8_codes(x * scale, False, HW_CAST), mask=inside)
 
 
 # ---- MXFP8: 1x32 and 32x1 blocks, tiles of 32 rows ----
@@ -310,14 +354,16 @@ def _block_cast_kernel(master_base, bytes_base, maxima_bits, table_ptr, starts_p
 @triton.jit
 def _mxfp8_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
                          BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
-                         COLUMNS: tl.constexpr):
+                         COLUMNS: tl.constexpr,
+        ALIGNED: tl.constexpr):
     row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS,
                                           COLUMNS)
     rows = tl.arange(0, 32)
     cols = tl.arange(0, COLUMNS)
     origin, offsets, inside = _tile_range(row, M, K, tile_row * 32, tile_col * COLUMNS, rows,
-                                          cols)
-    magnitude = abs_bits(_load_tile(master_base, row, origin, offsets, inside, BF16_BITS))
+                                          cols, ALIGNED)
+    magnitude = abs_bits(_load_tile(master_base, row, origin, offsets, inside, BF16_BITS,
+                                    ALIGNED))
     blocks = tl.arange(0, COLUMNS // 32)
     first_block = tile_col * (COLUMNS // 32)
     segment = maxima_bits + tl.load(row + 5)
@@ -349,7 +395,8 @@ def _mxfp8_cast_kernel(master_base, bytes_base, maxima_bits, table_ptr, starts_p
                        COLUMNS: tl.constexpr, MANTISSA_BITS: tl.constexpr,
                        MIN_EXPONENT: tl.constexpr, MAX_CODE: tl.constexpr,
                        RECIPROCAL_BITS: tl.constexpr, E5M2: tl.constexpr,
-                       HW_CAST: tl.constexpr):
+                       HW_CAST: tl.constexpr,
+        ALIGNED: tl.constexpr):
     """The rank's elements of one window tile, both copies, with the tile's exponents from the
     reduced maxima."""
     row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS,
@@ -370,20 +417,20 @@ def _mxfp8_cast_kernel(master_base, bytes_base, maxima_bits, table_ptr, starts_p
         column_grid + cols, mask=cols < (K - tile_col * COLUMNS).to(tl.int32), other=0
     ).to(tl.float32, bitcast=True), RECIPROCAL_BITS)  # [COLUMNS]
     origin, offsets, inside = _tile_range(row, M, K, tile_row * 32, tile_col * COLUMNS, rows,
-                                          cols)
-    x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS)
+                                          cols, ALIGNED)
+    x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)
     row_data = tl.load(row + 8)
     if row_data >= 0:
         codes = _mxfp8_codes(x, expand_blocks(row_exponent, 32, COLUMNS, 32), MANTISSA_BITS,
                              MIN_EXPONENT, MAX_CODE, E5M2, HW_CAST)
-        tl.store(bytes_base + (row_data - tl.load(row + 6) + origin) + offsets, codes,
-                 mask=inside)
+        tl.store(bytes_base + _aligned(row_data - tl.load(row + 6) + origin, ALIGNED)
+                 + offsets, codes, mask=inside)
     col_data = tl.load(row + 9)
     if col_data >= 0:
         codes = _mxfp8_codes(x, col_exponent[None, :], MANTISSA_BITS, MIN_EXPONENT, MAX_CODE,
                              E5M2, HW_CAST)
-        tl.store(bytes_base + (col_data - tl.load(row + 6) + origin) + offsets, codes,
-                 mask=inside)
+        tl.store(bytes_base + _aligned(col_data - tl.load(row + 6) + origin, ALIGNED)
+                 + offsets, codes, mask=inside)
 
 
 # ---- 2D NVFP4: 16x16 tiles and a global amax, tiles of 16 rows ----
@@ -392,12 +439,13 @@ def _mxfp8_cast_kernel(master_base, bytes_base, maxima_bits, table_ptr, starts_p
 @triton.jit
 def _nvfp4_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
                          BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
-                         COLUMNS: tl.constexpr):
+                         COLUMNS: tl.constexpr,
+        ALIGNED: tl.constexpr):
     row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS,
                                           COLUMNS)
     origin, offsets, inside = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS,
-                                          tl.arange(0, 16), tl.arange(0, COLUMNS))
-    x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS)
+                                          tl.arange(0, 16), tl.arange(0, COLUMNS), ALIGNED)
+    x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)
     tiles = tl.max(tl.max(tl.reshape(abs_bits(x), [16, COLUMNS // 16, 16]), axis=2), axis=0)
     segment = maxima_bits + tl.load(row + 5)
     blocks = tl.arange(0, COLUMNS // 16)
@@ -410,7 +458,8 @@ def _nvfp4_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
 @triton.jit
 def _nvfp4_cast_kernel(master_base, bytes_base, maxima, table_ptr, starts_ptr, n,
                        BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
-                       COLUMNS: tl.constexpr):
+                       COLUMNS: tl.constexpr,
+        ALIGNED: tl.constexpr):
     """The rank's elements of one window tile, nibble by nibble, with the tiles' scales from
     the reduced maxima. The even and the odd elements are loaded as two [16, COLUMNS / 2]
     halves: byte j of a row takes element 2j (low nibble) and 2j + 1 (high), so the halves
@@ -427,15 +476,16 @@ def _nvfp4_cast_kernel(master_base, bytes_base, maxima, table_ptr, starts_ptr, n
     rows = tl.arange(0, 16)
     pairs = tl.arange(0, COLUMNS // 2) * 2
     origin, even, low_in = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS, rows,
-                                       pairs)
-    _, odd, high_in = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS, rows, pairs + 1)
+                                       pairs, ALIGNED)
+    _, odd, high_in = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS, rows, pairs + 1,
+                                  ALIGNED)
     scale = expand_blocks(tl.broadcast_to(element_scale[None, :], [16, COLUMNS // 16]), 16,
                           COLUMNS // 2, 8)
     keep = scale == scale  # NaN tiles encode as +0 (the reference)
-    low = _e2m1_nibbles(_load_tile(master_base, row, origin, even, low_in, BF16_BITS), scale,
-                        0.0, False)
-    high = _e2m1_nibbles(_load_tile(master_base, row, origin, odd, high_in, BF16_BITS), scale,
-                         0.0, False)
+    x_even = _load_tile(master_base, row, origin, even, low_in, BF16_BITS, ALIGNED)
+    x_odd = _load_tile(master_base, row, origin, odd, high_in, BF16_BITS, ALIGNED)
+    low = _e2m1_nibbles(x_even, scale, 0.0, False)
+    high = _e2m1_nibbles(x_odd, scale, 0.0, False)
     low = tl.where(keep, low, 0)
     high = tl.where(keep, high, 0)
     # origin and base are even (K is), so byte = (element - base) / 2
@@ -490,8 +540,10 @@ class PartialCastPlan:
         self.floats_base = (min(floats, key=torch.Tensor.data_ptr) if floats
                             else torch.zeros(1, device=device))
         table, window_counts, cast_counts, scale_counts = [], [], [], []
+        self.aligned = True
         for cast in casts:
             entry, window, cast_programs, scale_programs = self._entry(cast)
+            self.aligned = self.aligned and self._aligned(entry)
             table.extend(entry)
             window_counts.append(window)
             cast_counts.append(cast_programs)
@@ -536,17 +588,35 @@ class PartialCastPlan:
         end_tile = _ceil_div(_ceil_div(cast.start + count, columns), tile_rows)
         entry[_WINDOW_ROW] = first_tile
         window = (end_tile - first_tile) * tiles_k if count else 0
-        return entry, window, window, _ceil_div(self._scale_entries(cast), SCALE_BLOCK)
+        return entry, window, window, self._scale_programs(cast)
 
-    def _scale_entries(self, cast: PartialCast) -> int:
-        """How many scale entries the scale kernel writes for this weight (its layouts)."""
+    def _aligned(self, entry: list[int]) -> bool:
+        """Whether this weight's masters and bytes start on 16-element boundaries where the
+        kernels address them (per-tensor: each run; tiles: each tile's element (0, 0), rows of
+        K % 16 == 0), so that the ALIGNED hints hold and loads and stores may be 16 bytes."""
+        owned = entry[_END] > entry[_START]
+        if self.kind in PER_TENSOR:
+            master = not owned or entry[_MASTER] % 16 == 0
+            data = entry[_ROW_DATA] < 0 or (entry[_ROW_DATA] + entry[_START]
+                                             - entry[_BASE]) % 16 == 0
+            return master and data
+        master = not owned or (entry[_MASTER] - entry[_START]) % 16 == 0
+        data = all(entry[field] < 0 or (entry[field] - entry[_BASE]) % 16 == 0
+                   for field in (_ROW_DATA, _COL_DATA))
+        return entry[_K] % 16 == 0 and master and data
+
+    def _scale_programs(self, cast: PartialCast) -> int:
+        """Programs of the scale launch for this weight (as the scale kernels divide it)."""
         rows, columns = cast.shape
         if self.kind == "block":
-            return _ceil_div(rows, 128) * _ceil_div(columns, 128)
-        if self.kind == "nvfp4":
-            return cast.rows_held * (columns // 16)
+            return _ceil_div(_ceil_div(rows, 128) * _ceil_div(columns, 128), SCALE_BLOCK)
+        if self.kind == "nvfp4":  # 16-row tile rows the held rows touch x column runs
+            first_row = cast.base // columns
+            tile_rows = _ceil_div(first_row + cast.rows_held, 16) - first_row // 16
+            return tile_rows * _ceil_div(columns // 16, NVFP4_SCALE_COLUMNS)
         rowwise = cast.rows_held * (columns // 32) if cast.row_scale is not None else 0
-        return rowwise + ((rows // 32) * columns if cast.col_scale is not None else 0)
+        columnwise = (rows // 32) * columns if cast.col_scale is not None else 0
+        return _ceil_div(rowwise, SCALE_BLOCK) + _ceil_div(columnwise, SCALE_BLOCK)
 
     def maxima(self, maxima: torch.Tensor) -> None:
         """Write this rank's maxima into `maxima` (fp32, zeros where the range touches no
@@ -561,7 +631,8 @@ class PartialCastPlan:
                  else {"COLUMNS": TILE_COLUMNS[self.kind]})
         launch(kernel, (self.window_programs,), self.master_base, maxima.view(torch.int32),
                self.table, self.window_starts, self.count, BF16_BITS=self.bf16_bits,
-               STEPS=self.steps, FIELDS=FIELDS, num_warps=NUM_WARPS, **extra)
+               STEPS=self.steps, FIELDS=FIELDS, ALIGNED=self.aligned, num_warps=NUM_WARPS,
+               **extra)
 
     def cast(self, reduced: torch.Tensor, *, power_2_scale: bool = True,
              amax_epsilon: float = 0.0, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> None:
@@ -570,7 +641,7 @@ class PartialCastPlan:
         of the scale tensors (one launch), then cast the window tiles (one launch)."""
         hw = hw_cast(reduced)
         rest = {"BF16_BITS": self.bf16_bits, "STEPS": self.steps, "FIELDS": FIELDS,
-                "num_warps": NUM_WARPS}
+                "ALIGNED": self.aligned, "num_warps": NUM_WARPS}
         window = (self.table, self.window_starts, self.count)
         scales = (self.table, self.scale_starts, self.count)
         if self.kind in PER_TENSOR:
@@ -607,7 +678,7 @@ class PartialCastPlan:
         else:
             launch(_nvfp4_scales_kernel, (self.scale_programs,), self.bytes_base,
                    self.floats_base, reduced, *scales, STEPS=self.steps, FIELDS=FIELDS,
-                   BLOCK=SCALE_BLOCK, num_warps=NUM_WARPS)
+                   BLOCK=NVFP4_SCALE_COLUMNS, num_warps=NUM_WARPS)
             if self.window_programs:
                 launch(_nvfp4_cast_kernel, (self.window_programs,), self.master_base,
                        self.bytes_base, reduced, *window, COLUMNS=TILE_COLUMNS["nvfp4"],
