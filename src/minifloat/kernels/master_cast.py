@@ -378,13 +378,21 @@ def _mxfp8_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
 
 
 @triton.jit
-def _mxfp8_codes(x, exponent, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+def _mxfp8_codes(x, exponent, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+                 EXPAND: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
                  MAX_CODE: tl.constexpr, E5M2: tl.constexpr, HW_CAST: tl.constexpr):
-    """FP8 codes of x * 2^(127 - e), exponents broadcast to x: mxfp8_tile's two paths."""
+    """FP8 codes of x [ROWS, COLUMNS] * 2^(127 - e): mxfp8_tile's two paths, the per-block
+    values computed once a block and then spread (EXPAND: exponents [ROWS, COLUMNS / 32] over
+    their 32 columns; otherwise [1, COLUMNS], broadcast over the rows)."""
     if HW_CAST:
         f, h = _hw_factors(exponent)
+        if EXPAND:
+            f = expand_blocks(f, ROWS, COLUMNS, 32)
+            h = expand_blocks(h, ROWS, COLUMNS, 32)
         codes = cvt_sat_rne_fp8(x * f * h, E5M2)
     else:
+        if EXPAND:
+            exponent = expand_blocks(exponent, ROWS, COLUMNS, 32)
         codes = _fp8_codes(x, exponent, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
     return codes
 
@@ -421,14 +429,14 @@ def _mxfp8_cast_kernel(master_base, bytes_base, maxima_bits, table_ptr, starts_p
     x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)
     row_data = tl.load(row + 8)
     if row_data >= 0:
-        codes = _mxfp8_codes(x, expand_blocks(row_exponent, 32, COLUMNS, 32), MANTISSA_BITS,
-                             MIN_EXPONENT, MAX_CODE, E5M2, HW_CAST)
+        codes = _mxfp8_codes(x, row_exponent, 32, COLUMNS, True, MANTISSA_BITS, MIN_EXPONENT,
+                             MAX_CODE, E5M2, HW_CAST)
         tl.store(bytes_base + _aligned(row_data - tl.load(row + 6) + origin, ALIGNED)
                  + offsets, codes, mask=inside)
     col_data = tl.load(row + 9)
     if col_data >= 0:
-        codes = _mxfp8_codes(x, col_exponent[None, :], MANTISSA_BITS, MIN_EXPONENT, MAX_CODE,
-                             E5M2, HW_CAST)
+        codes = _mxfp8_codes(x, col_exponent[None, :], 32, COLUMNS, False, MANTISSA_BITS,
+                             MIN_EXPONENT, MAX_CODE, E5M2, HW_CAST)
         tl.store(bytes_base + _aligned(col_data - tl.load(row + 6) + origin, ALIGNED)
                  + offsets, codes, mask=inside)
 
