@@ -6,14 +6,14 @@ cast, copies into the ranges): a model of hundreds of weights paid thousands of 
 their host time every step (1b over 8 ranks, one H100: 2161 launches and 30 ms for delayed
 scaling, 5361 and 77 ms for block FP8, 14641 and 193 ms for MXFP8).
 
-Here the casts the kernels serve are grouped into plans (kernels/master_cast.py), one per format,
-master dtype and quantizer configuration: each plan launches one maxima kernel (this rank's
-maxima into master_weights' one vector, which its one all-reduce reduces together with any
-reference cast's) and one cast kernel (every scale and the rank's elements). The bytes are the
-reference's, bit for bit (tests/gpu/test_master_cast_blocks_cuda.py,
-test_master_cast_batched_cuda.py). A weight whose master or storage the kernels cannot serve
-(on the CPU, an fp16 master, a non-contiguous one, state on another device) takes the
-reference path.
+Here the casts the kernels serve are grouped into plans (kernels/master_cast_plan.py), one per
+format, master dtype and quantizer configuration: each plan launches one maxima kernel (this
+rank's maxima into master_weights' one vector, which its one all-reduce reduces together with
+any reference cast's), then the per-tensor cast, or the block formats' scale kernel and their
+cast of the rank's window (kernels/master_cast.py). The bytes are the reference's, bit for bit
+(tests/gpu/test_master_cast_kernels_cuda.py). A weight whose master or storage the kernels
+cannot serve (on the CPU, an fp16 master, a non-contiguous one, state on another device) takes
+the reference path.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ _PLANS_KEPT = 8
 
 
 def plans(casts: list, shapes: list) -> list[tuple[object, dict]]:
-    """Plans (kernels/master_cast.PartialCastPlan) for casts that are all plan_batchable and
+    """Plans (kernels/master_cast_plan.PartialCastPlan) for casts that are all plan_batchable and
     whose maxima offsets are assigned: one per format, master dtype and quantizer
     configuration; with the options of each plan's cast launch.
 
@@ -93,7 +93,7 @@ def plans(casts: list, shapes: list) -> list[tuple[object, dict]]:
     of a call's host time (1b, 80 weights: ~2 ms on an H200 host). Any change of an address,
     range or layout gives a new fingerprint, hence a new plan; a kept plan holds its base
     tensors, so their addresses cannot be reused meanwhile."""
-    master_cast = kernel_module("master_cast")
+    master_cast_plan = kernel_module("master_cast_plan")
     groups: dict[tuple, list] = {}
     for cast, shape in zip(casts, shapes, strict=True):
         options = _options(cast)
@@ -105,9 +105,9 @@ def plans(casts: list, shapes: list) -> list[tuple[object, dict]]:
         key = (kind, *(_fingerprint(cast, shape) for cast, shape, _ in members))
         plan = _PLANS.get(key)
         if plan is None:
-            partials = [_partial(master_cast, cast, shape) for cast, shape, _ in members]
+            partials = [_partial(master_cast_plan, cast, shape) for cast, shape, _ in members]
             device = _bytes_of(members[0][0]).device
-            plan = master_cast.PartialCastPlan(kind, partials, device)
+            plan = master_cast_plan.PartialCastPlan(kind, partials, device)
             if len(_PLANS) >= _PLANS_KEPT:
                 _PLANS.pop(next(iter(_PLANS)))
             _PLANS[key] = plan
@@ -127,7 +127,7 @@ def _fingerprint(cast, shape: tuple[int, int]) -> tuple:
             (0, 0) if master is None else (master.data_ptr(), master.numel()))
 
 
-def _partial(master_cast, cast, shape: tuple[int, int]):
+def _partial(master_cast_plan, cast, shape: tuple[int, int]):
     """The kernel's view of one cast: its master range and the tensors it writes."""
     storage = cast.storage
     data = _bytes_of(cast)
@@ -138,19 +138,19 @@ def _partial(master_cast, cast, shape: tuple[int, int]):
     # (NVFP4 packs two elements a byte)
     if cast.kind in ("current", "delayed"):
         delayed = cast.kind == "delayed"
-        return master_cast.PartialCast(
+        return master_cast_plan.PartialCast(
             row_data=storage.data, row_scale=storage.scale_inv,
             row_amax=storage.quantizer.amax if delayed else None,
             scale_source=storage.quantizer.scale if delayed else None, **common)
     if cast.kind == "block":
-        return master_cast.PartialCast(row_data=storage.rowwise_data,
+        return master_cast_plan.PartialCast(row_data=storage.rowwise_data,
                                        row_scale=storage.rowwise_scale_inv, **common)
     if cast.kind == "mxfp8":
-        return master_cast.PartialCast(row_data=storage.rowwise_data,
+        return master_cast_plan.PartialCast(row_data=storage.rowwise_data,
                                        row_scale=storage.rowwise_scale,
                                        col_data=storage.columnwise_data,
                                        col_scale=storage.columnwise_scale, **common)
     # block FP8 and NVFP4: the transposed copy, scales included, is rebuilt after the gather
-    return master_cast.PartialCast(row_data=storage.rowwise_data,
+    return master_cast_plan.PartialCast(row_data=storage.rowwise_data,
                                    row_scale=storage.rowwise_scale,
                                    row_amax=storage.amax_rowwise, **common)
