@@ -66,12 +66,6 @@ def load_as_float(ptr, offsets, mask, BF16_BITS: tl.constexpr):
 
 
 @triton.jit
-def as_float(bits):
-    """Reinterpret int32 bit patterns as fp32."""
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def magnitude_bits(x):
     """|x| of fp32 values as int32 bits. Their integer order is the float order, with NaN above
     inf, so an integer max over them is a NaN-propagating absolute max (torch.amax's rule)."""
@@ -132,33 +126,6 @@ def round_to_code(
     half = 1 << (shift - 1)
     round_up = (remainder > half) | ((remainder == half) & ((units & 1) == 1))
     code = ((region - MIN_EXPONENT) << MANTISSA_BITS) + units + round_up.to(tl.int32)
-    return tl.minimum(code, MAX_CODE)
-
-
-@triton.jit
-def round_to_code_stochastic(
-    mantissa,
-    exponent,
-    random_bits,
-    MANTISSA_BITS: tl.constexpr,
-    MIN_EXPONENT: tl.constexpr,
-    MAX_CODE: tl.constexpr,
-):
-    """Like round_to_code, but rounds up with probability equal to the discarded fraction
-    (NUMERICS.md §7): the fraction, scaled to 32 bits, is compared with 32 uniform random bits
-    (`random_bits`, int32 or uint32, one draw per element). Exact for fractions of up to 32 bits,
-    within 2^-32 of exact beyond; saturates like RNE."""
-    region = tl.maximum(exponent, MIN_EXPONENT)
-    shift = tl.minimum(region - MANTISSA_BITS - exponent + 23, 56).to(tl.int64)
-    wide = mantissa.to(tl.int64)
-    units = wide >> shift
-    remainder = wide & ((tl.full(wide.shape, 1, tl.int64) << shift) - 1)
-    above = remainder >> tl.maximum(shift - 32, 0)
-    below = remainder << tl.maximum(32 - shift, 0)
-    threshold = tl.where(shift >= 32, above, below)
-    draw = random_bits.to(tl.int64) & 0xFFFFFFFF
-    round_up = draw < threshold
-    code = ((region - MIN_EXPONENT) << MANTISSA_BITS) + units.to(tl.int32) + round_up.to(tl.int32)
     return tl.minimum(code, MAX_CODE)
 
 
