@@ -82,10 +82,10 @@ _PLANS: dict[tuple, object] = {}
 _PLANS_KEPT = 8
 
 
-def plans(casts: list, shapes: list) -> list[tuple[object, dict]]:
+def plans(casts: list, shapes: list) -> list:
     """Plans (kernels/master_cast_plan.PartialCastPlan) for casts that are all plan_batchable and
     whose maxima offsets are assigned: one per format, master dtype and quantizer
-    configuration; with the options of each plan's cast launch.
+    configuration.
 
     A plan is kept across calls under the fingerprint of its casts (ranges, shapes, maxima
     offsets and the addresses of every tensor it reads or writes): a distributed optimizer
@@ -107,11 +107,11 @@ def plans(casts: list, shapes: list) -> list[tuple[object, dict]]:
         if plan is None:
             partials = [_partial(master_cast_plan, cast, shape) for cast, shape, _ in members]
             device = _bytes_of(members[0][0]).device
-            plan = master_cast_plan.PartialCastPlan(kind, partials, device)
+            plan = master_cast_plan.PartialCastPlan(kind, partials, device, **members[0][2])
             if len(_PLANS) >= _PLANS_KEPT:
                 _PLANS.pop(next(iter(_PLANS)))
             _PLANS[key] = plan
-        built.append((plan, members[0][2]))
+        built.append(plan)
     return built
 
 

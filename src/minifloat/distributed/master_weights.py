@@ -411,15 +411,15 @@ def _cast_from_reduced_maxima(casts: list[tuple[_Cast, tuple[int, int]]], group)
     served = [(cast, shape) for cast, shape in casts if plan_batchable(cast, kernel_devices)]
     plans = batched_plans([cast for cast, _ in served], [shape for _, shape in served]) \
         if served else []
-    for plan, _ in plans:
+    for plan in plans:
         plan.maxima(maxima)
     done = {id(cast) for cast, _ in served}
     rest = [(cast, shape) for cast, shape in casts if id(cast) not in done]
     for cast, shape in rest:
         maxima[cast.offset:cast.offset + cast.count] = _partial_maxima(cast, shape).reshape(-1)
     reduced = all_reduce_max_keep_nan(maxima, group)
-    for plan, options in plans:
-        plan.cast(reduced, **options)
+    for plan in plans:
+        plan.cast(reduced)
     for cast, shape in rest:
         _cast(cast, reduced[cast.offset:cast.offset + cast.count], shape)
 

@@ -145,29 +145,51 @@ def _per_tensor_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n
 def _per_tensor_cast_kernel(master_base, bytes_base, floats_base, maxima, table_ptr, starts_ptr,
                             n, eps, BF16_BITS: tl.constexpr, STEPS: tl.constexpr,
                             FIELDS: tl.constexpr, BLOCK: tl.constexpr, E5M2: tl.constexpr,
-                            POW2: tl.constexpr, DELAYED: tl.constexpr, HW_CAST: tl.constexpr,
+                            POW2: tl.constexpr, HW_CAST: tl.constexpr,
                             ALIGNED: tl.constexpr):
     """Current scaling: the scale from the reduced amax (numerics.scale_from_amax, FLT_MAX on
-    overflow). Delayed: the recipe state's scale, and the first run folds the reduced amax into
-    the state's amax slot (torch.maximum: NaN wins). The first run writes scale_inv."""
+    overflow); the first run writes scale_inv."""
     row, run, first, lanes, inside = _flat(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
-    amax = tl.load(maxima + tl.load(row + 5))
-    if DELAYED:
-        scale = tl.load(floats_base + tl.load(row + 15))
-    else:
-        scale = scale_from_amax(amax, eps, E5M2, POW2, 0x7F7FFFFF)
+    scale = scale_from_amax(tl.load(maxima + tl.load(row + 5)), eps, E5M2, POW2, 0x7F7FFFFF)
     if run == 0:
         tl.store(floats_base + tl.load(row + 10), reciprocal_rn(scale))
-        if DELAYED:
-            slot = floats_base + tl.load(row + 12)
-            old = tl.load(slot)
-            tl.store(slot, tl.where(old != old, old,
-                                    tl.where(amax != amax, amax, tl.maximum(old, amax))))
     x = load_as_float(master_base + _aligned(tl.load(row) + first, ALIGNED), lanes, inside,
                       BF16_BITS)
     data = tl.load(row + 8)
     target = bytes_base + _aligned(data + tl.load(row + 1) - tl.load(row + 6) + first, ALIGNED)
     tl.store(target + lanes, fp8_codes(x * scale, E5M2, HW_CAST), mask=inside & (data >= 0))
+
+
+@triton.jit
+def _delayed_cast_kernel(master_base, bytes_base, floats_base, maxima_bits, table_ptr,
+                         starts_ptr, n, BF16_BITS: tl.constexpr, STEPS: tl.constexpr,
+                         FIELDS: tl.constexpr, BLOCK: tl.constexpr, E5M2: tl.constexpr,
+                         HW_CAST: tl.constexpr, ALIGNED: tl.constexpr):
+    """Delayed scaling in one pass over the masters: the scale is the recipe state's, known
+    before any all-reduce, so each run casts its elements and records their amax at once (the
+    reduced amax only updates the state's slot afterwards, _delayed_fold_kernel). The first run
+    writes scale_inv; a weight whose range is empty gets that one run."""
+    row, run, first, lanes, inside = _flat(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
+    scale = tl.load(floats_base + tl.load(row + 15))
+    if run == 0:
+        tl.store(floats_base + tl.load(row + 10), reciprocal_rn(scale))
+    x = load_as_float(master_base + _aligned(tl.load(row) + first, ALIGNED), lanes, inside,
+                      BF16_BITS)
+    tl.atomic_max(maxima_bits + tl.load(row + 5), tl.max(abs_bits(x), axis=0))
+    data = tl.load(row + 8)
+    target = bytes_base + _aligned(data + tl.load(row + 1) - tl.load(row + 6) + first, ALIGNED)
+    tl.store(target + lanes, fp8_codes(x * scale, E5M2, HW_CAST), mask=inside & (data >= 0))
+
+
+@triton.jit
+def _delayed_fold_kernel(floats_base, maxima, table_ptr, FIELDS: tl.constexpr):
+    """One program a weight: the reduced amax folded into the recipe state's slot
+    (torch.maximum: NaN wins)."""
+    row = table_ptr + tl.program_id(0) * FIELDS
+    amax = tl.load(maxima + tl.load(row + 5))
+    slot = floats_base + tl.load(row + 12)
+    old = tl.load(slot)
+    tl.store(slot, tl.where(old != old, old, tl.where(amax != amax, amax, tl.maximum(old, amax))))
 
 
 # ---- block formats: every scale in flat runs of the scale tensors ----

@@ -22,6 +22,8 @@ from .master_cast import (
     _block_cast_kernel,
     _block_maxima_kernel,
     _block_scales_kernel,
+    _delayed_cast_kernel,
+    _delayed_fold_kernel,
     _mxfp8_cast_kernel,
     _mxfp8_maxima_kernel,
     _mxfp8_scales_kernel,
@@ -95,11 +97,15 @@ class PartialCastPlan:
     """The table of one format's casts (one master dtype, one quantizer configuration), built
     once per step: `maxima` and `cast` launch one kernel each over all of them."""
 
-    def __init__(self, kind: str, casts: Sequence[PartialCast], device: torch.device) -> None:
+    def __init__(self, kind: str, casts: Sequence[PartialCast], device: torch.device, *,
+                 power_2_scale: bool = True, amax_epsilon: float = 0.0,
+                 fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> None:
         if kind not in TILE_ROWS and kind not in PER_TENSOR:
             raise ValueError(f"master_cast: unknown format {kind!r} (current, delayed, block, "
                              "mxfp8 or nvfp4)")
         self.kind, self.device, self.count = kind, device, len(casts)
+        self.power_2_scale, self.amax_epsilon = power_2_scale, float(amax_epsilon)
+        self.fp8_dtype = fp8_dtype
         masters = [c.master for c in casts if c.master is not None and c.master.numel()]
         dtypes = {m.dtype for m in masters}
         if len(dtypes) > 1 or not dtypes <= {torch.float32, torch.bfloat16}:
@@ -197,12 +203,21 @@ class PartialCastPlan:
 
     def maxima(self, maxima: torch.Tensor) -> None:
         """Write this rank's maxima into `maxima` (fp32, zeros where the range touches no
-        block; per-tensor amaxes and NVFP4's global amax by atomic max: they start at zero)."""
+        block; per-tensor amaxes and NVFP4's global amax by atomic max: they start at zero).
+        Delayed scaling casts in the same pass (its scale is the recipe state's, known before
+        the all-reduce): one read of the masters instead of two."""
+        hw = hw_cast(maxima)
+        if self.kind == "delayed":
+            launch(_delayed_cast_kernel, (self.cast_programs,), self.master_base,
+                   self.bytes_base, self.floats_base, maxima.view(torch.int32), self.table,
+                   self.cast_starts, self.count, BF16_BITS=self.bf16_bits, STEPS=self.steps,
+                   FIELDS=FIELDS, BLOCK=FLAT_BLOCK, E5M2=self.fp8_dtype == torch.float8_e5m2,
+                   HW_CAST=hw, ALIGNED=self.aligned, num_warps=NUM_WARPS)
+            return
         if not self.window_programs:
             return
-        kernel = {"current": _per_tensor_maxima_kernel, "delayed": _per_tensor_maxima_kernel,
-                  "block": _block_maxima_kernel, "mxfp8": _mxfp8_maxima_kernel,
-                  "nvfp4": _nvfp4_maxima_kernel}[self.kind]
+        kernel = {"current": _per_tensor_maxima_kernel, "block": _block_maxima_kernel,
+                  "mxfp8": _mxfp8_maxima_kernel, "nvfp4": _nvfp4_maxima_kernel}[self.kind]
         extra = ({"CHUNK": BLOCK_CHUNK} if self.kind == "block"
                  else {"BLOCK": FLAT_BLOCK} if self.kind in PER_TENSOR
                  else {"COLUMNS": TILE_COLUMNS[self.kind]})
@@ -211,32 +226,38 @@ class PartialCastPlan:
                STEPS=self.steps, FIELDS=FIELDS, ALIGNED=self.aligned, num_warps=NUM_WARPS,
                **extra)
 
-    def cast(self, reduced: torch.Tensor, *, power_2_scale: bool = True,
-             amax_epsilon: float = 0.0, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> None:
-        """Every scale of every weight, and this rank's elements, from the reduced maxima: the
-        per-tensor formats in one launch; the block formats write their scales in flat runs
-        of the scale tensors (one launch), then cast the window tiles (one launch)."""
+    def cast(self, reduced: torch.Tensor) -> None:
+        """Every scale of every weight, and this rank's elements, from the reduced maxima:
+        current scaling in one launch; delayed scaling (cast already) folds the reduced amaxes
+        into the recipe state; the block formats write their scales in flat runs of the scale
+        tensors (one launch), then cast the window tiles (one launch)."""
         hw = hw_cast(reduced)
+        power_2_scale, amax_epsilon, fp8_dtype = (
+            self.power_2_scale, self.amax_epsilon, self.fp8_dtype)
+        if self.kind == "delayed":
+            launch(_delayed_fold_kernel, (self.count,), self.floats_base, reduced, self.table,
+                   FIELDS=FIELDS, num_warps=1)
+            return
         rest = {"BF16_BITS": self.bf16_bits, "STEPS": self.steps, "FIELDS": FIELDS,
                 "ALIGNED": self.aligned, "num_warps": NUM_WARPS}
         window = (self.table, self.window_starts, self.count)
         scales = (self.table, self.scale_starts, self.count)
-        if self.kind in PER_TENSOR:
+        if self.kind == "current":
             launch(_per_tensor_cast_kernel, (self.cast_programs,), self.master_base,
                    self.bytes_base, self.floats_base, reduced, self.table, self.cast_starts,
-                   self.count, float(amax_epsilon), BLOCK=FLAT_BLOCK,
-                   E5M2=fp8_dtype == torch.float8_e5m2, POW2=power_2_scale,
-                   DELAYED=self.kind == "delayed", HW_CAST=hw, **rest)
+                   self.count, amax_epsilon, BLOCK=FLAT_BLOCK,
+                   E5M2=fp8_dtype == torch.float8_e5m2, POW2=power_2_scale, HW_CAST=hw,
+                   **rest)
         elif self.kind == "block":
             overflow = dtype_max_bits(torch.float32)
             launch(_block_scales_kernel, (self.scale_programs,), self.floats_base,
-                   reduced.view(torch.int32), *scales, float(amax_epsilon), STEPS=self.steps,
+                   reduced.view(torch.int32), *scales, amax_epsilon, STEPS=self.steps,
                    FIELDS=FIELDS, BLOCK=SCALE_BLOCK, POW2=power_2_scale,
                    OVERFLOW_BITS=overflow, num_warps=NUM_WARPS)
             if self.window_programs:
                 launch(_block_cast_kernel, (self.window_programs,), self.master_base,
                        self.bytes_base, reduced.view(torch.int32), *window,
-                       float(amax_epsilon), CHUNK=BLOCK_CHUNK, POW2=power_2_scale,
+                       amax_epsilon, CHUNK=BLOCK_CHUNK, POW2=power_2_scale,
                        OVERFLOW_BITS=overflow, HW_CAST=hw, **rest)
         elif self.kind == "mxfp8":
             mantissa_bits, min_exponent, max_code = (
