@@ -22,8 +22,8 @@ Per recipe row (the model weights built under quantized_model_init with that rec
   only); kernel_copy_fraction = bytes / kernel time / copy_gbps: the cast kernels' own
   bandwidth, issue 16's target (>= 0.7), which device_ms hides when the cast is host-bound;
   two_pass_copy_fraction counts what the kernels must move: the masters read twice (the
-  maxima pass before the all-reduce, then the cast) and the quantized bytes written (MXFP8:
-  both copies).
+  maxima pass before the all-reduce, then the cast; once for delayed scaling, whose scale is
+  known before it) and the quantized bytes written (MXFP8: both copies).
 
 Usage: python benchmarks/master_cast.py [--preset 1b] [--ranks 8] [--rank 0]
        [--recipes fp8-current,fp8-delayed,fp8-block,mxfp8,nvfp4] [--steps 10] [--device cuda]
@@ -52,6 +52,8 @@ from minifloat.models.torch_gpt import PRESETS, TorchGPT, not_head  # noqa: E402
 BYTES_PER_ELEMENT = {"fp8-current": 1.0, "fp8-delayed": 1.0, "fp8-block": 1.0, "mxfp8": 1.0,
                      "nvfp4": 0.5}
 WRITTEN_PER_ELEMENT = {**BYTES_PER_ELEMENT, "mxfp8": 2.0}  # MXFP8 weights keep both copies
+# passes over the fp32 masters: the maxima, then the cast; delayed scaling casts in the first
+MASTER_READS = {name: 2 for name in BYTES_PER_ELEMENT} | {"fp8-delayed": 1}
 
 
 def weight_shapes(preset: str) -> list[tuple[int, int]]:
@@ -147,7 +149,8 @@ def measure_recipe(name: str, shapes: list[tuple[int, int]], ranges: list[tuple[
         row["kernel_copy_fraction"] = moved / (kernel_ms * 1e-3) / 1e9 / row["copy_gbps"]
         # what the two passes must move (the maxima pass reads the masters too, before the
         # all-reduce; MXFP8 writes both copies): their bandwidth against the copy's
-        row["two_pass_bytes"] = int(elements * (8 + WRITTEN_PER_ELEMENT[name]))
+        row["two_pass_bytes"] = int(elements * (MASTER_READS[name] * 4
+                                                + WRITTEN_PER_ELEMENT[name]))
         row["two_pass_copy_fraction"] = (row["two_pass_bytes"] / (kernel_ms * 1e-3) / 1e9
                                          / row["copy_gbps"])
     return row
