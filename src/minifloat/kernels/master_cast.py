@@ -10,7 +10,9 @@ and the tensor (2D NVFP4); a block cut by a range boundary is shared by ranks. S
    laid out per weight as the reference (master_weights._partial_maxima) lays it out; elements
    outside the range count as zeros, blocks it does not touch stay zero.
 2. the caller reduces the vector (one MAX all-reduce over the data-parallel group).
-3. `cast`: the per-tensor kernel casts the range in flat runs (its first run writes scale_inv).
+3. `cast`: the per-tensor kernel casts the range in flat runs (its first run writes scale_inv);
+   delayed scaling, whose scale is the recipe state's and known before the all-reduce, cast
+   already in step 1 and only folds the reduced amax into the state here.
    A block format writes every scale of every weight in flat runs of the scale tensors (every
    rank writes every scale: they are the same everywhere; the tensors are laid out as their
    maxima, so a run reads a run), then casts the tiles of the rank's window, each tile's scales
