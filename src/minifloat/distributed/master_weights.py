@@ -12,7 +12,9 @@ which cannot raise an absolute maximum), one MAX all-reduce over `group` combine
 weights at once, and then every rank derives the same scales and casts its own elements, which
 each depend only on their own value and their scale. NaN is carried through the all-reduce as a
 separate flag (a MAX all-reduce need not propagate NaN), so a NaN anywhere still gives the
-scales a NaN gives the full cast.
+scales a NaN gives the full cast. MXFP8 reduces its blocks' E8M0 exponents (uint8) instead of
+their maxima: the exponent rule is monotone, so the exponent of the largest maximum is the
+largest exponent; a quarter of the bytes, and a NaN's exponent (255) is the largest of all.
 
 Formats: per-tensor FP8 with current scaling (the scale from the reduced amax) and with delayed
 scaling (the scale of the recipe state; the reduced amax is recorded into its history slot),
@@ -200,16 +202,27 @@ def _partial_maxima(cast: _Cast, shape: tuple[int, int]) -> torch.Tensor:
         return torch.cat([numerics.compute_amax(window).reshape(1),
                           _placed(tile_amax(window, _FP4_TILE, _FP4_TILE), first // _FP4_TILE,
                                   rows // _FP4_TILE).reshape(-1)])
-    return torch.cat([_placed(tile_amax(window, 1, _MX_BLOCK), first, rows).reshape(-1),
-                      _placed(tile_amax(window, _MX_BLOCK, 1), first // _MX_BLOCK,
-                              rows // _MX_BLOCK).reshape(-1)])
+    # MXFP8: the blocks' E8M0 exponents (uint8), not their maxima: the exponent rule is
+    # monotone, so the exponent of the reduced maximum is the maximum of the exponents, and the
+    # ranks reduce a quarter of the bytes (exponent 0 is a zero block's: it raises no maximum)
+    element_max = numerics.fp8_format(cast.storage.fp8_dtype).max_value
+    return numerics.e8m0_exponent(torch.cat([
+        _placed(tile_amax(window, 1, _MX_BLOCK), first, rows).reshape(-1),
+        _placed(tile_amax(window, _MX_BLOCK, 1), first // _MX_BLOCK,
+                rows // _MX_BLOCK).reshape(-1)]), element_max)
 
 
 def all_reduce_max_keep_nan(values: torch.Tensor, group) -> torch.Tensor:
-    """MAX over the group, NaN-preserving: NaN travels as a flag beside the values."""
+    """MAX over the group, NaN-preserving: NaN travels as a flag beside the values (integer
+    values, such as E8M0 exponents whose NaN is 255, the largest, reduce as they are)."""
     if group is None:
         return values
     import torch.distributed as dist
+
+    if not values.is_floating_point():
+        reduced = values.clone()
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+        return reduced
 
     nan = torch.isnan(values)
     packed = torch.cat([torch.where(nan, torch.zeros_like(values), values), nan.float()])
@@ -260,24 +273,22 @@ def _cast(cast: _Cast, maxima: torch.Tensor, shape: tuple[int, int]) -> None:
     if cast.kind == "nvfp4":
         _cast_nvfp4(cast, maxima, shape, window)
         return
-    rows = shape[0] * (shape[1] // _MX_BLOCK)
-    row_maxima = maxima[:rows].reshape(shape[0], shape[1] // _MX_BLOCK)
-    column_maxima = maxima[rows:].reshape(shape[0] // _MX_BLOCK, shape[1])
-    element_max = numerics.fp8_format(storage.fp8_dtype).max_value
+    rows = shape[0] * (shape[1] // _MX_BLOCK)  # MXFP8: `maxima` holds the reduced exponents
+    row_exponents = maxima[:rows].reshape(shape[0], shape[1] // _MX_BLOCK)
+    column_exponents = maxima[rows:].reshape(shape[0] // _MX_BLOCK, shape[1])
     if storage.rowwise_data is not None:  # per-row scales: the rows the storage holds
-        storage.rowwise_scale.copy_(_storage_rows(
-            numerics.e8m0_exponent(row_maxima, element_max), cast, shape,
-            storage.rowwise_data.shape[0]))
+        storage.rowwise_scale.copy_(_storage_rows(row_exponents, cast, shape,
+                                                  storage.rowwise_data.shape[0]))
     if storage.columnwise_data is not None:  # the columnwise grid is whole (shared)
-        storage.columnwise_scale.copy_(numerics.e8m0_exponent(column_maxima, element_max))
+        storage.columnwise_scale.copy_(column_exponents)
     if not window.numel():
         return
     quantized = numerics.quantize_mxfp8(
         window, rowwise=storage.rowwise_data is not None,
         columnwise=storage.columnwise_data is not None, dtype=storage.fp8_dtype,
-        rowwise_amax=row_maxima[first:first + window.shape[0]],
-        columnwise_amax=column_maxima[first // _MX_BLOCK:
-                                      (first + window.shape[0]) // _MX_BLOCK])
+        rowwise_exponents=row_exponents[first:first + window.shape[0]],
+        columnwise_exponents=column_exponents[first // _MX_BLOCK:
+                                              (first + window.shape[0]) // _MX_BLOCK])
     for direction in ("rowwise", "columnwise"):
         if f"{direction}_data" in quantized:
             _write_range(getattr(storage, f"{direction}_data"),
@@ -354,7 +365,8 @@ def quantize_master_weights(
     this rank's flat shard of it (None when it owns none), covering elements
     [start_offsets[i], start_offsets[i] + numel) of the flattened weight; shards need not
     align with rows, tiles or blocks. group: the ranks that share the weights (the
-    data-parallel group); one MAX all-reduce over it per call, for all weights together.
+    data-parallel group); one MAX all-reduce over it per call for all weights together (a
+    second, of uint8 exponents, when MXFP8 weights are among them).
 
     Afterwards this rank's ranges of the rowwise bytes (and of MXFP8's columnwise bytes) and
     every scale of those copies are those of quantizing the full master weight; all-gather the
@@ -399,29 +411,39 @@ def _maxima_size(cast: _Cast, shape: tuple[int, int]) -> int:
 
 
 def _cast_from_reduced_maxima(casts: list[tuple[_Cast, tuple[int, int]]], group) -> None:
-    """One vector of every weight's partial maxima, one MAX all-reduce over `group`, then the
-    casts. Casts the kernels serve write their maxima and cast in one launch each per plan
+    """One vector of every weight's partial maxima (fp32) and one of MXFP8's exponents
+    (uint8), one MAX all-reduce over `group` each (when not empty), then the casts. Casts the
+    kernels serve write their maxima and cast in a few launches per plan
     (master_cast_batched.plans); the others take the reference (torch) functions here."""
-    offset = 0
+    sizes = {torch.float32: 0, torch.uint8: 0}
     for cast, shape in casts:
-        cast.offset, cast.count = offset, _maxima_size(cast, shape)
-        offset += cast.count
-    maxima = torch.zeros(offset, dtype=torch.float32, device=_device(casts[0][0]))
+        dtype = torch.uint8 if cast.kind == "mxfp8" else torch.float32
+        cast.offset, cast.count = sizes[dtype], _maxima_size(cast, shape)
+        sizes[dtype] += cast.count
+    device = _device(casts[0][0])
+    vectors = {dtype: torch.zeros(size, dtype=dtype, device=device)
+               for dtype, size in sizes.items()}
+
+    def vector(kind: str) -> torch.Tensor:
+        return vectors[torch.uint8 if kind == "mxfp8" else torch.float32]
+
     kernel_devices: dict = {}  # kernels.available per device, asked once per call
     served = [(cast, shape) for cast, shape in casts if plan_batchable(cast, kernel_devices)]
     plans = batched_plans([cast for cast, _ in served], [shape for _, shape in served]) \
         if served else []
     for plan in plans:
-        plan.maxima(maxima)
+        plan.maxima(vector(plan.kind))
     done = {id(cast) for cast, _ in served}
     rest = [(cast, shape) for cast, shape in casts if id(cast) not in done]
     for cast, shape in rest:
-        maxima[cast.offset:cast.offset + cast.count] = _partial_maxima(cast, shape).reshape(-1)
-    reduced = all_reduce_max_keep_nan(maxima, group)
+        vector(cast.kind)[cast.offset:cast.offset + cast.count] = (
+            _partial_maxima(cast, shape).reshape(-1))
+    vectors = {dtype: all_reduce_max_keep_nan(values, group) if values.numel() else values
+               for dtype, values in vectors.items()}
     for plan in plans:
-        plan.cast(reduced)
+        plan.cast(vector(plan.kind))
     for cast, shape in rest:
-        _cast(cast, reduced[cast.offset:cast.offset + cast.count], shape)
+        _cast(cast, vector(cast.kind)[cast.offset:cast.offset + cast.count], shape)
 
 
 def cast_master_weights_to_nvfp4(

@@ -224,12 +224,11 @@ def _block_scales_kernel(floats_base, maxima_bits, table_ptr, starts_ptr, n, eps
 
 
 @triton.jit
-def _mxfp8_scales_kernel(bytes_base, maxima_bits, table_ptr, starts_ptr, n,
-                         STEPS: tl.constexpr, FIELDS: tl.constexpr, BLOCK: tl.constexpr,
-                         RECIPROCAL_BITS: tl.constexpr):
-    """E8M0 exponents: the runs of the rowwise scales [rows held, K/32] (the storage's rows of
-    the maxima [M, K/32]) come first, then those of the columnwise ones [M/32, K]; each laid out
-    as its maxima, so a run reads one contiguous run of maxima."""
+def _mxfp8_scales_kernel(bytes_base, exponents, table_ptr, starts_ptr, n,
+                         STEPS: tl.constexpr, FIELDS: tl.constexpr, BLOCK: tl.constexpr):
+    """The reduced E8M0 exponents into the scale tensors: the runs of the rowwise scales
+    [rows held, K/32] (the storage's rows of [M, K/32]) come first, then those of the
+    columnwise ones [M/32, K]; each laid out as the exponent vector, so a run copies a run."""
     row, M, K, first, index = _scale_run(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
     row_scale = tl.load(row + 10)
     rowwise = tl.where(row_scale >= 0, tl.load(row + 7) * (K // 32), 0)
@@ -244,9 +243,8 @@ def _mxfp8_scales_kernel(bytes_base, maxima_bits, table_ptr, starts_ptr, n,
         target = tl.load(row + 11) + first - row_runs
         left = (M // 32) * K - (first - row_runs)
     mask = lanes < tl.minimum(left, BLOCK).to(tl.int32)
-    amax = tl.load(maxima_bits + (tl.load(row + 5) + source) + lanes, mask=mask, other=0)
-    exponent = e8m0_from_amax(amax.to(tl.float32, bitcast=True), RECIPROCAL_BITS)
-    tl.store(bytes_base + target + lanes, exponent.to(tl.uint8), mask=mask)
+    tl.store(bytes_base + target + lanes,
+             tl.load(exponents + (tl.load(row + 5) + source) + lanes, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -325,9 +323,12 @@ def _block_cast_kernel(master_base, bytes_base, maxima_bits, table_ptr, starts_p
 
 
 @triton.jit
-def _mxfp8_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
+def _mxfp8_maxima_kernel(master_base, exponents, table_ptr, starts_ptr, n,
                          BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
-                         COLUMNS: tl.constexpr, ALIGNED: tl.constexpr):
+                         COLUMNS: tl.constexpr, RECIPROCAL_BITS: tl.constexpr,
+                         ALIGNED: tl.constexpr):
+    """The E8M0 exponents of the blocks' partial maxima (uint8; master_weights reduces
+    exponents, not maxima: the rule is monotone)."""
     row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS,
                                           COLUMNS)
     rows = tl.arange(0, 32)
@@ -338,14 +339,16 @@ def _mxfp8_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
                                     ALIGNED))
     blocks = tl.arange(0, COLUMNS // 32)
     first_block = tile_col * (COLUMNS // 32)
-    segment = maxima_bits + tl.load(row + 5)
+    segment = exponents + tl.load(row + 5)
     row_grid = segment + (tile_row * 32) * (K // 32) + first_block  # [M, K/32] from the tile
+    row_max = tl.max(tl.reshape(magnitude, [32, COLUMNS // 32, 32]), axis=2)
     tl.store(row_grid + rows[:, None] * (K // 32).to(tl.int32) + blocks[None, :],
-             tl.max(tl.reshape(magnitude, [32, COLUMNS // 32, 32]), axis=2),
+             e8m0_from_amax(row_max.to(tl.float32, bitcast=True), RECIPROCAL_BITS).to(tl.uint8),
              mask=(rows[:, None] < (M - tile_row * 32).to(tl.int32))
              & (blocks[None, :] < (K // 32 - first_block).to(tl.int32)))
     column_grid = segment + M * (K // 32) + tile_row * K + tile_col * COLUMNS  # [M/32, K]
-    tl.store(column_grid + cols, tl.max(magnitude, axis=0),
+    column_max = tl.max(magnitude, axis=0).to(tl.float32, bitcast=True)
+    tl.store(column_grid + cols, e8m0_from_amax(column_max, RECIPROCAL_BITS).to(tl.uint8),
              mask=cols < (K - tile_col * COLUMNS).to(tl.int32))
 
 
@@ -370,31 +373,28 @@ def _mxfp8_codes(x, exponent, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
 
 
 @triton.jit
-def _mxfp8_cast_kernel(master_base, bytes_base, maxima_bits, table_ptr, starts_ptr, n,
+def _mxfp8_cast_kernel(master_base, bytes_base, exponents, table_ptr, starts_ptr, n,
                        BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
                        COLUMNS: tl.constexpr, MANTISSA_BITS: tl.constexpr,
                        MIN_EXPONENT: tl.constexpr, MAX_CODE: tl.constexpr,
-                       RECIPROCAL_BITS: tl.constexpr, E5M2: tl.constexpr,
-                       HW_CAST: tl.constexpr, ALIGNED: tl.constexpr):
-    """The rank's elements of one window tile, both copies, with the tile's exponents from the
-    reduced maxima."""
+                       E5M2: tl.constexpr, HW_CAST: tl.constexpr, ALIGNED: tl.constexpr):
+    """The rank's elements of one window tile, both copies, with the tile's reduced
+    exponents."""
     row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS,
                                           COLUMNS)
     rows = tl.arange(0, 32)
     cols = tl.arange(0, COLUMNS)
     blocks = tl.arange(0, COLUMNS // 32)
     first_block = tile_col * (COLUMNS // 32)
-    segment = maxima_bits + tl.load(row + 5)
+    segment = exponents + tl.load(row + 5)
     block_mask = ((rows[:, None] < (M - tile_row * 32).to(tl.int32))
                   & (blocks[None, :] < (K // 32 - first_block).to(tl.int32)))
     row_grid = segment + (tile_row * 32) * (K // 32) + first_block
-    row_exponent = e8m0_from_amax(tl.load(
-        row_grid + rows[:, None] * (K // 32).to(tl.int32) + blocks[None, :], mask=block_mask,
-        other=0).to(tl.float32, bitcast=True), RECIPROCAL_BITS)  # [32, COLUMNS / 32]
+    row_exponent = tl.load(row_grid + rows[:, None] * (K // 32).to(tl.int32) + blocks[None, :],
+                           mask=block_mask, other=0).to(tl.int32)  # [32, COLUMNS / 32]
     column_grid = segment + M * (K // 32) + tile_row * K + tile_col * COLUMNS
-    col_exponent = e8m0_from_amax(tl.load(
-        column_grid + cols, mask=cols < (K - tile_col * COLUMNS).to(tl.int32), other=0
-    ).to(tl.float32, bitcast=True), RECIPROCAL_BITS)  # [COLUMNS]
+    col_exponent = tl.load(column_grid + cols, mask=cols < (K - tile_col * COLUMNS).to(tl.int32),
+                           other=0).to(tl.int32)  # [COLUMNS]
     origin, offsets, inside = _tile_range(row, M, K, tile_row * 32, tile_col * COLUMNS, rows,
                                           cols, ALIGNED)
     x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)

@@ -203,7 +203,8 @@ class PartialCastPlan:
 
     def maxima(self, maxima: torch.Tensor) -> None:
         """Write this rank's maxima into `maxima` (fp32, zeros where the range touches no
-        block; per-tensor amaxes and NVFP4's global amax by atomic max: they start at zero).
+        block; per-tensor amaxes and NVFP4's global amax by atomic max: they start at zero;
+        MXFP8: the uint8 vector of the blocks' E8M0 exponents).
         Delayed scaling casts in the same pass (its scale is the recipe state's, known before
         the all-reduce): one read of the masters instead of two."""
         hw = hw_cast(maxima)
@@ -221,10 +222,12 @@ class PartialCastPlan:
         extra = ({"CHUNK": BLOCK_CHUNK} if self.kind == "block"
                  else {"BLOCK": FLAT_BLOCK} if self.kind in PER_TENSOR
                  else {"COLUMNS": TILE_COLUMNS[self.kind]})
-        launch(kernel, (self.window_programs,), self.master_base, maxima.view(torch.int32),
-               self.table, self.window_starts, self.count, BF16_BITS=self.bf16_bits,
-               STEPS=self.steps, FIELDS=FIELDS, ALIGNED=self.aligned, num_warps=NUM_WARPS,
-               **extra)
+        if self.kind == "mxfp8":  # E8M0 exponents (uint8) of the maxima
+            extra["RECIPROCAL_BITS"] = _reciprocal_bits(fp8_format(self.fp8_dtype).max_value)
+        vector = maxima if self.kind == "mxfp8" else maxima.view(torch.int32)
+        launch(kernel, (self.window_programs,), self.master_base, vector, self.table,
+               self.window_starts, self.count, BF16_BITS=self.bf16_bits, STEPS=self.steps,
+               FIELDS=FIELDS, ALIGNED=self.aligned, num_warps=NUM_WARPS, **extra)
 
     def cast(self, reduced: torch.Tensor) -> None:
         """Every scale of every weight, and this rank's elements, from the reduced maxima:
@@ -262,17 +265,15 @@ class PartialCastPlan:
         elif self.kind == "mxfp8":
             mantissa_bits, min_exponent, max_code = (
                 E4M3_CONSTANTS if fp8_dtype == torch.float8_e4m3fn else E5M2_CONSTANTS)
-            reciprocal = _reciprocal_bits(fp8_format(fp8_dtype).max_value)
-            launch(_mxfp8_scales_kernel, (self.scale_programs,), self.bytes_base,
-                   reduced.view(torch.int32), *scales, STEPS=self.steps, FIELDS=FIELDS,
-                   BLOCK=SCALE_BLOCK, RECIPROCAL_BITS=reciprocal, num_warps=NUM_WARPS)
+            launch(_mxfp8_scales_kernel, (self.scale_programs,), self.bytes_base, reduced,
+                   *scales, STEPS=self.steps, FIELDS=FIELDS, BLOCK=SCALE_BLOCK,
+                   num_warps=NUM_WARPS)
             if self.window_programs:
                 launch(_mxfp8_cast_kernel, (self.window_programs,), self.master_base,
-                       self.bytes_base, reduced.view(torch.int32), *window,
-                       COLUMNS=TILE_COLUMNS["mxfp8"], MANTISSA_BITS=mantissa_bits,
-                       MIN_EXPONENT=min_exponent, MAX_CODE=max_code,
-                       RECIPROCAL_BITS=reciprocal, E5M2=fp8_dtype == torch.float8_e5m2,
-                       HW_CAST=hw, **rest)
+                       self.bytes_base, reduced, *window, COLUMNS=TILE_COLUMNS["mxfp8"],
+                       MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent,
+                       MAX_CODE=max_code, E5M2=fp8_dtype == torch.float8_e5m2, HW_CAST=hw,
+                       **rest)
         else:
             launch(_nvfp4_scales_kernel, (self.scale_programs,), self.bytes_base,
                    self.floats_base, reduced, *scales, STEPS=self.steps, FIELDS=FIELDS,

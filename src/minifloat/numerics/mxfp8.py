@@ -49,12 +49,13 @@ def e8m0_exponent(block_amax: torch.Tensor, element_max: float = 448.0) -> torch
 
 def _quantize_blocks(
     x2d: torch.Tensor, rows: int, cols: int, dtype: torch.dtype,
-    block_amax: torch.Tensor | None = None,
+    block_amax: torch.Tensor | None = None, exponents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One E8M0 scale per rows x cols block: (data [M, K] in `dtype`, exponents uint8 grid)."""
-    if block_amax is None:
-        block_amax = tile_amax(x2d, rows, cols)
-    exponents = e8m0_exponent(block_amax, fp8_format(dtype).max_value)
+    if exponents is None:
+        if block_amax is None:
+            block_amax = tile_amax(x2d, rows, cols)
+        exponents = e8m0_exponent(block_amax, fp8_format(dtype).max_value)
     biased = exponents.to(torch.int32)
     # element scale 2^-(e-127) is exact from bits, even when subnormal; e = 255 gives NaN.
     encode = exp2_exact(E8M0_BIAS - torch.clamp(biased, max=254))
@@ -71,23 +72,28 @@ def quantize_mxfp8(
     dtype: torch.dtype = torch.float8_e4m3fn,
     rowwise_amax: torch.Tensor | None = None,
     columnwise_amax: torch.Tensor | None = None,
+    rowwise_exponents: torch.Tensor | None = None,
+    columnwise_exponents: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Quantize the requested directions from high precision in one call.
 
     Returns a dict with `rowwise_data`, `rowwise_scale` and/or `columnwise_data`,
     `columnwise_scale`. Both M and K must be multiples of 32. The block maxima ([M, K/32]
     rowwise, [M/32, K] columnwise) may be given when reduced across ranks that each hold part
-    of x (distributed master-weight casts); they are computed from x otherwise.
+    of x (distributed master-weight casts); they are computed from x otherwise. The E8M0
+    exponents themselves may be given instead (`*_exponents`, uint8, the scale layouts): the
+    exponent of a maximum of maxima is the maximum of their exponents (the rule is monotone),
+    so ranks may reduce exponents, a quarter of the bytes.
     """
     x2d = as_2d(x)
     require_divisible(tuple(x2d.shape), BLOCK, "MXFP8")
     out: dict[str, torch.Tensor] = {}
     if rowwise:
         out["rowwise_data"], out["rowwise_scale"] = _quantize_blocks(
-            x2d, 1, BLOCK, dtype, rowwise_amax)
+            x2d, 1, BLOCK, dtype, rowwise_amax, rowwise_exponents)
     if columnwise:
         out["columnwise_data"], out["columnwise_scale"] = _quantize_blocks(
-            x2d, BLOCK, 1, dtype, columnwise_amax)
+            x2d, BLOCK, 1, dtype, columnwise_amax, columnwise_exponents)
     return out
 
 
