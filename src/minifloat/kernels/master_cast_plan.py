@@ -3,8 +3,9 @@ dtype and quantizer configuration, holding the int64 table its launches read.
 
 A plan is built once and kept by its caller (distributed/master_cast_batched.py) while the
 ranges and buffers repeat: building the table was most of a call's host time. `maxima` launches
-the format's maxima kernel over the rank's window; `cast` launches the per-tensor cast, or the
-block formats' scale kernel and their window cast.
+the format's maxima kernel over the rank's window (delayed scaling casts in it too); `cast`
+launches current scaling's cast, delayed scaling's fold of the reduced amax, or the block
+formats' scale kernel and their window cast.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def _bytes(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 class PartialCastPlan:
     """The table of one format's casts (one master dtype, one quantizer configuration), built
-    once per step: `maxima` and `cast` launch one kernel each over all of them."""
+    once and kept while it repeats: `maxima` and `cast` launch one or two kernels each over all
+    of them."""
 
     def __init__(self, kind: str, casts: Sequence[PartialCast], device: torch.device, *,
                  power_2_scale: bool = True, amax_epsilon: float = 0.0,
