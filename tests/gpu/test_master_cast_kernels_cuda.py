@@ -183,3 +183,24 @@ def test_kernels_write_fsdp_shards_like_the_reference(name, copies, monkeypatch)
     assert mine.keys() == reference.keys()
     for field in reference:
         assert same_bits(mine[field], reference[field]), f"{name} {copies} {field}"
+
+
+def test_a_kept_plan_follows_the_quantizer_options(monkeypatch):
+    """Plans are kept across calls (the same ranges into the same buffers); a quantizer option
+    changed in place between two calls (amax_epsilon here) must reach the kernels, not the kept
+    plan's old value."""
+    model_weights = weights("current")
+    shards, starts = masters("current", "head", torch.float32)
+    quantize_master_weights(model_weights, shards, starts)  # builds and keeps the plan
+    for weight in model_weights:
+        weight.quantized_storage.quantizer.amax_epsilon = 1e3  # above every master's amax
+    quantize_master_weights(model_weights, shards, starts)
+    got = [weight.quantized_storage.scale_inv.clone() for weight in model_weights]
+    monkeypatch.setenv("MINIFLOAT_DISABLE_KERNELS", "1")
+    reference = weights("current")
+    for weight in reference:
+        weight.quantized_storage.quantizer.amax_epsilon = 1e3
+    quantize_master_weights(reference, shards, starts)
+    for mine, want in zip(got, reference, strict=True):
+        assert torch.equal(mine, want.quantized_storage.scale_inv)
+    assert not torch.equal(got[0], torch.ones_like(got[0]))  # the epsilon decided the scale

@@ -101,8 +101,9 @@ def plans(casts: list, shapes: list) -> list:
         groups.setdefault((cast.kind, dtype, tuple(sorted(options.items(), key=str))),
                           []).append((cast, shape, options))
     built = []
-    for (kind, _, _), members in groups.items():
-        key = (kind, *(_fingerprint(cast, shape) for cast, shape, _ in members))
+    for group_key, members in groups.items():
+        kind = group_key[0]
+        key = (*group_key, *(_fingerprint(cast, shape) for cast, shape, _ in members))
         plan = _PLANS.get(key)
         if plan is None:
             partials = [_partial(master_cast_plan, cast, shape) for cast, shape, _ in members]
