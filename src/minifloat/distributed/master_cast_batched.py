@@ -8,12 +8,13 @@ scaling, 5361 and 77 ms for block FP8, 14641 and 193 ms for MXFP8).
 
 Here the casts the kernels serve are grouped into plans (kernels/master_cast_plan.py), one per
 format, master dtype and quantizer configuration: each plan launches one maxima kernel (this
-rank's maxima into master_weights' one vector, which its one all-reduce reduces together with
-any reference cast's), then the per-tensor cast, or the block formats' scale kernel and their
-cast of the rank's window (kernels/master_cast.py). The bytes are the reference's, bit for bit
-(tests/gpu/test_master_cast_kernels_cuda.py). A weight whose master or storage the kernels
-cannot serve (on the CPU, an fp16 master, a non-contiguous one, state on another device) takes
-the reference path.
+rank's maxima into master_weights' vector, which its all-reduce reduces together with any
+reference cast's; MXFP8's E8M0 exponents into a uint8 one; delayed scaling casts in the same
+pass), then current scaling's cast, delayed scaling's fold of the reduced amax, or the block
+formats' scale kernel and their cast of the rank's window (kernels/master_cast.py). The bytes
+are the reference's, bit for bit (tests/gpu/test_master_cast_kernels_cuda.py). A weight whose
+master or storage the kernels cannot serve (on the CPU, an fp16 master, a non-contiguous one,
+state on another device) takes the reference path.
 """
 
 from __future__ import annotations
