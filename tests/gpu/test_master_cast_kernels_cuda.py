@@ -204,3 +204,28 @@ def test_a_kept_plan_follows_the_quantizer_options(monkeypatch):
     for mine, want in zip(got, reference, strict=True):
         assert torch.equal(mine, want.quantized_storage.scale_inv)
     assert not torch.equal(got[0], torch.ones_like(got[0]))  # the epsilon decided the scale
+
+
+@pytest.mark.parametrize("name", ["current", "block", "nvfp4"])
+def test_a_training_loop_keeps_its_plan(name, monkeypatch):
+    """cast, all-gather, post_all_gather_processing, cast again: the transposed copies rebuilt
+    in between get new addresses, yet the plan (the kernels' table) is built once and kept."""
+    from minifloat.distributed import post_all_gather_processing
+    from minifloat.kernels import master_cast_plan
+
+    built = []
+    original = master_cast_plan.PartialCastPlan.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(args[0])
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(master_cast_plan.PartialCastPlan, "__init__", counting)
+    model_weights = weights(name)
+    shards, starts = masters(name, "head", torch.float32)
+    for _ in range(3):
+        quantize_master_weights(model_weights, shards, starts)
+        post_all_gather_processing(model_weights)
+        for shard in shards:  # the optimizer step updates the masters in place
+            shard.mul_(0.5)
+    assert built == [name]

@@ -117,42 +117,43 @@ def plans(casts: list, shapes: list) -> list:
     return built
 
 
+def _destinations(cast) -> dict:
+    """The tensors the kernels write for one cast (and read: delayed scaling's state), by
+    PartialCast field. Transposed copies that a format derives after the gather (per-tensor
+    FP8, block FP8, 2D NVFP4) are not among them."""
+    storage = cast.storage
+    if cast.kind in ("current", "delayed"):
+        delayed = cast.kind == "delayed"
+        return {"row_data": storage.data, "row_scale": storage.scale_inv,
+                "row_amax": storage.quantizer.amax if delayed else None,
+                "scale_source": storage.quantizer.scale if delayed else None}
+    if cast.kind == "block":
+        return {"row_data": storage.rowwise_data, "row_scale": storage.rowwise_scale_inv}
+    if cast.kind == "mxfp8":
+        return {"row_data": storage.rowwise_data, "row_scale": storage.rowwise_scale,
+                "col_data": storage.columnwise_data, "col_scale": storage.columnwise_scale}
+    return {"row_data": storage.rowwise_data, "row_scale": storage.rowwise_scale,
+            "row_amax": storage.amax_rowwise}
+
+
 def _fingerprint(cast, shape: tuple[int, int]) -> tuple:
     """What a plan's table row is made of: the range, shape and maxima offset, and the address
-    of the master and of every tensor of the storage (and of delayed scaling's state)."""
-    storage, master = cast.storage, cast.master
+    of the master and of every tensor the kernels write or read. Only those: the transposed
+    copies that post_all_gather_processing rebuilds every step get new addresses, and had they
+    counted, no plan would have been kept in a training loop."""
+    master = cast.master
     addresses = tuple(0 if tensor is None else tensor.data_ptr()
-                      for tensor in (getattr(storage, name) for name in storage.tensor_fields()))
-    state = ((storage.quantizer.scale.data_ptr(), storage.quantizer.amax.data_ptr())
-             if cast.kind == "delayed" else ())
-    return (shape, cast.start, cast.offset, cast.base, addresses, state,
+                      for tensor in _destinations(cast).values())
+    return (shape, cast.start, cast.offset, cast.base, addresses,
             (0, 0) if master is None else (master.data_ptr(), master.numel()))
 
 
 def _partial(master_cast_plan, cast, shape: tuple[int, int]):
     """The kernel's view of one cast: its master range and the tensors it writes."""
-    storage = cast.storage
     data = _bytes_of(cast)
     master = cast.master if cast.master is not None and cast.master.numel() else None
-    common = {"master": master, "start": cast.start, "shape": shape,
-              "maxima_offset": cast.offset, "base": cast.base,
-              "rows_held": data.numel() * (2 if cast.kind == "nvfp4" else 1) // shape[1]}
     # (NVFP4 packs two elements a byte)
-    if cast.kind in ("current", "delayed"):
-        delayed = cast.kind == "delayed"
-        return master_cast_plan.PartialCast(
-            row_data=storage.data, row_scale=storage.scale_inv,
-            row_amax=storage.quantizer.amax if delayed else None,
-            scale_source=storage.quantizer.scale if delayed else None, **common)
-    if cast.kind == "block":
-        return master_cast_plan.PartialCast(row_data=storage.rowwise_data,
-                                       row_scale=storage.rowwise_scale_inv, **common)
-    if cast.kind == "mxfp8":
-        return master_cast_plan.PartialCast(row_data=storage.rowwise_data,
-                                       row_scale=storage.rowwise_scale,
-                                       col_data=storage.columnwise_data,
-                                       col_scale=storage.columnwise_scale, **common)
-    # block FP8 and NVFP4: the transposed copy, scales included, is rebuilt after the gather
-    return master_cast_plan.PartialCast(row_data=storage.rowwise_data,
-                                   row_scale=storage.rowwise_scale,
-                                   row_amax=storage.amax_rowwise, **common)
+    rows_held = data.numel() * (2 if cast.kind == "nvfp4" else 1) // shape[1]
+    return master_cast_plan.PartialCast(
+        master=master, start=cast.start, shape=shape, maxima_offset=cast.offset,
+        base=cast.base, rows_held=rows_held, **_destinations(cast))
