@@ -238,7 +238,9 @@ def test_fused_experts_run_every_expert_gemm_on_scaled_mm(monkeypatch):
     hidden = torch.randn(999, 256, device="cuda", requires_grad=True)
     index = torch.randint(0, 8, (999, 2), device="cuda")
     weights = torch.rand(999, 2, device="cuda")
-    with mf.autocast(recipe=RECIPES["current"]):
+    # delayed scaling takes the general path: one _scaled_mm per expert GEMM and direction
+    # (current scaling's grouped path: tests/gpu/test_lean_grouped_cuda.py)
+    with mf.autocast(recipe=RECIPES["delayed"]):
         out = experts(hidden, index, weights)
     out.float().pow(2).sum().backward()
     assert emulated == [] and len(scaled) == 2 * 8 * 3  # two GEMMs per expert: fprop, dgrad, wgrad

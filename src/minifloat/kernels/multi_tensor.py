@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -276,7 +277,35 @@ def _view(flat: torch.Tensor, offset: int, shape: tuple[int, int]) -> torch.Tens
     return flat[offset:offset + shape[0] * shape[1]].view(shape)
 
 
-def quantize_current_scaling_multi(
+class StackedCast(NamedTuple):
+    """Per-tensor current scaling of many tensors, as the flat buffers the kernels wrote: each
+    tensor's bytes follow the previous tensor's (offsets 16-byte aligned), so when every size is
+    a multiple of 16 bytes `data` is the tensors' concatenation, e.g. the rows of a grouped
+    GEMM's operand [sum M, K] or the stacked experts' weights [E, N, K]."""
+
+    data: torch.Tensor | None  # flat fp8 bytes of the rowwise copies
+    data_t: torch.Tensor | None  # flat fp8 bytes of the columnwise copies (each [K, M])
+    scale_inv: torch.Tensor  # fp32, one 16-byte slot per tensor (cuBLAS alignment)
+    offsets: list[int]  # each tensor's start in data / data_t
+    shapes: list[tuple[int, int]]  # each tensor's [M, K]
+
+    def scale(self, i: int) -> torch.Tensor:
+        """Tensor i's scale_inv: a 1-element, 16-byte aligned view."""
+        return self.scale_inv[i * (ALIGN // 4):i * (ALIGN // 4) + 1]
+
+    def scales(self) -> torch.Tensor:
+        """Every tensor's scale_inv as a strided [n] view."""
+        return self.scale_inv.view(-1, ALIGN // 4)[:, 0]
+
+    def rowwise(self, i: int) -> torch.Tensor:
+        return _view(self.data, self.offsets[i], self.shapes[i])
+
+    def columnwise(self, i: int) -> torch.Tensor:
+        m, k = self.shapes[i]
+        return _view(self.data_t, self.offsets[i], (k, m))
+
+
+def quantize_current_scaling_stacked(
     tensors: Sequence[torch.Tensor],
     fp8_dtype: torch.dtype,
     *,
@@ -285,14 +314,8 @@ def quantize_current_scaling_multi(
     rowwise: bool = True,
     columnwise: bool = True,
     reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]]:
-    """Per-tensor current scaling of many tensors: one amax launch and one cast launch.
-
-    Each tensor gets its own amax and scale; returns per tensor (data [M, K] or None,
-    data_t [K, M] or None, scale_inv [1]), the bytes of per_tensor_fp8.quantize_current_scaling
-    (and so of numerics.quantize_current_scaling). `reduce_amax`, when given, maps the stacked
-    fp32 amaxes [n] to reduced ones (e.g. an all-reduce MAX over a group) between the launches.
-    """
+) -> StackedCast:
+    """quantize_current_scaling_multi's launches, returning the flat buffers (StackedCast)."""
     if not (rowwise or columnwise):
         raise ValueError("multi-tensor FP8 kernel: ask for the rowwise or the columnwise copy")
     _check_group(tensors)
@@ -353,14 +376,34 @@ def quantize_current_scaling_multi(
         **hints,
         num_warps=4,
     )
-    results = []
-    for i, (m, k) in enumerate(shapes):
-        results.append((
-            None if data is None else _view(data, data_offsets[i], (m, k)).view(fp8_dtype),
-            None if data_t is None else _view(data_t, data_offsets[i], (k, m)).view(fp8_dtype),
-            scale_inv[i * (ALIGN // 4):i * (ALIGN // 4) + 1],
-        ))
-    return results
+    return StackedCast(None if data is None else data.view(fp8_dtype),
+                       None if data_t is None else data_t.view(fp8_dtype),
+                       scale_inv, data_offsets, shapes)
+
+
+def quantize_current_scaling_multi(
+    tensors: Sequence[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    *,
+    amax_epsilon: float = 0.0,
+    power_2_scale: bool = False,
+    rowwise: bool = True,
+    columnwise: bool = True,
+    reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]]:
+    """Per-tensor current scaling of many tensors: one amax launch and one cast launch.
+
+    Each tensor gets its own amax and scale; returns per tensor (data [M, K] or None,
+    data_t [K, M] or None, scale_inv [1]), the bytes of per_tensor_fp8.quantize_current_scaling
+    (and so of numerics.quantize_current_scaling). `reduce_amax`, when given, maps the stacked
+    fp32 amaxes [n] to reduced ones (e.g. an all-reduce MAX over a group) between the launches.
+    """
+    stacked = quantize_current_scaling_stacked(
+        tensors, fp8_dtype, amax_epsilon=amax_epsilon, power_2_scale=power_2_scale,
+        rowwise=rowwise, columnwise=columnwise, reduce_amax=reduce_amax)
+    return [(None if stacked.data is None else stacked.rowwise(i),
+             None if stacked.data_t is None else stacked.columnwise(i),
+             stacked.scale(i)) for i in range(len(stacked.shapes))]
 
 
 def quantize_block_1d_multi(

@@ -14,6 +14,10 @@ needs whole row groups (scaled_mm 16, blockwise 128), each expert's rows are pad
 rows to the multiple (exact: a zero row changes no amax and its output is dropped). Unpadded,
 an H200 ran most expert GEMMs of a Mixtral decoded and emulated: 2.5x slower than bf16.
 The token counts per expert are read on the host, as transformers' own loop does.
+
+Under per-tensor FP8 current scaling, eagerly, each grouped GEMM takes the lean grouped path
+(lean_grouped_fp8.py: one multi-tensor cast per operand, one grouped FP8 GEMM in forward);
+everything else runs the experts' GEMMs through run_gemms.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import torch
 from torch import nn
 
 from ..autocast import active_token
+from . import lean_grouped_fp8
 from .base import QuantizedModule
-from .weights import runs_dequantized
+from .lean_grouped_fp8 import GroupedPlan, LeanGroupedFP8
+from .weights import runs_dequantized, weights_quantized_once
 
 
 class FusedExperts(QuantizedModule):
@@ -42,6 +48,10 @@ class FusedExperts(QuantizedModule):
         self.act_fn = experts.act_fn
         self.num_experts = self.gate_up_proj.shape[0]
         self.num_gemms = 2 * self.num_experts
+        # recipe token -> (the binding they were made from, gate_up plan, down plan); a plan is
+        # None where the general path runs (a new binding, e.g. after set_consumer_roles, remakes
+        # them)
+        self._grouped_plans: dict[int, tuple] = {}
 
     def gemm_name(self, gemm: int) -> str:
         part = "gate_up_proj" if gemm < self.num_experts else "down_proj"
@@ -75,14 +85,37 @@ class FusedExperts(QuantizedModule):
                           for start, count in zip(starts, counts, strict=True)])
         source[real] = token
         x = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[1])])[source]
-        hidden = self.run_gemms(x, padded, [self.gate_up_proj[e] for e in range(experts)],
-                                [None] * experts, gemms=list(range(experts)))
+        hidden = self._experts_gemm(x, padded, self.gate_up_proj, 0)
         gate, up = hidden.chunk(2, dim=-1)
-        out = self.run_gemms(self.act_fn(gate) * up, padded,
-                             [self.down_proj[e] for e in range(experts)], [None] * experts,
-                             gemms=list(range(experts, 2 * experts)))[real]
+        out = self._experts_gemm(self.act_fn(gate) * up, padded, self.down_proj, 1)[real]
         out = out * top_k_weights[token, slot, None]
         return torch.zeros_like(hidden_states).index_add_(0, token, out.to(hidden_states.dtype))
+
+    def _grouped_plan(self, x: torch.Tensor, part: int) -> GroupedPlan | None:
+        """The lean grouped plan of part 0 (gate_up) or 1 (down) for this call, or None."""
+        token = active_token()
+        if token == 0 or torch.compiler.is_compiling() or weights_quantized_once():
+            return None
+        binding = self._bindings.get(token) or self.binding(token)
+        plans = self._grouped_plans.get(token)
+        if plans is None or plans[0] is not binding:
+            experts = self.num_experts
+            plans = (binding, *(GroupedPlan.for_lean_plans(
+                binding.lean_plans[p * experts:(p + 1) * experts]) for p in (0, 1)))
+            self._grouped_plans[token] = plans
+        return plans[1 + part]
+
+    def _experts_gemm(self, x: torch.Tensor, padded: list[int], weight: torch.Tensor,
+                      part: int) -> torch.Tensor:
+        """x's row blocks through the experts' slices of `weight` (part 0: gate_up, 1: down)."""
+        experts = self.num_experts
+        plan = self._grouped_plan(x, part)
+        if plan is not None and lean_grouped_fp8.applies(x, weight, padded):
+            grad = torch.is_grad_enabled()
+            return LeanGroupedFP8.apply(x, weight, tuple(padded), plan,
+                                        grad and x.requires_grad, grad and weight.requires_grad)
+        return self.run_gemms(x, padded, [weight[e] for e in range(experts)], [None] * experts,
+                              gemms=list(range(part * experts, (part + 1) * experts)))
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, gate_up_proj={list(self.gate_up_proj.shape)}, "

@@ -1,0 +1,248 @@
+"""The lean eager path of a mixture of experts' grouped GEMM under per-tensor FP8 current
+scaling: one grouped GEMM for every expert in forward, and each operand of every expert cast in
+one multi-tensor launch pair.
+
+Why: FusedExperts runs 2 x E expert GEMMs a layer. Through the general path (run_gemms:
+LinearGemms, a GemmCall, quantizer objects and storages per expert, one _scaled_mm per expert
+and direction) a Mixtral-style MoE step at 4 x 2048 tokens on an H200 issued 2800 kernels and
+spent 119 ms of host time for a 149 ms step, 0.65x the bf16 step that runs transformers'
+grouped_mm (BENCHMARKS.md, 2026-11-26 fourth session). Here, per grouped GEMM:
+
+- forward: the experts' row blocks of the input (rows sorted by expert, each block padded to a
+  multiple of 16 with zero rows, as FusedExperts lays them out) in one multi-tensor cast (every
+  block its own amax and scale, the bytes of that block's own current-scaling cast:
+  kernels.multi_tensor), the experts' weights [E, N, K] likewise, then one
+  `torch._scaled_grouped_mm` (sm90 CUTLASS, E4M3 x E4M3, bf16 out) with the per-tensor scales
+  given as its rowwise scale vectors: row r of the input gets its expert's scale_inv, column n
+  of expert e's weight gets e's. The bytes are those the general path quantizes; only the GEMM
+  differs (its summation order, and the two scales applied one after the other in the
+  epilogue: within one rounding of fp32 of the per-tensor alpha).
+- backward: the gradient's blocks in one multi-tensor cast; dgrad one grouped GEMM when the
+  gradient is E4M3 (the kernel takes E4M3 only), else (HYBRID's E5M2 gradients) one _scaled_mm
+  per expert, the general path's call; wgrad one _scaled_mm per expert (the general path's call,
+  same bytes) into the stacked [E, N, K] gradient of the 3-D weight.
+
+Eligibility (GroupedPlan.for_lean_plans, `applies`): every expert GEMM's lean plan is current
+scaling with the same settings (a CustomRecipe that gives experts different formats, delayed
+scaling, TP amax reduction take the general path); a CUDA input, contiguous, of a kernel dtype,
+K and N multiples of 16, every block a multiple of 16 rows; a plain 3-D weight (no
+QuantizedTensor, DTensor or main_grad); eager only (FusedExperts reads its token counts on the
+host, so a compiled graph takes the general ops); not inside quantize_weights_once.
+MINIFLOAT_LEAN_PATH=0 turns this path off with the single-GEMM one.
+
+Where torch._scaled_grouped_mm cannot serve (the CPU, not sm90, a non-bf16 output, an E5M2
+operand), the grouped GEMM is the per-expert loop of _scaled_mm calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import kernels
+from ..gemm_paths import scaled_mm_bytes
+from ..quantizers.base import kernel_module
+from . import lean_fp8
+from .lean_fp8 import Cast, LeanPlan
+from .linear_function import graph_kept
+
+ROW_MULTIPLE = 16  # scaled_mm's rule on M, K and N; FusedExperts pads each expert's rows to it
+_SLOT = 4  # fp32 scales per 16-byte slot (kernels.multi_tensor.ALIGN)
+
+
+@dataclass(frozen=True, eq=False)
+class GroupedPlan:
+    """The casts of every expert's input, weight and grad_output (equal for all experts)."""
+
+    input: Cast
+    weight: Cast
+    grad_output: Cast
+
+    @staticmethod
+    def for_lean_plans(plans: list[LeanPlan | None]) -> GroupedPlan | None:
+        """The plan when every expert GEMM's lean plan is the same current-scaling plan."""
+        if not plans or any(plan is None for plan in plans):
+            return None
+        first = plans[0]
+        slots = ("input", "weight", "grad_output")
+        for plan in plans:
+            for slot in slots:
+                cast, want = getattr(plan, slot), getattr(first, slot)
+                if cast.scale is not None or (cast.fp8_dtype, cast.amax_epsilon,
+                                              cast.power_2_scale) != (
+                        want.fp8_dtype, want.amax_epsilon, want.power_2_scale):
+                    return None
+        return GroupedPlan(first.input, first.weight, first.grad_output)
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> bool:
+    """The per-call conditions (module docstring): cheap attribute tests only."""
+    if not lean_fp8.ENABLED or x.device.type not in lean_fp8.DEVICES or not x.is_contiguous():
+        return False
+    if type(weight) not in (torch.nn.Parameter, torch.Tensor) or hasattr(weight, "main_grad"):
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.dim() != 2:
+        return False
+    if weight.dim() != 3 or not weight.is_contiguous() or x.shape[1] != weight.shape[2]:
+        return False
+    _, n, k = weight.shape
+    return (sum(counts) == x.shape[0] > 0 and k % 16 == 0 and n % 16 == 0
+            and all(count % ROW_MULTIPLE == 0 for count in counts))
+
+
+@dataclass
+class Stacked:
+    """Many tensors' per-tensor FP8 casts in flat buffers (kernels.multi_tensor.StackedCast's
+    layout, also built by the per-tensor fallback): tensor i's rowwise bytes at offsets[i] of
+    `data`, its columnwise [K, M] bytes at offsets[i] of `data_t`, its scale_inv at slot i."""
+
+    data: torch.Tensor | None
+    data_t: torch.Tensor | None
+    scale_inv: torch.Tensor
+    offsets: list[int]
+    shapes: list[tuple[int, int]]
+
+    def scale(self, i: int) -> torch.Tensor:
+        return self.scale_inv[i * _SLOT:i * _SLOT + 1]
+
+    def scales(self) -> torch.Tensor:
+        return self.scale_inv.view(-1, _SLOT)[:, 0]
+
+    def rows(self, i: int) -> torch.Tensor:
+        m, k = self.shapes[i]
+        return self.data[self.offsets[i]:self.offsets[i] + m * k].view(m, k)
+
+    def columns(self, i: int) -> torch.Tensor:
+        m, k = self.shapes[i]
+        return self.data_t[self.offsets[i]:self.offsets[i] + m * k].view(k, m)
+
+
+def cast_stacked(cast: Cast, pieces: list[torch.Tensor], *, rowwise: bool,
+                 columnwise: bool) -> Stacked:
+    """Each piece cast as `cast` casts it alone, into flat buffers where each piece's bytes
+    follow the previous piece's (every piece's size is a multiple of 16 bytes here, so the
+    buffers are the pieces' concatenations): one multi-tensor launch pair with the kernels,
+    else (the CPU) one cast per piece, concatenated."""
+    if kernels.available(pieces[0]):
+        multi = kernel_module("multi_tensor").quantize_current_scaling_stacked(
+            pieces, cast.fp8_dtype, amax_epsilon=cast.amax_epsilon,
+            power_2_scale=cast.power_2_scale, rowwise=rowwise, columnwise=columnwise)
+        return Stacked(multi.data, multi.data_t, multi.scale_inv, multi.offsets, multi.shapes)
+    shapes = [(piece.shape[0], piece.shape[1]) for piece in pieces]
+    offsets, total = [], 0
+    for m, k in shapes:
+        offsets.append(total)
+        total += m * k
+    rows, columns, scales = [], [], []
+    for piece in pieces:
+        if piece.numel() == 0:
+            scales.append(torch.ones(1, dtype=torch.float32, device=piece.device))
+            continue
+        data, data_t, scale_inv = cast(piece, rowwise=rowwise, columnwise=columnwise)
+        rows.append(data.reshape(-1) if rowwise else None)
+        columns.append(data_t.reshape(-1) if columnwise else None)
+        scales.append(scale_inv.reshape(1))
+    slots = torch.zeros(len(pieces), _SLOT, dtype=torch.float32, device=pieces[0].device)
+    slots[:, 0] = torch.cat(scales)
+    return Stacked(torch.cat(rows) if rowwise else None,
+                   torch.cat(columns) if columnwise else None,
+                   slots.reshape(-1), offsets, shapes)
+
+
+def _grouped_kernel_serves(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    return (a.is_cuda and out_dtype == torch.bfloat16 and hasattr(torch, "_scaled_grouped_mm")
+            and a.dtype == b.dtype == torch.float8_e4m3fn
+            and torch.cuda.get_device_capability(a.device) == (9, 0))
+
+
+def grouped_gemm(a: Stacked, b: torch.Tensor, b_scales: Stacked, counts: list[int],
+                 out_dtype: torch.dtype, *, fast_accumulation: bool) -> torch.Tensor:
+    """out[rows of group g] = A_g @ B_g^T, scaled by both operands' scale_inv.
+
+    a: the groups' bytes stacked [R, D] (`a.data`, group g's rows A_g [counts[g], D]); b: E
+    stacked [W, D] matrices B_g, flat: the weights' rowwise bytes [E, N, K] in forward
+    (x W_g^T), their columnwise copies [E, K, N] in dgrad (dy W_g = dy (W_g^T)^T)."""
+    rows, depth = sum(counts), a.shapes[0][1]
+    groups = len(counts)
+    b3d = b.view(groups, -1, depth)
+    width = b3d.shape[1]
+    if _grouped_kernel_serves(a.data, b, out_dtype):
+        kept = [g for g, count in enumerate(counts) if count]
+        a_scales, b_vector = a.scales(), b_scales.scales()
+        if len(kept) < groups:  # the kernel is given no empty group
+            index = torch.tensor(kept, device=b.device)
+            b3d, a_scales, b_vector = b3d[index], a_scales[index], b_vector[index]
+        sizes = [counts[g] for g in kept]
+        host = torch.tensor(sizes + sizes, dtype=torch.int32)
+        host[len(sizes):] = host[:len(sizes)].cumsum(0)
+        # sizes and their running ends in one asynchronous copy (no host sync)
+        on_device = host.pin_memory().to(b.device, non_blocking=True)
+        sizes_on_device, offs = on_device[:len(sizes)], on_device[len(sizes):]
+        row_scales = torch.repeat_interleave(a_scales, sizes_on_device, output_size=rows)
+        column_scales = b_vector[:, None].expand(len(kept), width).contiguous()
+        return torch._scaled_grouped_mm(
+            a.data.view(rows, depth), b3d.transpose(-2, -1), row_scales, column_scales,
+            offs=offs, out_dtype=out_dtype, use_fast_accum=fast_accumulation)
+    out = torch.empty(rows, width, dtype=out_dtype, device=b.device)
+    start = 0
+    for g, count in enumerate(counts):
+        if count:
+            out[start:start + count] = scaled_mm_bytes(
+                a.rows(g), b3d[g], a.scale(g), b_scales.scale(g), out_dtype=out_dtype,
+                bias=None, fast_accumulation=fast_accumulation)
+        start += count
+    return out
+
+
+class LeanGroupedFP8(torch.autograd.Function):
+    """y[rows of expert e] = x[rows of expert e] W[e]^T, per-tensor FP8 current scaling per
+    expert and operand (see the module docstring). x [R, K], weight [E, N, K]."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, counts: tuple[int, ...],
+                plan: GroupedPlan, need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
+        counts = list(counts)
+        x_pieces = list(torch.split(x, counts))
+        x_q = cast_stacked(plan.input, x_pieces, rowwise=True, columnwise=need_wgrad)
+        w = weight.detach()
+        w_q = cast_stacked(plan.weight, list(w.unbind(0)), rowwise=True, columnwise=need_dgrad)
+        y = grouped_gemm(x_q, w_q.data, w_q, counts, x.dtype, fast_accumulation=True)
+        if need_wgrad:
+            ctx.save_for_backward(x_q.data_t, x_q.scale_inv)
+            ctx.x_layout = (x_q.offsets, x_q.shapes)
+        ctx.weight_copy = (w_q.data_t, w_q) if need_dgrad else None
+        ctx.plan, ctx.counts = plan, counts
+        ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
+        ctx.out_dtype, ctx.weight_dtype, ctx.weight_shape = x.dtype, weight.dtype, weight.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad_x = grad_weight = None
+        if not (ctx.need_dgrad or ctx.need_wgrad):
+            return None, None, None, None, None, None
+        dy = grad_output if grad_output.is_contiguous() else grad_output.contiguous()
+        counts = ctx.counts
+        dy_q = cast_stacked(ctx.plan.grad_output, list(torch.split(dy, counts)),
+                            rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad)
+        if ctx.need_dgrad:
+            w_t, w_q = ctx.weight_copy
+            grad_x = grouped_gemm(dy_q, w_t, w_q, counts, ctx.out_dtype,
+                                  fast_accumulation=False)
+            if not graph_kept():
+                ctx.weight_copy = None  # freed once read, as the general path does
+        if ctx.need_wgrad:
+            x_t, x_scale_inv = ctx.saved_tensors
+            offsets, shapes = ctx.x_layout
+            x_q = Stacked(None, x_t, x_scale_inv, offsets, shapes)
+            experts, n, k = ctx.weight_shape
+            grad_weight = torch.empty(experts, n, k, dtype=ctx.weight_dtype, device=dy.device)
+            for e, count in enumerate(counts):
+                if count:
+                    grad_weight[e] = scaled_mm_bytes(
+                        dy_q.columns(e), x_q.columns(e), dy_q.scale(e), x_q.scale(e),
+                        out_dtype=ctx.weight_dtype, bias=None, fast_accumulation=False)
+                else:
+                    grad_weight[e].zero_()
+        return grad_x, grad_weight, None, None, None, None

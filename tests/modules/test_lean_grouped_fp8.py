@@ -1,0 +1,132 @@
+"""The lean grouped FP8 path of FusedExperts (modules/lean_grouped_fp8.py) against the general
+path and an independent reference.
+
+Without a GPU the path is widened to the CPU (lean_fp8.DEVICES) and FusedExperts is told it is on
+a fast-GEMM device (rows padded per expert to 16, as on CUDA); its grouped GEMM is then the
+per-expert loop of torch._scaled_mm (torch._scaled_grouped_mm is CUDA-only: the GPU tests compare
+the two). Checked here: what it decides and keeps, that the quantized bytes it saves equal the
+general path's, and that outputs and gradients equal the reference's within summation order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minifloat as mf
+from minifloat.modules import gemm_op, lean_fp8, lean_grouped_fp8
+from minifloat.modules.lean_grouped_fp8 import LeanGroupedFP8
+from minifloat.numerics.per_tensor import dequantize_per_tensor, quantize_current_scaling
+from modules.test_any_token_count import fused_experts
+from training._reference import rel_err
+
+CURRENT = mf.Float8CurrentScaling()
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """Let the lean paths serve CPU tensors with CUDA's row padding; count grouped calls."""
+    monkeypatch.setattr(lean_fp8, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(gemm_op, "on_fast_gemm_device", lambda _x: True)
+    calls = []
+    original = LeanGroupedFP8.forward
+
+    def counting(ctx, x, weight, counts, *args):
+        calls.append(counts)
+        return original(ctx, x, weight, counts, *args)
+
+    monkeypatch.setattr(LeanGroupedFP8, "forward", staticmethod(counting))
+    return calls
+
+
+def routed(tokens=40, hidden=32, experts=4, seed=0, empty_expert=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    index = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
+    if empty_expert is not None:  # route nothing to it
+        index[index == empty_expert] = (empty_expert + 1) % experts
+        index[:, 1] = torch.where(index[:, 1] == index[:, 0], (index[:, 0] + 2) % experts,
+                                  index[:, 1])
+    weights = torch.rand(tokens, 2, generator=g)
+    dy = torch.randn(tokens, hidden, generator=g)
+    return x, index, weights, dy
+
+
+def run(experts, x, index, weights, dy, recipe=CURRENT):
+    x = x.clone().requires_grad_(True)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t,
+                                                  lambda t: t), mf.autocast(recipe=recipe):
+        y = experts(x, index, weights)
+    y.backward(dy)
+    fp8 = [t for t in packed if t.element_size() == 1]
+    grads = [p.grad.clone() for p in experts.parameters()]
+    experts.zero_grad(set_to_none=True)
+    return y.detach(), x.grad, grads, fp8
+
+
+@pytest.mark.parametrize("empty_expert", [None, 2])
+def test_grouped_path_equals_the_general_path(on_cpu, monkeypatch, empty_expert):
+    torch.manual_seed(0)
+    experts = fused_experts(4, 32, 48)
+    inputs = routed(empty_expert=empty_expert)
+    y, dx, grads, saved = run(experts, *inputs)
+    assert len(on_cpu) == 2, "both grouped GEMMs (gate_up, down) take the lean grouped path"
+    assert all(count % 16 == 0 for counts in on_cpu for count in counts)
+    if empty_expert is not None:
+        assert on_cpu[0][empty_expert] == 0
+    monkeypatch.setattr(lean_fp8, "ENABLED", False)
+    y_g, dx_g, grads_g, saved_g = run(experts, *inputs)
+    assert len(on_cpu) == 2
+    # the general path keeps each expert's input columnwise copy; the grouped path the same
+    # bytes, stacked: one buffer per grouped GEMM
+    general = torch.cat([t.reshape(-1).view(torch.uint8) for t in saved_g])
+    grouped = torch.cat([t.reshape(-1).view(torch.uint8) for t in saved])
+    assert torch.equal(grouped, general)
+    for got, want in ((y, y_g), (dx, dx_g), *zip(grads, grads_g, strict=True)):
+        assert rel_err(got, want) < 1e-6
+
+
+def test_forward_matches_dequantized_reference(on_cpu):
+    """y of each expert's rows = dequant(q(x_e)) dequant(q(W_e))^T in float64, from numerics."""
+    torch.manual_seed(1)
+    experts = fused_experts(3, 32, 32)
+    x = torch.randn(48, 32)
+    counts = [16, 0, 32]
+    weight = experts.gate_up_proj.detach()
+    with mf.autocast(recipe=CURRENT):
+        plan = experts._grouped_plan(x, 0)
+        y = LeanGroupedFP8.apply(x, weight, tuple(counts), plan, False, False)
+    e4m3 = torch.float8_e4m3fn
+    start = 0
+    for e, count in enumerate(counts):
+        rows = slice(start, start + count)
+        start += count
+        if not count:
+            continue
+        xq, xs = quantize_current_scaling(x[rows], e4m3)
+        wq, ws = quantize_current_scaling(weight[e], e4m3)
+        want = (dequantize_per_tensor(xq, xs).double()
+                @ dequantize_per_tensor(wq, ws).double().t())
+        assert rel_err(y[rows], want) < 1e-6
+
+
+def test_cases_left_to_the_general_path(on_cpu):
+    torch.manual_seed(0)
+    experts = fused_experts(4, 32, 48)
+    inputs = routed()
+    run(experts, *inputs, recipe=mf.DelayedScaling())  # scales from the recipe state
+    assert on_cpu == []
+    with torch.no_grad(), mf.autocast(recipe=CURRENT), mf.quantize_weights_once():
+        experts(*inputs[:3])
+    assert on_cpu == []
+    x = torch.randn(40, 32)
+    w3d = experts.gate_up_proj
+    assert lean_grouped_fp8.applies(x[:32], w3d, [16, 16])
+    assert not lean_grouped_fp8.applies(x[:24], w3d, [16, 8])  # a block of 8 rows
+    assert not lean_grouped_fp8.applies(x[:32].t().contiguous().t(), w3d, [16, 16])
+    assert not lean_grouped_fp8.applies(x[:32], w3d[:, :, :16], [16, 16])
+
+
+def test_grouped_path_is_cuda_only_by_default():
+    assert lean_fp8.DEVICES == ("cuda",)
