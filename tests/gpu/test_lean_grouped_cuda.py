@@ -102,4 +102,4 @@ def test_grouped_path_against_the_cpu_reference():
         results.append([t.detach().cpu() for t in (y, xi.grad, *(p.grad for p in
                                                                   module.parameters()))])
     for got, want in zip(results[1], results[0], strict=True):
-        assert relative_error(got, want) < 2e-3
+        assert relative_error(got, want) < 5e-3  # fprop accumulates fast (FP8), as run_both allows
