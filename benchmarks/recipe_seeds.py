@@ -49,7 +49,13 @@ def train_one(spec: str, preset: str, steps: int, seed: int, out: str, device: s
     """One recipe and seed, as compare trains it (in a worker process)."""
     plan = _plan(spec, preset, steps, seed, Path(out), device)
     (label, recipe), = plan.recipes
-    return compare.train_recipe(plan, label, recipe)
+    run = compare.train_recipe(plan, label, recipe)
+    # each run on disk as soon as it ends: a pool stopped at a time limit keeps what finished
+    finished = Path(out) / "runs"
+    finished.mkdir(parents=True, exist_ok=True)
+    (finished / f"{label.replace('/', '_')[:80]}-{abs(hash(spec)) % 10**8}-{seed}.json"
+     ).write_text(json.dumps({"spec": spec, "seed": seed, **asdict(run)}, default=str))
+    return run
 
 
 def train_all(specs: list[str], preset: str, steps: int, seed_list: list[int], out: Path,
@@ -72,7 +78,9 @@ def train_all(specs: list[str], preset: str, steps: int, seed_list: list[int], o
 def load_runs(out: Path) -> dict[tuple[str, int], compare.RunResult]:
     """The runs train_all wrote (to summarise again elsewhere, e.g. to plot on another host)."""
     runs = {}
-    for entry in json.loads((out / "runs.json").read_text()):
+    entries = (json.loads((out / "runs.json").read_text()) if (out / "runs.json").exists()
+               else [json.loads(path.read_text()) for path in sorted((out / "runs").glob("*"))])
+    for entry in entries:
         spec, seed = entry.pop("spec"), entry.pop("seed")
         entry["val_loss"] = [tuple(point) for point in entry["val_loss"]]
         runs[(spec, seed)] = compare.RunResult(**entry)

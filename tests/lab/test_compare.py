@@ -234,6 +234,10 @@ def test_seeds_give_mean_spread_and_noise_marks(tmp_path, data_file, capsys):
     spread = (max(finals["bf16"]) - min(finals["bf16"])) / (sum(finals["bf16"]) / 2) * 100
     gap = summary["recipes"]["fp8-current"]["gap_percent"]
     assert summary["recipes"]["fp8-current"]["within_noise"] == (abs(gap) < spread)
+    # paired gaps: each seed against the bf16 run of that seed
+    paired = [(v / b - 1) * 100 for v, b in zip(finals["fp8-current"], finals["bf16"])]
+    assert summary["recipes"]["fp8-current"]["paired_gaps_percent"] == pytest.approx(paired)
+    assert summary["recipes"]["fp8-current"]["paired_gap_mean"] == pytest.approx(sum(paired) / 2)
     assert "within noise" in capsys.readouterr().out or abs(gap) >= spread
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .compare import Comparison
+from .health import moving_average
 from .recipe_specs import BASELINE
 
 
@@ -40,7 +41,14 @@ def summarise(comparisons: list[Comparison]) -> dict[str, Any]:
         finite = [v for v in values if math.isfinite(v)]
         mean = statistics.fmean(finite) if len(finite) == len(values) else math.nan
         gap = (mean / base_mean - 1.0) * 100.0 if baseline and label != BASELINE else math.nan
+        # paired: each seed's gap to the bf16 run of the same seed (same initial weights and
+        # batches), which removes the seed-to-seed spread the unpaired gap carries
+        paired = ([(v / b - 1.0) * 100.0 for v, b in zip(values, baseline, strict=True)]
+                  if baseline and label != BASELINE else [])
+        paired_ok = bool(paired) and all(map(math.isfinite, paired))
         summary["recipes"][label] = {
+            "paired_gaps_percent": [_finite(g) for g in paired],
+            "paired_gap_mean": _finite(statistics.fmean(paired)) if paired_ok else None,
             "val_losses": [_finite(v) for v in values],
             "mean": _finite(mean),
             "std": _finite(statistics.stdev(finite)) if len(finite) > 1 else None,
@@ -54,15 +62,18 @@ def summarise(comparisons: list[Comparison]) -> dict[str, Any]:
 
 def format_summary(summary: dict[str, Any]) -> str:
     noise = summary["bf16_spread_percent"]
-    header = ("recipe", "val loss mean", "std", "min..max", "gap to bf16", "")
+    header = ("recipe", "val loss mean", "std", "min..max", "gap to bf16", "",
+              "per-seed gaps (same-seed bf16)")
     rows = []
     for label, row in summary["recipes"].items():
         gap = row["gap_percent"]
+        paired = row.get("paired_gaps_percent") or []
         rows.append((label, _cell(row["mean"], 4), _cell(row["std"], 4),
                      f"{_cell(row['min'], 3)}..{_cell(row['max'], 3)}",
                      "baseline" if label == BASELINE else (f"{gap:+.2f}%" if gap is not None
                                                            else "—"),
-                     "within noise" if row["within_noise"] else ""))
+                     "within noise" if row["within_noise"] else "",
+                     " ".join("nan" if g is None else f"{g:+.2f}%" for g in paired)))
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
     lines = [f"{len(summary['seeds'])} seeds {summary['seeds']}; bf16 spread (max - min over "
              f"its mean): {_cell(noise, 2)}%; a gap smaller than that is within noise", "",
@@ -85,23 +96,56 @@ def write_summary(comparisons: list[Comparison], out_dir: Path) -> list[Path]:
 
 
 def _plot_bands(comparisons: list[Comparison], path: Path) -> Path:
+    """Left: each recipe's training loss (moving average, as the single-seed plot) as the mean
+    over the seeds with a min..max band. Right: each recipe's final validation loss against
+    bf16's mean, in per cent (mean and min..max over the seeds), beside the bf16 runs' own
+    spread: the comparison the table makes, drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(8, 5))
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5),
+                                         gridspec_kw={"width_ratios": [3, 2]})
+    steps_run = comparisons[0].plan.steps
+    window = max(1, steps_run // 20)
+    start = max(0, steps_run // 10)  # the first tenth (warm-up, the steep fall) scales nothing
+    colors = {}
     for run in comparisons[0].runs:
-        curves = [next(r.train_loss for r in c.runs if r.label == run.label)
-                  for c in comparisons]
+        curves = [moving_average(next(r.train_loss for r in c.runs if r.label == run.label),
+                                 window) for c in comparisons]
         steps = min(len(curve) for curve in curves)
-        low = [min(curve[s] for curve in curves) for s in range(steps)]
-        high = [max(curve[s] for curve in curves) for s in range(steps)]
-        mean = [statistics.fmean(curve[s] for curve in curves) for s in range(steps)]
-        (line,) = axes.plot(range(1, steps + 1), mean, label=run.label)
-        axes.fill_between(range(1, steps + 1), low, high, color=line.get_color(), alpha=0.25)
-    axes.set(xlabel="step", ylabel="training loss (mean, min..max band over seeds)")
-    axes.legend()
+        x = range(start + 1, steps + 1)
+        low = [min(curve[s] for curve in curves) for s in range(start, steps)]
+        high = [max(curve[s] for curve in curves) for s in range(start, steps)]
+        mean = [statistics.fmean(curve[s] for curve in curves) for s in range(start, steps)]
+        (line,) = left.plot(x, mean, label=run.label, linewidth=1.2)
+        colors[run.label] = line.get_color()
+        left.fill_between(x, low, high, color=line.get_color(), alpha=0.2)
+    left.set(xlabel="step", ylabel=f"training loss, moving average of {window}",
+             title="mean and min..max over the seeds")
+    left.legend()
+    summary = summarise(comparisons)
+    base = summary["recipes"].get(BASELINE)
+    if base is not None and base["mean"]:
+        mean = base["mean"]
+        right.axhspan((base["min"] / mean - 1) * 100, (base["max"] / mean - 1) * 100,
+                      color="grey", alpha=0.2, label="bf16 runs' spread")
+        for position, (label, row) in enumerate(summary["recipes"].items()):
+            if row["mean"] is None:
+                continue
+            centre = (row["mean"] / mean - 1) * 100
+            error = [[centre - (row["min"] / mean - 1) * 100],
+                     [(row["max"] / mean - 1) * 100 - centre]]
+            right.errorbar([position], [centre], yerr=error, fmt="o", capsize=4,
+                           color=colors.get(label))
+        names = [label if len(label) <= 24 else label[:21] + "..."
+                 for label in summary["recipes"]]
+        right.set_xticks(range(len(names)), names, rotation=30, ha="right")
+        right.axhline(0.0, color="black", linewidth=0.6)
+        right.set(ylabel="final val loss vs bf16 mean (%)")
+        right.legend(loc="upper left")
+    figure.tight_layout()
     figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
     return path
