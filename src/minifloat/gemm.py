@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import gemm_paths, numerics
-from .quantizers import NVFP4Storage, QuantizedStorage, QuantizedTensor
+from .quantizers import IdentityStorage, NVFP4Storage, QuantizedStorage, QuantizedTensor
 
 Operand = torch.Tensor | QuantizedStorage
 
@@ -67,6 +67,11 @@ def _uses_rht(storage: QuantizedStorage | None, columnwise: bool) -> bool:
     return columnwise and isinstance(storage, NVFP4Storage) and storage.with_rht
 
 
+def _high_precision(storage: QuantizedStorage | None) -> bool:
+    """Whether a GEMM operand is not quantized: a plain tensor or an IdentityQuantizer's copy."""
+    return storage is None or isinstance(storage, IdentityStorage)
+
+
 def general_gemm(
     a: Operand,
     b: Operand,
@@ -84,22 +89,34 @@ def general_gemm(
     """
     a_storage = _copy_storage(a, a_columnwise, "A")
     b_storage = _copy_storage(b, b_columnwise, "B")
+    # One operand's copy carries the RHT: a high-precision partner (a layer's grad_output or
+    # input kept out of quantization, e.g. by the advisor's @hp= spec) gets the same transform
+    # here, in fp32, so that it cancels; a quantized partner without it cannot
+    transform = None
     if _uses_rht(a_storage, a_columnwise) != _uses_rht(b_storage, b_columnwise):
-        raise ValueError(
-            "general_gemm: only one operand carries the random Hadamard transform, so it would "
-            "not cancel; give both wgrad operands RHT (NVFP4 inputs and gradients) or neither"
-        )
+        transform = "b" if _uses_rht(a_storage, a_columnwise) else "a"
+        if not _high_precision(b_storage if transform == "b" else a_storage):
+            raise ValueError(
+                "general_gemm: only one operand carries the random Hadamard transform, and the "
+                "other is quantized without it, so it would not cancel; give both wgrad "
+                "operands RHT (NVFP4 inputs and gradients), neither, or keep the other one in "
+                "high precision")
     if out_dtype is None:
         out_dtype = a.dtype if isinstance(a, (torch.Tensor, QuantizedStorage)) else torch.float32
     if accumulate_into is not None and accumulate_into.dtype != torch.float32:
         raise TypeError(f"main_grad must be float32 to accumulate into, got "
                         f"{accumulate_into.dtype}")
-    path = gemm_paths.fast_path(a_storage, a_columnwise, b_storage, b_columnwise)
+    path = None if transform else gemm_paths.fast_path(a_storage, a_columnwise, b_storage,
+                                                        b_columnwise)
     if path is not None:
         a_values = b_values = a_alpha = b_alpha = None
     else:
         a_values, a_alpha = _operand(a, a_storage, a_columnwise, "A")
         b_values, b_alpha = _operand(b, b_storage, b_columnwise, "B")
+        if transform == "a":
+            a_values = numerics.random_hadamard_transform(a_values, round_to_bf16=False)
+        elif transform == "b":
+            b_values = numerics.random_hadamard_transform(b_values, round_to_bf16=False)
         if a_values.shape[1] != b_values.shape[1]:
             raise ValueError(
                 f"general_gemm: reduction dims differ: A gives {tuple(a_values.shape)} and B "

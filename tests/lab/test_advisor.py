@@ -86,3 +86,22 @@ def test_cli_prints_table_and_spec_and_rejects_bad_input(capsys):
     assert "nothing to advise" in capsys.readouterr().err
     assert cli.main(["advise", "--recipe", "nvfp4", "--budget", "2"]) == 2
     assert "budget" in capsys.readouterr().err
+
+
+def test_nvfp4_specs_that_keep_one_wgrad_operand_in_high_precision_train(tmp_path):
+    """Under NVFP4 both wgrad operands carry the RHT; an `@hp=` spec that keeps a layer's
+    grad_output (what the advisor proposed for the small preset) or its input in high precision
+    leaves one RHT operand against a plain one: the GEMM transforms the plain one too (an H200
+    run of the advisor's spec raised here before). The advisor's own spec trains as well."""
+    from minifloat.lab import compare
+
+    advice = advise("tiny", "nvfp4", budget=0.1, batches=1)
+    specs = ["nvfp4@hp=blocks.0.attn.qkv:grad_output", "nvfp4@hp=blocks.1.mlp.fc1:input",
+             advice.spec]
+    result = compare.run_comparison(",".join(specs), steps=2, preset="tiny",
+                                    out_dir=tmp_path / "out", device="cpu", progress=False,
+                                    val_batches=1)
+    assert [run.label for run in result.runs] == specs
+    for run in result.runs:
+        assert len(run.train_loss) == 2 and all(map(torch.isfinite, map(torch.tensor,
+                                                                       run.train_loss)))

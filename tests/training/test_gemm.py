@@ -180,6 +180,41 @@ def test_rht_on_one_operand_only_is_an_error(tensors):
     general_gemm(dy_rht, mf.NVFP4Quantizer(with_rht=True)(torch.randn(K, N)))
 
 
+@pytest.mark.parametrize("plain_side", ["a", "b"])
+@pytest.mark.parametrize("identity", [False, True])
+def test_rht_against_a_high_precision_operand_cancels(tensors, plain_side, identity):
+    """wgrad with one operand kept in high precision (a plain tensor or an IdentityQuantizer's
+    copy: the advisor's `@hp=layer:grad_output` under NVFP4) and the other an NVFP4 copy with
+    the RHT: the plain one gets the same transform (fp32), so the product is dY^T X with X's
+    columnwise quantization error only. Reference: that copy's values with the transform undone
+    (numerics.inverse_random_hadamard_transform), times the plain operand, in float64."""
+    x, _, dy, _ = tensors
+    x_rht = mf.NVFP4Quantizer(with_rht=True, stochastic_rounding=False)(x)
+    plain = mf.IdentityQuantizer()(dy) if identity else dy
+    if plain_side == "a":
+        got = general_gemm(plain, x_rht, a_columnwise=True, b_columnwise=True,
+                           out_dtype=torch.float32)
+    else:
+        got = general_gemm(x_rht, plain, a_columnwise=True, b_columnwise=True,
+                           out_dtype=torch.float32).t()
+    # the columnwise copy's values with the transform undone (numerics), [M, K]
+    x_back = mf.numerics.inverse_random_hadamard_transform(numerics_rht_domain(x_rht).t()).t()
+    want = dy.double().t() @ x_back.double()
+    error = (torch.linalg.norm(got.double() - want) / torch.linalg.norm(want)).item()
+    assert error < 1e-5, error
+    # without the transform on the plain side the product is far off: the test can fail
+    wrong = dy.double().t() @ numerics_rht_domain(x_rht).double()
+    assert (torch.linalg.norm(wrong - want) / torch.linalg.norm(want)).item() > 0.1
+
+
+def numerics_rht_domain(x_rht) -> torch.Tensor:
+    """The columnwise copy's values as the GEMM reads them (in the transformed domain), [M, K]."""
+    storage = x_rht._storage if hasattr(x_rht, "_storage") else x_rht.quantized_storage
+    values, alpha = storage.gemm_operand(True)
+    values = values if alpha is None else values * alpha
+    return values.t()
+
+
 @pytest.mark.parametrize("family", ["fp8cs", "block", "mxfp8", "nvfp4"])
 def test_missing_copy_is_a_value_error(tensors, family):
     x, w, dy, _ = tensors

@@ -36,8 +36,11 @@ def _fwht16(runs: torch.Tensor) -> torch.Tensor:
     return runs
 
 
-def random_hadamard_transform(x2d: torch.Tensor) -> torch.Tensor:
-    """Apply the RHT to every run of 16 along the last dim of a 2D tensor; returns bf16.
+def random_hadamard_transform(x2d: torch.Tensor, *, round_to_bf16: bool = True
+                              ) -> torch.Tensor:
+    """Apply the RHT to every run of 16 along the last dim of a 2D tensor; returns bf16 (the
+    quantizers' input), or fp32 without that rounding (`round_to_bf16=False`: a high-precision
+    GEMM operand given the transform its partner carries, so that it cancels).
 
     The caller passes x^T ([K, M]) so that the runs lie along M, as the columnwise copy needs.
     """
@@ -49,8 +52,8 @@ def random_hadamard_transform(x2d: torch.Tensor) -> torch.Tensor:
         )
     signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=x2d.device)
     runs = x2d.float().reshape(rows, cols // RHT_SIZE, RHT_SIZE) * signs
-    transformed = _fwht16(runs) * 0.25
-    return transformed.reshape(rows, cols).to(torch.bfloat16)
+    transformed = (_fwht16(runs) * 0.25).reshape(rows, cols)
+    return transformed.to(torch.bfloat16) if round_to_bf16 else transformed
 
 
 def inverse_random_hadamard_transform(y2d: torch.Tensor) -> torch.Tensor:
