@@ -11,6 +11,10 @@ Presets (the batch shape of a step included):
                     heads, vocabulary 128256, tied embeddings (1.24e9 parameters); 4 x 2048
   hf-mixtral-moe    Mixtral-style: 8 layers, d 2048, 8 experts of SwiGLU 4096, top-2, 32 heads
                     over 8 KV heads, vocabulary 32000 (1.8e9 parameters); 4 x 2048
+  hf-mixtral-8x7b-2l Mixtral 8x7B's layer shapes, 2 layers: d 4096, 8 experts of SwiGLU 14336,
+                    top-2, 32 heads over 8 KV heads, vocabulary 32000 (3.1e9 parameters);
+                    4 x 2048 tokens (hf-mixtral-moe's experts are narrow: their GEMMs took a
+                    quarter of its bf16 step's GPU time on an H100)
   hf-llama-tiny, hf-mixtral-tiny    CPU smoke tests
 
 On the GPU machine (no network, no transformers) transformers and its dependencies travel as
@@ -79,6 +83,10 @@ HF_PRESETS: dict[str, HFModelConfig] = {
     "hf-mixtral-moe": HFModelConfig("mixtral", n_layers=8, d_model=2048, n_heads=32,
                                     n_kv_heads=8, ffn_hidden=4096, vocab_size=32000,
                                     seq_len=2048, batch_size=4, experts=8, experts_per_token=2),
+    "hf-mixtral-8x7b-2l": HFModelConfig("mixtral", n_layers=2, d_model=4096, n_heads=32,
+                                        n_kv_heads=8, ffn_hidden=14336, vocab_size=32000,
+                                        seq_len=2048, batch_size=4, experts=8,
+                                        experts_per_token=2),
     "hf-llama-tiny": HFModelConfig("llama", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2,
                                    ffn_hidden=128, vocab_size=256, seq_len=64, batch_size=2),
     "hf-mixtral-tiny": HFModelConfig("mixtral", n_layers=2, d_model=64, n_heads=4,

@@ -53,8 +53,8 @@ Usage:
       [--steps 10] [--warmup 3] [--compile-mode default|reduce-overhead|both] [--out FILE]
       [--device cuda|cpu]
 --preset takes one name or a comma list (tiny, small, 1b, llama-block, and transformers models
-built from configs: hf-llama-1b, hf-mixtral-moe, hf-llama-tiny, hf-mixtral-tiny, see
-hf_models.py; transformers must import); --device cpu runs
+built from configs: hf-llama-1b, hf-mixtral-moe, hf-mixtral-8x7b-2l, hf-llama-tiny,
+hf-mixtral-tiny, see hf_models.py; transformers must import); --device cpu runs
 everything but the CUDA-only measurements (kernels, peak memory), for smoke tests with tiny.
 Default --out: benchmarks/results/model_step_<gpu>.json (e.g. model_step_h100.json).
 """
