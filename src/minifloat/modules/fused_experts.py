@@ -70,7 +70,10 @@ class FusedExperts(QuantizedModule):
         chosen = top_k_index.reshape(-1)
         order = torch.argsort(chosen, stable=True)  # (token, slot) pairs grouped by expert
         token, slot = order // top_k, order % top_k
-        counts = torch.bincount(chosen, minlength=experts).tolist()
+        # scatter_add, not bincount: CUDA's bincount reads the input's maximum on the host (a
+        # second synchronisation before the one tolist() needs)
+        counts = chosen.new_zeros(experts).scatter_add_(0, chosen, torch.ones_like(chosen))
+        counts = counts.tolist()
         # (calls that quantize_weights_once's small-M rule runs against dequantized weights
         # need no padding)
         multiple = 1 if runs_dequantized(chosen.numel()) else self._row_multiple(hidden_states)
