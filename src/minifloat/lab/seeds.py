@@ -139,7 +139,7 @@ def _plot_bands(comparisons: list[Comparison], path: Path) -> Path:
         low = [min(curve[s] for curve in curves) for s in range(start, steps)]
         high = [max(curve[s] for curve in curves) for s in range(start, steps)]
         mean = [statistics.fmean(curve[s] for curve in curves) for s in range(start, steps)]
-        (line,) = left.plot(x, mean, label=run.label, linewidth=1.2)
+        (line,) = left.plot(x, mean, label=_short(run.label), linewidth=1.2)
         colors[run.label] = line.get_color()
         left.fill_between(x, low, high, color=line.get_color(), alpha=0.2)
     left.set(xlabel="step", ylabel=f"training loss, moving average of {window}",
@@ -159,8 +159,7 @@ def _plot_bands(comparisons: list[Comparison], path: Path) -> Path:
                      [(row["max"] / mean - 1) * 100 - centre]]
             right.errorbar([position], [centre], yerr=error, fmt="o", capsize=4,
                            color=colors.get(label))
-        names = [label if len(label) <= 24 else label[:21] + "..."
-                 for label in summary["recipes"]]
+        names = [_short(label) for label in summary["recipes"]]
         right.set_xticks(range(len(names)), names, rotation=30, ha="right")
         right.axhline(0.0, color="black", linewidth=0.6)
         right.set(ylabel="final val loss vs bf16 mean (%)")
@@ -169,6 +168,16 @@ def _plot_bands(comparisons: list[Comparison], path: Path) -> Path:
     figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
     return path
+
+
+def _short(label: str, width: int = 24) -> str:
+    """A recipe label short enough for a legend: an advisor spec's operand list becomes its
+    count (nvfp4@hp=a:x+b:y -> nvfp4@hp(2 operands)), anything else longer is cut."""
+    if "@hp=" in label:
+        head, _, rest = label.partition("@hp=")
+        operands = rest.split("@")[0].split("+")
+        label = f"{head}@hp({len(operands)} operand{'s' if len(operands) > 1 else ''})"
+    return label if len(label) <= width else label[:width - 3] + "..."
 
 
 def _finite(value: float) -> float | None:
