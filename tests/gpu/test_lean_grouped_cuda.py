@@ -87,19 +87,26 @@ def test_grouped_path_equals_general_path(recipe, grouped_calls, empty_expert, m
 
 
 def test_grouped_path_against_the_cpu_reference():
-    """The CUDA grouped path against the CPU path (numerics, per-expert GEMMs), in fp32."""
+    """The CUDA grouped path against the CPU path (numerics, per-expert GEMMs), in fp32, with a
+    fixed upstream gradient. Forward agrees to summation order (FP8 fast accumulation in fprop);
+    the gradients to E5M2's resolution: down_proj's dgrad output is gate_up's gradient, and its
+    amax, so its scale and every E5M2 rounding after it, follow the GEMM's summation order (an
+    H100 measured 1.4e-2 with a loss of y^2, whose gradient follows y's as well)."""
     torch.manual_seed(0)
     cpu = fused_experts(4, 128, 256)
     gpu = fused_experts(4, 128, 256, device="cuda")
     gpu.load_state_dict(cpu.state_dict())
     x, index, weights = routed(300, 4, 128)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
     results = []
     for module, device in ((cpu, "cpu"), (gpu, "cuda")):
         xi = x.to(device).requires_grad_(True)
         with mf.autocast(recipe=HYBRID):
             y = module(xi, index.to(device), weights.to(device))
-        y.pow(2).sum().backward()
+        y.backward(dy.to(device))
         results.append([t.detach().cpu() for t in (y, xi.grad, *(p.grad for p in
                                                                   module.parameters()))])
-    for got, want in zip(results[1], results[0], strict=True):
-        assert relative_error(got, want) < 5e-3  # fprop accumulates fast (FP8), as run_both allows
+    (y_cpu, *grads_cpu), (y_gpu, *grads_gpu) = results
+    assert relative_error(y_gpu, y_cpu) < 5e-3
+    for got, want in zip(grads_gpu, grads_cpu, strict=True):
+        assert relative_error(got, want) < 5e-2  # E5M2: 2 mantissa bits
