@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 
@@ -48,6 +47,7 @@ from .fp8_common import (
 )
 from .launch import launch
 from .per_tensor_fp8 import cast_transpose_tile
+from .stacked_cast import SCALE_SLOT, StackedCast
 
 FIELDS = 8  # int64 entries per tensor in the table (unused ones are 0)
 AMAX_BLOCK = 4096
@@ -278,34 +278,6 @@ def _view(flat: torch.Tensor, offset: int, shape: tuple[int, int]) -> torch.Tens
     return flat[offset:offset + shape[0] * shape[1]].view(shape)
 
 
-class StackedCast(NamedTuple):
-    """Per-tensor current scaling of many tensors, as the flat buffers the kernels wrote: each
-    tensor's bytes follow the previous tensor's (offsets 16-byte aligned), so when every size is
-    a multiple of 16 bytes `data` is the tensors' concatenation, e.g. the rows of a grouped
-    GEMM's operand [sum M, K] or the stacked experts' weights [E, N, K]."""
-
-    data: torch.Tensor | None  # flat fp8 bytes of the rowwise copies
-    data_t: torch.Tensor | None  # flat fp8 bytes of the columnwise copies (each [K, M])
-    scale_inv: torch.Tensor  # fp32, one 16-byte slot per tensor (cuBLAS alignment)
-    offsets: list[int]  # each tensor's start in data / data_t
-    shapes: list[tuple[int, int]]  # each tensor's [M, K]
-
-    def scale(self, i: int) -> torch.Tensor:
-        """Tensor i's scale_inv: a 1-element, 16-byte aligned view."""
-        return self.scale_inv[i * (ALIGN // 4):i * (ALIGN // 4) + 1]
-
-    def scales(self) -> torch.Tensor:
-        """Every tensor's scale_inv as a strided [n] view."""
-        return self.scale_inv.view(-1, ALIGN // 4)[:, 0]
-
-    def rowwise(self, i: int) -> torch.Tensor:
-        return _view(self.data, self.offsets[i], self.shapes[i])
-
-    def columnwise(self, i: int) -> torch.Tensor:
-        m, k = self.shapes[i]
-        return _view(self.data_t, self.offsets[i], (k, m))
-
-
 def quantize_current_scaling_stacked(
     tensors: Sequence[torch.Tensor],
     fp8_dtype: torch.dtype,
@@ -351,7 +323,7 @@ def quantize_current_scaling_stacked(
               else None)
     # one 16-byte slot per scale: cuBLAS rejects (CUBLAS_STATUS_NOT_SUPPORTED) an FP8 GEMM whose
     # scale pointer is not 16-byte aligned, and each tensor's scale_inv is a view into this
-    scale_inv = torch.empty(n * (ALIGN // 4), dtype=torch.float32, device=device)
+    scale_inv = torch.empty(n * SCALE_SLOT, dtype=torch.float32, device=device)
     placeholder = data if data is not None else data_t
     # launch(): the compiled kernel's launcher called directly once this specialisation has
     # compiled (Triton's own launch path cost about 80 us a launch in a MoE step's profile)

@@ -42,13 +42,13 @@ import torch
 
 from .. import kernels
 from ..gemm_paths import scaled_mm_bytes
+from ..kernels.stacked_cast import SCALE_SLOT, StackedCast
 from ..quantizers.base import kernel_module
 from . import lean_fp8
 from .lean_fp8 import Cast, LeanPlan
 from .linear_function import graph_kept
 
 ROW_MULTIPLE = 16  # scaled_mm's rule on M, K and N; FusedExperts pads each expert's rows to it
-_SLOT = 4  # fp32 scales per 16-byte slot (kernels.multi_tensor.ALIGN)
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,44 +91,16 @@ def applies(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> bool:
             and all(count % ROW_MULTIPLE == 0 for count in counts))
 
 
-@dataclass
-class Stacked:
-    """Many tensors' per-tensor FP8 casts in flat buffers (kernels.multi_tensor.StackedCast's
-    layout, also built by the per-tensor fallback): tensor i's rowwise bytes at offsets[i] of
-    `data`, its columnwise [K, M] bytes at offsets[i] of `data_t`, its scale_inv at slot i."""
-
-    data: torch.Tensor | None
-    data_t: torch.Tensor | None
-    scale_inv: torch.Tensor
-    offsets: list[int]
-    shapes: list[tuple[int, int]]
-
-    def scale(self, i: int) -> torch.Tensor:
-        return self.scale_inv[i * _SLOT:i * _SLOT + 1]
-
-    def scales(self) -> torch.Tensor:
-        return self.scale_inv.view(-1, _SLOT)[:, 0]
-
-    def rows(self, i: int) -> torch.Tensor:
-        m, k = self.shapes[i]
-        return self.data[self.offsets[i]:self.offsets[i] + m * k].view(m, k)
-
-    def columns(self, i: int) -> torch.Tensor:
-        m, k = self.shapes[i]
-        return self.data_t[self.offsets[i]:self.offsets[i] + m * k].view(k, m)
-
-
 def cast_stacked(cast: Cast, pieces: list[torch.Tensor], *, rowwise: bool,
-                 columnwise: bool) -> Stacked:
+                 columnwise: bool) -> StackedCast:
     """Each piece cast as `cast` casts it alone, into flat buffers where each piece's bytes
     follow the previous piece's (every piece's size is a multiple of 16 bytes here, so the
     buffers are the pieces' concatenations): one multi-tensor launch pair with the kernels,
     else (the CPU) one cast per piece, concatenated."""
     if kernels.available(pieces[0]):
-        multi = kernel_module("multi_tensor").quantize_current_scaling_stacked(
+        return kernel_module("multi_tensor").quantize_current_scaling_stacked(
             pieces, cast.fp8_dtype, amax_epsilon=cast.amax_epsilon,
             power_2_scale=cast.power_2_scale, rowwise=rowwise, columnwise=columnwise)
-        return Stacked(multi.data, multi.data_t, multi.scale_inv, multi.offsets, multi.shapes)
     shapes = [(piece.shape[0], piece.shape[1]) for piece in pieces]
     offsets, total = [], 0
     for m, k in shapes:
@@ -143,11 +115,11 @@ def cast_stacked(cast: Cast, pieces: list[torch.Tensor], *, rowwise: bool,
         rows.append(data.reshape(-1) if rowwise else None)
         columns.append(data_t.reshape(-1) if columnwise else None)
         scales.append(scale_inv.reshape(1))
-    slots = torch.zeros(len(pieces), _SLOT, dtype=torch.float32, device=pieces[0].device)
+    slots = torch.zeros(len(pieces), SCALE_SLOT, dtype=torch.float32, device=pieces[0].device)
     slots[:, 0] = torch.cat(scales)
-    return Stacked(torch.cat(rows) if rowwise else None,
-                   torch.cat(columns) if columnwise else None,
-                   slots.reshape(-1), offsets, shapes)
+    return StackedCast(torch.cat(rows) if rowwise else None,
+                       torch.cat(columns) if columnwise else None,
+                       slots.reshape(-1), offsets, shapes)
 
 
 def _grouped_kernel_serves(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
@@ -156,7 +128,7 @@ def _grouped_kernel_serves(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dt
             and torch.cuda.get_device_capability(a.device) == (9, 0))
 
 
-def grouped_gemm(a: Stacked, b: torch.Tensor, b_scales: Stacked, counts: list[int],
+def grouped_gemm(a: StackedCast, b: torch.Tensor, b_scales: StackedCast, counts: list[int],
                  out_dtype: torch.dtype, *, fast_accumulation: bool) -> torch.Tensor:
     """out[rows of group g] = A_g @ B_g^T, scaled by both operands' scale_inv.
 
@@ -188,7 +160,7 @@ def grouped_gemm(a: Stacked, b: torch.Tensor, b_scales: Stacked, counts: list[in
     start = 0
     for g, count in enumerate(counts):
         if count:
-            scaled_mm_into(out[start:start + count], a.rows(g), b3d[g], a.scale(g),
+            scaled_mm_into(out[start:start + count], a.rowwise(g), b3d[g], a.scale(g),
                            b_scales.scale(g), fast_accumulation=fast_accumulation)
         start += count
     return out
@@ -248,12 +220,12 @@ class LeanGroupedFP8(torch.autograd.Function):
         if ctx.need_wgrad:
             x_t, x_scale_inv = ctx.saved_tensors
             offsets, shapes = ctx.x_layout
-            x_q = Stacked(None, x_t, x_scale_inv, offsets, shapes)
+            x_q = StackedCast(None, x_t, x_scale_inv, offsets, shapes)
             experts, n, k = ctx.weight_shape
             grad_weight = torch.empty(experts, n, k, dtype=ctx.weight_dtype, device=dy.device)
             for e, count in enumerate(counts):
                 if count:
-                    scaled_mm_into(grad_weight[e], dy_q.columns(e), x_q.columns(e),
+                    scaled_mm_into(grad_weight[e], dy_q.columnwise(e), x_q.columnwise(e),
                                    dy_q.scale(e), x_q.scale(e), fast_accumulation=False)
                 else:
                     grad_weight[e].zero_()
