@@ -267,3 +267,29 @@ def test_op_outputs_sharing_one_storage_are_unaliased():
     assert kept[1].untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
     passthrough = _unaliased([buffer[:2]], [buffer])  # a view of an input
     assert passthrough[0].untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+
+
+def test_fused_experts_in_a_compiled_model_never_recompile_for_new_routing():
+    """A MoE's experts read their token counts on the host; traced, every step's new counts
+    became guards and recompiled the experts' frame until the recompile limit. They run eagerly
+    (one graph break at the call) with the rest of the model compiled: no recompile across
+    routings, and the results of eager mode."""
+    from modules.test_any_token_count import fused_experts
+
+    torch.manual_seed(0)
+    experts = fused_experts(4, 32, 32)
+    router = torch.nn.Linear(32, 4)
+
+    def layer(x):
+        logits = router(x)
+        weights, index = torch.topk(logits.softmax(-1), 2)
+        return experts(torch.relu(x), index, weights) + x
+
+    compiled = torch.compile(layer, backend="aot_eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(4):
+            x = torch.randn(40, 32, generator=torch.Generator().manual_seed(step))
+            with mf.autocast(recipe=mf.Float8CurrentScaling()):
+                got = compiled(x)
+                want = layer(x)
+            assert torch.equal(got, want)

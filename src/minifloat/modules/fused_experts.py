@@ -13,7 +13,9 @@ Where a format's blocks run along the rows (MXFP8 32, NVFP4 16), or on CUDA wher
 needs whole row groups (scaled_mm 16, blockwise 128), each expert's rows are padded with zero
 rows to the multiple (exact: a zero row changes no amax and its output is dropped). Unpadded,
 an H200 ran most expert GEMMs of a Mixtral decoded and emulated: 2.5x slower than bf16.
-The token counts per expert are read on the host, as transformers' own loop does.
+The token counts per expert are read on the host, as transformers' own loop does; so under
+torch.compile the module runs eagerly (torch.compiler.disable: one graph break at the call, no
+recompile per routing).
 
 Under per-tensor FP8 current scaling, eagerly, each grouped GEMM takes the lean grouped path
 (lean_grouped_fp8.py: one multi-tensor cast per operand, one grouped FP8 GEMM in forward);
@@ -64,6 +66,11 @@ class FusedExperts(QuantizedModule):
         binding = self._bindings.get(token) or self.binding(token)
         return math.lcm(*(binding.rows_multiple(gemm, x) for gemm in range(self.num_gemms)))
 
+    # Eager under torch.compile too (one graph break at the call, the rest of the model stays
+    # compiled): the token counts are read on the host, and a traced forward turned every
+    # step's counts into guards, recompiling until dynamo's limit; eagerly the experts take
+    # the lean grouped path
+    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         experts, top_k = self.num_experts, top_k_index.shape[-1]
@@ -83,9 +90,11 @@ class FusedExperts(QuantizedModule):
         tokens = hidden_states.shape[0]
         source = torch.full((sum(padded),), tokens, dtype=torch.long,
                             device=hidden_states.device)
-        starts = accumulate([0, *padded[:-1]])  # each expert's first padded row
-        real = torch.cat([torch.arange(start, start + count, device=hidden_states.device)
-                          for start, count in zip(starts, counts, strict=True)])
+        # sorted pair i (of expert e) goes to padded row i + (e's padded start - e's start)
+        shift = [padded_start - start for padded_start, start in
+                 zip(accumulate([0, *padded[:-1]]), accumulate([0, *counts[:-1]]), strict=True)]
+        real = (torch.arange(chosen.numel(), device=hidden_states.device)
+                + torch.tensor(shift, device=hidden_states.device)[chosen[order]])
         source[real] = token
         x = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[1])])[source]
         hidden = self._experts_gemm(x, padded, self.gate_up_proj, 0)
