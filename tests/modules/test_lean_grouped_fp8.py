@@ -130,3 +130,20 @@ def test_cases_left_to_the_general_path(on_cpu):
 
 def test_grouped_path_is_cuda_only_by_default():
     assert lean_fp8.DEVICES == ("cuda",)
+
+
+def test_backward_keeps_no_rowwise_copy(on_cpu):
+    """What forward leaves for backward: the inputs' and weights' columnwise bytes and the
+    scales, not the rowwise weight bytes that only forward's GEMM reads."""
+    torch.manual_seed(0)
+    experts = fused_experts(4, 32, 48)
+    x = torch.randn(64, 32, requires_grad=True)
+    weight = experts.gate_up_proj
+    with mf.autocast(recipe=CURRENT):
+        plan = experts._grouped_plan(x, 0)
+        y = LeanGroupedFP8.apply(x, weight, (16, 16, 0, 32), plan, True, True)
+    w_t, scales = y.grad_fn.weight_copy
+    assert scales.data is None and scales.data_t is None
+    assert w_t.numel() == weight.numel() and w_t.element_size() == 1
+    y.sum().backward()
+    assert x.grad is not None and weight.grad is not None
