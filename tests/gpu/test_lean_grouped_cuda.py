@@ -110,3 +110,41 @@ def test_grouped_path_against_the_cpu_reference():
     assert relative_error(y_gpu, y_cpu) < 5e-3
     for got, want in zip(grads_gpu, grads_cpu, strict=True):
         assert relative_error(got, want) < 5e-2  # E5M2: 2 mantissa bits
+
+
+def _run_grouped_linear(layer, x, splits):
+    """(grouped GEMM calls, y, dx, weight grads, kept FP8 bytes) of one step."""
+    calls, packed = [], []
+    original = torch._scaled_grouped_mm
+    torch._scaled_grouped_mm = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
+    try:
+        xi = x.clone().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t,
+                                                      lambda t: t), mf.autocast(recipe=HYBRID):
+            y = layer(xi, splits)
+        y.float().pow(2).sum().backward()
+    finally:
+        torch._scaled_grouped_mm = original
+    grads = [w.grad.clone() for w in layer.weights]
+    layer.zero_grad(set_to_none=True)
+    kept = torch.cat([t.reshape(-1).view(torch.uint8) for t in packed if t.element_size() == 1])
+    return len(calls), y.detach(), xi.grad, grads, kept
+
+
+def test_grouped_linear_grouped_path_equals_general_path(monkeypatch):
+    """GroupedLinear (TransformerEngine's layout: one weight per expert, no bias) in bf16 with
+    splits of whole 16-row groups: one grouped GEMM in forward, the general path's kept bytes,
+    outputs and gradients to summation order (gradients: E5M2's resolution, see above)."""
+    torch.manual_seed(0)
+    layer = mf.GroupedLinear(4, 256, 512, bias=False, params_dtype=torch.bfloat16,
+                             device="cuda")
+    x = torch.randn(640, 256, device="cuda", dtype=torch.bfloat16)
+    splits = [160, 0, 320, 160]
+    calls, y, dx, grads, kept = _run_grouped_linear(layer, x, splits)
+    monkeypatch.setattr(lean_fp8, "ENABLED", False)
+    calls_g, y_g, dx_g, grads_g, kept_g = _run_grouped_linear(layer, x, splits)
+    assert (calls, calls_g) == (1, 0)
+    assert torch.equal(kept, kept_g)
+    assert relative_error(y, y_g) < 5e-3 and relative_error(dx, dx_g) < 5e-2
+    for got, want in zip(grads, grads_g, strict=True):
+        assert relative_error(got, want) < 5e-2 or (want.abs().max() == got.abs().max() == 0)

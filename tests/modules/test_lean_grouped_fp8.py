@@ -31,9 +31,9 @@ def on_cpu(monkeypatch):
     calls = []
     original = LeanGroupedFP8.forward
 
-    def counting(ctx, x, weight, counts, *args):
+    def counting(ctx, x, counts, *args):
         calls.append(counts)
-        return original(ctx, x, weight, counts, *args)
+        return original(ctx, x, counts, *args)
 
     monkeypatch.setattr(LeanGroupedFP8, "forward", staticmethod(counting))
     return calls
@@ -95,8 +95,8 @@ def test_forward_matches_dequantized_reference(on_cpu):
     counts = [16, 0, 32]
     weight = experts.gate_up_proj.detach()
     with mf.autocast(recipe=CURRENT):
-        plan = experts._grouped_plan(x, 0)
-        y = LeanGroupedFP8.apply(x, weight, tuple(counts), plan, False, False)
+        plan = lean_grouped_fp8.module_plan(experts, 0, 3)
+        y = LeanGroupedFP8.apply(x, tuple(counts), plan, False, False, weight)
     e4m3 = torch.float8_e4m3fn
     start = 0
     for e, count in enumerate(counts):
@@ -122,10 +122,15 @@ def test_cases_left_to_the_general_path(on_cpu):
     assert on_cpu == []
     x = torch.randn(40, 32)
     w3d = experts.gate_up_proj
-    assert lean_grouped_fp8.applies(x[:32], w3d, [16, 16])
-    assert not lean_grouped_fp8.applies(x[:24], w3d, [16, 8])  # a block of 8 rows
-    assert not lean_grouped_fp8.applies(x[:32].t().contiguous().t(), w3d, [16, 16])
-    assert not lean_grouped_fp8.applies(x[:32], w3d[:, :, :16], [16, 16])
+    assert lean_grouped_fp8.applies(x[:32], (w3d,), [16, 16, 0, 0])
+    assert not lean_grouped_fp8.applies(x[:32], (w3d,), [16, 16])  # 2 counts for 4 experts
+    assert not lean_grouped_fp8.applies(x[:24], (w3d,), [16, 8, 0, 0])  # a block of 8 rows
+    assert not lean_grouped_fp8.applies(x[:32].t().contiguous().t(), (w3d,), [16, 16, 0, 0])
+    assert not lean_grouped_fp8.applies(x[:32], (w3d[:, :, :16],), [16, 16, 0, 0])
+    separate = tuple(w3d.detach()[e].clone() for e in range(4))
+    assert lean_grouped_fp8.applies(x[:32], separate, [16, 16, 0, 0])
+    assert not lean_grouped_fp8.applies(x[:32], separate[:3] + (separate[3][:16],),
+                                        [16, 16, 0, 0])  # weights of unequal shapes
 
 
 def test_grouped_path_is_cuda_only_by_default():
@@ -140,10 +145,50 @@ def test_backward_keeps_no_rowwise_copy(on_cpu):
     x = torch.randn(64, 32, requires_grad=True)
     weight = experts.gate_up_proj
     with mf.autocast(recipe=CURRENT):
-        plan = experts._grouped_plan(x, 0)
-        y = LeanGroupedFP8.apply(x, weight, (16, 16, 0, 32), plan, True, True)
+        plan = lean_grouped_fp8.module_plan(experts, 0, 4)
+        y = LeanGroupedFP8.apply(x, (16, 16, 0, 32), plan, True, True, weight)
     w_t, scales = y.grad_fn.weight_copy
     assert scales.data is None and scales.data_t is None
     assert w_t.numel() == weight.numel() and w_t.element_size() == 1
     y.sum().backward()
     assert x.grad is not None and weight.grad is not None
+
+
+def test_grouped_linear_takes_the_grouped_path_and_equals_the_general_path(on_cpu,
+                                                                           monkeypatch):
+    """TransformerEngine's GroupedLinear (one weight per expert, no bias), splits of whole
+    16-row groups, one of them empty: the grouped path, with the general path's kept bytes and
+    results, and one gradient per weight (zero for the empty split)."""
+    torch.manual_seed(0)
+    layer = mf.GroupedLinear(3, 32, 48, bias=False)
+    x = torch.randn(2, 32, 32)  # 64 rows over the splits
+    dy = torch.randn(2, 32, 48)
+    splits = [32, 0, 32]
+
+    def run_layer():
+        xi = x.clone().requires_grad_(True)
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t,
+                                                      lambda t: t), mf.autocast(recipe=CURRENT):
+            y = layer(xi, splits)
+        y.backward(dy)
+        grads = [w.grad.clone() for w in layer.weights]
+        layer.zero_grad(set_to_none=True)
+        return y.detach(), xi.grad, grads, [t for t in packed if t.element_size() == 1]
+
+    y, dx, grads, saved = run_layer()
+    assert on_cpu == [(32, 0, 32)] and y.shape == (2, 32, 48)
+    assert torch.count_nonzero(grads[1]) == 0
+    monkeypatch.setattr(lean_fp8, "ENABLED", False)
+    y_g, dx_g, grads_g, saved_g = run_layer()
+    assert len(on_cpu) == 1
+    assert torch.equal(torch.cat([t.reshape(-1).view(torch.uint8) for t in saved]),
+                       torch.cat([t.reshape(-1).view(torch.uint8) for t in saved_g]))
+    for got, want in ((y, y_g), (dx, dx_g), *zip(grads, grads_g, strict=True)):
+        assert rel_err(got, want) < 1e-6 or (got.abs().max() == want.abs().max() == 0)
+    # a split of 8 rows, or biases, keep the general path
+    monkeypatch.setattr(lean_fp8, "ENABLED", True)
+    with mf.autocast(recipe=CURRENT):
+        layer(torch.randn(40, 32), [32, 8, 0])
+        mf.GroupedLinear(3, 32, 48)(torch.randn(48, 32), [16, 16, 16])
+    assert len(on_cpu) == 1

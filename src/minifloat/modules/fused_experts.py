@@ -33,8 +33,8 @@ from torch import nn
 from ..autocast import active_token
 from . import lean_grouped_fp8
 from .base import QuantizedModule
-from .lean_grouped_fp8 import GroupedPlan, LeanGroupedFP8
-from .weights import runs_dequantized, weights_quantized_once
+from .lean_grouped_fp8 import LeanGroupedFP8
+from .weights import runs_dequantized
 
 
 class FusedExperts(QuantizedModule):
@@ -50,10 +50,8 @@ class FusedExperts(QuantizedModule):
         self.act_fn = experts.act_fn
         self.num_experts = self.gate_up_proj.shape[0]
         self.num_gemms = 2 * self.num_experts
-        # recipe token -> (the binding they were made from, gate_up plan, down plan); a plan is
-        # None where the general path runs (a new binding, e.g. after set_consumer_roles, remakes
-        # them)
-        self._grouped_plans: dict[int, tuple] = {}
+        # (recipe token, first GEMM) -> (binding, lean grouped plan or None): module_plan's
+        self._grouped_plans: dict[tuple[int, int], tuple] = {}
 
     def gemm_name(self, gemm: int) -> str:
         part = "gate_up_proj" if gemm < self.num_experts else "down_proj"
@@ -103,29 +101,15 @@ class FusedExperts(QuantizedModule):
         out = out * top_k_weights[token, slot, None]
         return torch.zeros_like(hidden_states).index_add_(0, token, out.to(hidden_states.dtype))
 
-    def _grouped_plan(self, x: torch.Tensor, part: int) -> GroupedPlan | None:
-        """The lean grouped plan of part 0 (gate_up) or 1 (down) for this call, or None."""
-        token = active_token()
-        if token == 0 or torch.compiler.is_compiling() or weights_quantized_once():
-            return None
-        binding = self._bindings.get(token) or self.binding(token)
-        plans = self._grouped_plans.get(token)
-        if plans is None or plans[0] is not binding:
-            experts = self.num_experts
-            plans = (binding, *(GroupedPlan.for_lean_plans(
-                binding.lean_plans[p * experts:(p + 1) * experts]) for p in (0, 1)))
-            self._grouped_plans[token] = plans
-        return plans[1 + part]
-
     def _experts_gemm(self, x: torch.Tensor, padded: list[int], weight: torch.Tensor,
                       part: int) -> torch.Tensor:
         """x's row blocks through the experts' slices of `weight` (part 0: gate_up, 1: down)."""
         experts = self.num_experts
-        plan = self._grouped_plan(x, part)
-        if plan is not None and lean_grouped_fp8.applies(x, weight, padded):
+        plan = lean_grouped_fp8.module_plan(self, part * experts, experts)
+        if plan is not None and lean_grouped_fp8.applies(x, (weight,), padded):
             grad = torch.is_grad_enabled()
-            return LeanGroupedFP8.apply(x, weight, tuple(padded), plan,
-                                        grad and x.requires_grad, grad and weight.requires_grad)
+            return LeanGroupedFP8.apply(x, tuple(padded), plan, grad and x.requires_grad,
+                                        grad and weight.requires_grad, weight)
         return self.run_gemms(x, padded, [weight[e] for e in range(experts)], [None] * experts,
                               gemms=list(range(part * experts, (part + 1) * experts)))
 

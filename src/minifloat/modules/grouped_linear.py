@@ -3,7 +3,10 @@
 `forward(x, m_splits)` takes the token count of each expert: rows [sum(m[:i]), sum(m[:i+1])) of
 x go through weight i. Splits may be uneven or empty (an expert without tokens contributes no
 rows and a zero weight gradient). Every split's operands are quantized in one split_quantize
-call, with a quantizer per expert (its own scale), and the GEMMs run per expert.
+call, with a quantizer per expert (its own scale), and the GEMMs run per expert. Under FP8
+current scaling without biases, with every split a multiple of 16 rows (TransformerEngine's
+own rule for FP8 grouped GEMMs), the GEMMs take the lean grouped path (lean_grouped_fp8.py:
+one grouped FP8 GEMM in forward on an H100/H200).
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import torch
 
 from ..distributed.tensor_parallel import TensorParallelConfig
 from ..quantizers.split import check_splits
+from . import lean_grouped_fp8
 from .base import QuantizedModule
+from .lean_grouped_fp8 import LeanGroupedFP8
 from .parallel_gemm import parallel_gemms
 
 
@@ -103,6 +108,8 @@ class GroupedLinear(ExpertParameters, QuantizedModule):
                 setattr(self, f"bias{gemm}",
                         self.new_bias(out_features, in_features, dtype, device))
         self.in_features, self.out_features = in_features, out_features
+        # (recipe token, first GEMM) -> (binding, lean grouped plan or None)
+        self._grouped_plans: dict[tuple[int, int], tuple] = {}
 
     def set_tensor_parallel_group(self, tp_group: Any) -> None:
         """Set (or set again, after unpickling) the tensor-parallel process group."""
@@ -123,6 +130,16 @@ class GroupedLinear(ExpertParameters, QuantizedModule):
             return parallel_gemms(self, self.tp, self.tp.mode, x, splits, self.weights,
                                   self.biases, list(range(self.num_gemms)),
                                   is_first_microbatch)
+        if is_first_microbatch is None and not self.use_bias:
+            plan = lean_grouped_fp8.module_plan(self, 0, self.num_gemms)
+            x2d = x.reshape(-1, features)
+            weights = tuple(self.weights)
+            if plan is not None and lean_grouped_fp8.applies(x2d, weights, splits):
+                grad = torch.is_grad_enabled()
+                y = LeanGroupedFP8.apply(x2d, tuple(splits), plan, grad and x.requires_grad,
+                                         grad and any(w.requires_grad for w in weights),
+                                         *weights)
+                return y.reshape(*x.shape[:-1], self.out_features)
         return self.run_gemms(x, splits, self.weights, self.biases,
                               gemms=list(range(self.num_gemms)),
                               is_first_microbatch=is_first_microbatch)

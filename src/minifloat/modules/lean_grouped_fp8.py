@@ -41,12 +41,15 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from ..autocast import active_token
 from ..gemm_paths import scaled_mm_bytes
 from ..kernels.stacked_cast import SCALE_SLOT, StackedCast
 from ..quantizers.base import kernel_module
 from . import lean_fp8
+from .base import QuantizedModule
 from .lean_fp8 import Cast, LeanPlan
 from .linear_function import graph_kept
+from .weights import weights_quantized_once
 
 ROW_MULTIPLE = 16  # scaled_mm's rule on M, K and N; FusedExperts pads each expert's rows to it
 
@@ -76,18 +79,43 @@ class GroupedPlan:
         return GroupedPlan(first.input, first.weight, first.grad_output)
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> bool:
-    """The per-call conditions (module docstring): cheap attribute tests only."""
+def module_plan(module: QuantizedModule, first_gemm: int, experts: int
+                ) -> GroupedPlan | None:
+    """The lean grouped plan of `module`'s GEMMs first_gemm .. first_gemm + experts - 1 for
+    this call, or None (outside autocast, compiling, inside quantize_weights_once, or a recipe
+    the path does not serve). Made once per binding and GEMM range, kept on the module."""
+    token = active_token()
+    if token == 0 or torch.compiler.is_compiling() or weights_quantized_once():
+        return None
+    binding = module._bindings.get(token) or module.binding(token)
+    kept = module._grouped_plans.get((token, first_gemm))
+    if kept is None or kept[0] is not binding:  # a new binding (set_consumer_roles) remakes it
+        kept = (binding, GroupedPlan.for_lean_plans(
+            binding.lean_plans[first_gemm:first_gemm + experts]))
+        module._grouped_plans[(token, first_gemm)] = kept
+    return kept[1]
+
+
+def applies(x: torch.Tensor, weights: tuple[torch.Tensor, ...], counts: list[int]) -> bool:
+    """The per-call conditions (module docstring): cheap attribute tests only. `weights`: one
+    3-D tensor [E, N, K] (FusedExperts) or E tensors [N, K] (GroupedLinear)."""
     if not lean_fp8.ENABLED or x.device.type not in lean_fp8.DEVICES or not x.is_contiguous():
-        return False
-    if type(weight) not in (torch.nn.Parameter, torch.Tensor) or hasattr(weight, "main_grad"):
         return False
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.dim() != 2:
         return False
-    if weight.dim() != 3 or not weight.is_contiguous() or x.shape[1] != weight.shape[2]:
-        return False
-    _, n, k = weight.shape
-    return (sum(counts) == x.shape[0] > 0 and k % 16 == 0 and n % 16 == 0
+    matrices = 3 if len(weights) == 1 else 2
+    first = weights[0]
+    for weight in weights:
+        if type(weight) not in (torch.nn.Parameter, torch.Tensor) or hasattr(weight,
+                                                                            "main_grad"):
+            return False
+        if (weight.dim() != matrices or not weight.is_contiguous()
+                or weight.shape != first.shape or weight.dtype != first.dtype):
+            return False
+    n, k = first.shape[-2:]
+    experts = first.shape[0] if matrices == 3 else len(weights)
+    return (x.shape[1] == k and len(counts) == experts and sum(counts) == x.shape[0] > 0
+            and k % 16 == 0 and n % 16 == 0
             and all(count % ROW_MULTIPLE == 0 for count in counts))
 
 
@@ -181,17 +209,20 @@ def scaled_mm_into(out: torch.Tensor, mat_a: torch.Tensor, mat_b: torch.Tensor,
 
 
 class LeanGroupedFP8(torch.autograd.Function):
-    """y[rows of expert e] = x[rows of expert e] W[e]^T, per-tensor FP8 current scaling per
-    expert and operand (see the module docstring). x [R, K], weight [E, N, K]."""
+    """y[rows of expert e] = x[rows of expert e] W_e^T, per-tensor FP8 current scaling per
+    expert and operand (see the module docstring). x [R, K]; `weights` one 3-D tensor
+    [E, N, K] (its gradient stacked alike) or E tensors [N, K] (one gradient each)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, counts: tuple[int, ...],
-                plan: GroupedPlan, need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, counts: tuple[int, ...], plan: GroupedPlan,
+                need_dgrad: bool, need_wgrad: bool, *weights: torch.Tensor) -> torch.Tensor:
         counts = list(counts)
         x_pieces = list(torch.split(x, counts))
         x_q = cast_stacked(plan.input, x_pieces, rowwise=True, columnwise=need_wgrad)
-        w = weight.detach()
-        w_q = cast_stacked(plan.weight, list(w.unbind(0)), rowwise=True, columnwise=need_dgrad)
+        stacked = len(weights) == 1
+        w_pieces = list(weights[0].detach().unbind(0)) if stacked else [w.detach()
+                                                                       for w in weights]
+        w_q = cast_stacked(plan.weight, w_pieces, rowwise=True, columnwise=need_dgrad)
         y = grouped_gemm(x_q, w_q.data, w_q, counts, x.dtype, fast_accumulation=True)
         if need_wgrad:
             ctx.save_for_backward(x_q.data_t, x_q.scale_inv)
@@ -200,23 +231,26 @@ class LeanGroupedFP8(torch.autograd.Function):
         # bytes alive until backward too (1.4 GB a layer at Mixtral 8x7B's shapes)
         ctx.weight_copy = ((w_q.data_t, w_q._replace(data=None, data_t=None)) if need_dgrad
                            else None)
-        ctx.plan, ctx.counts = plan, counts
+        ctx.plan, ctx.counts, ctx.stacked = plan, counts, stacked
         ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
-        ctx.out_dtype, ctx.weight_dtype, ctx.weight_shape = x.dtype, weight.dtype, weight.shape
+        ctx.out_dtype, ctx.weight_dtype = x.dtype, weights[0].dtype
+        ctx.weight_shape = w_pieces[0].shape
         return y
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        grad_x = grad_weight = None
+        experts = len(ctx.counts)
+        nothing = (None,) * (1 if ctx.stacked else experts)
         if not (ctx.need_dgrad or ctx.need_wgrad):
-            return None, None, None, None, None, None
+            return None, None, None, None, None, *nothing
+        grad_x, grad_weights = None, nothing
         dy = grad_output if grad_output.is_contiguous() else grad_output.contiguous()
         counts = ctx.counts
         dy_q = cast_stacked(ctx.plan.grad_output, list(torch.split(dy, counts)),
                             rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad)
         if ctx.need_dgrad:
-            w_t, w_q = ctx.weight_copy
-            grad_x = grouped_gemm(dy_q, w_t, w_q, counts, ctx.out_dtype,
+            w_t, w_scales = ctx.weight_copy
+            grad_x = grouped_gemm(dy_q, w_t, w_scales, counts, ctx.out_dtype,
                                   fast_accumulation=False)
             if not graph_kept():
                 ctx.weight_copy = None  # freed once read, as the general path does
@@ -224,12 +258,17 @@ class LeanGroupedFP8(torch.autograd.Function):
             x_t, x_scale_inv = ctx.saved_tensors
             offsets, shapes = ctx.x_layout
             x_q = StackedCast(None, x_t, x_scale_inv, offsets, shapes)
-            experts, n, k = ctx.weight_shape
-            grad_weight = torch.empty(experts, n, k, dtype=ctx.weight_dtype, device=dy.device)
+            n, k = ctx.weight_shape
+            options = dict(dtype=ctx.weight_dtype, device=dy.device)
+            # one [E, N, K] gradient for a 3-D weight, else one [N, K] tensor per weight
+            stacked_grad = torch.empty(experts, n, k, **options) if ctx.stacked else None
+            grads = (list(stacked_grad.unbind(0)) if ctx.stacked
+                     else [torch.empty(n, k, **options) for _ in range(experts)])
             for e, count in enumerate(counts):
                 if count:
-                    scaled_mm_into(grad_weight[e], dy_q.columnwise(e), x_q.columnwise(e),
+                    scaled_mm_into(grads[e], dy_q.columnwise(e), x_q.columnwise(e),
                                    dy_q.scale(e), x_q.scale(e), fast_accumulation=False)
                 else:
-                    grad_weight[e].zero_()
-        return grad_x, grad_weight, None, None, None, None
+                    grads[e].zero_()
+            grad_weights = (stacked_grad,) if ctx.stacked else tuple(grads)
+        return grad_x, None, None, None, None, *grad_weights
