@@ -88,11 +88,13 @@ def module_plan(module: QuantizedModule, first_gemm: int, experts: int
     if token == 0 or torch.compiler.is_compiling() or weights_quantized_once():
         return None
     binding = module._bindings.get(token) or module.binding(token)
-    kept = module._grouped_plans.get((token, first_gemm))
+    # (a module unpickled from before this cache existed gets one here)
+    plans = module.__dict__.setdefault("_grouped_plans", {})
+    kept = plans.get((token, first_gemm))
     if kept is None or kept[0] is not binding:  # a new binding (set_consumer_roles) remakes it
         kept = (binding, GroupedPlan.for_lean_plans(
             binding.lean_plans[first_gemm:first_gemm + experts]))
-        module._grouped_plans[(token, first_gemm)] = kept
+        plans[(token, first_gemm)] = kept
     return kept[1]
 
 
