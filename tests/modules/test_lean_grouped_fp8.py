@@ -115,7 +115,7 @@ def test_cases_left_to_the_general_path(on_cpu):
     torch.manual_seed(0)
     experts = fused_experts(4, 32, 48)
     inputs = routed()
-    run(experts, *inputs, recipe=mf.DelayedScaling())  # scales from the recipe state
+    run(experts, *inputs, recipe=mf.Float8BlockScaling())  # another format
     assert on_cpu == []
     with torch.no_grad(), mf.autocast(recipe=CURRENT), mf.quantize_weights_once():
         experts(*inputs[:3])
@@ -192,3 +192,46 @@ def test_grouped_linear_takes_the_grouped_path_and_equals_the_general_path(on_cp
         layer(torch.randn(40, 32), [32, 8, 0])
         mf.GroupedLinear(3, 32, 48)(torch.randn(48, 32), [16, 16, 16])
     assert len(on_cpu) == 1
+
+
+def test_delayed_scaling_takes_the_grouped_path_and_records_the_general_amaxes(on_cpu,
+                                                                               monkeypatch):
+    """DelayedScaling: each expert's operands cast with its own recipe-state slots. Over three
+    steps (scales updated from the recorded amaxes at each autocast entry) the amax histories
+    of the operands no GEMM result feeds (gate_up's inputs, every weight, down_proj's incoming
+    gradients) equal the general path's bit for bit; the others (down_proj's inputs, gate_up's
+    gradients: GEMM outputs, whose summation order differs between the two paths' GEMMs) and
+    the scales agree to fp32 rounding, and so do the results."""
+    recipe = mf.DelayedScaling()
+    torch.manual_seed(0)
+    grouped = fused_experts(4, 32, 48)
+    general = fused_experts(4, 32, 48)
+    general.load_state_dict(grouped.state_dict())
+    results = {}
+    for name, module, enabled in (("grouped", grouped, True), ("general", general, False)):
+        monkeypatch.setattr(lean_fp8, "ENABLED", enabled)
+        outputs = []
+        for step in range(3):
+            outputs.append(run(module, *routed(seed=step), recipe=recipe)[:3])
+        mf.update_delayed_backward_scales()
+        forward, backward = module.recipe_states(recipe)
+        results[name] = (outputs, [t.clone() for t in forward.state_tensors()
+                                   + backward.state_tensors()])
+    assert len(on_cpu) == 6  # 3 steps x (gate_up, down), all on the grouped path
+    (outputs, states), (outputs_g, states_g) = results["grouped"], results["general"]
+    assert states and len(states) == len(states_g)
+    for got, want in zip(states, states_g, strict=True):
+        assert rel_err(got, want) < 1e-6
+    experts = 4  # forward slots: 3 per GEMM (input, weight, output), backward 2 (grad_output,
+    #              grad_input); GEMMs 0-3 gate_up, 4-7 down_proj
+    exact_forward = [3 * g for g in range(experts)] + [3 * g + 1 for g in range(2 * experts)]
+    exact_backward = [2 * g for g in range(experts, 2 * experts)]
+    histories = [(got, want) for got, want in zip(states, states_g, strict=True)
+                 if got.dim() == 2]
+    (forward, forward_g), (backward, backward_g) = histories
+    assert torch.equal(forward[:, exact_forward], forward_g[:, exact_forward])
+    assert torch.equal(backward[:, exact_backward], backward_g[:, exact_backward])
+    assert torch.count_nonzero(forward[:, exact_forward]) > 0  # amaxes were recorded
+    for (y, dx, grads), (y_g, dx_g, grads_g) in zip(outputs, outputs_g, strict=True):
+        for got, want in ((y, y_g), (dx, dx_g), *zip(grads, grads_g, strict=True)):
+            assert rel_err(got, want) < 1e-6

@@ -1,6 +1,6 @@
-"""The lean eager path of a mixture of experts' grouped GEMM under per-tensor FP8 current
-scaling: one grouped GEMM for every expert in forward, and each operand of every expert cast in
-one multi-tensor launch pair.
+"""The lean eager path of a mixture of experts' grouped GEMM under per-tensor FP8 scaling
+(current or delayed): one grouped GEMM for every expert in forward, and under current scaling
+each operand of every expert cast in one multi-tensor launch pair.
 
 Why: FusedExperts runs 2 x E expert GEMMs a layer. Through the general path (run_gemms:
 LinearGemms, a GemmCall, quantizer objects and storages per expert, one _scaled_mm per expert
@@ -22,9 +22,14 @@ grouped_mm (BENCHMARKS.md, 2026-11-26 fourth session). Here, per grouped GEMM:
   per expert, the general path's call; wgrad one _scaled_mm per expert (the general path's call,
   same bytes) into the stacked [E, N, K] gradient of the 3-D weight.
 
-Eligibility (GroupedPlan.for_lean_plans, `applies`): every expert GEMM's lean plan is current
-scaling with the same settings (a CustomRecipe that gives experts different formats, delayed
-scaling, TP amax reduction take the general path); a CUDA input, contiguous, of a kernel dtype,
+Delayed scaling: each expert's operands cast with that expert's recipe-state slots (scale
+read, amax recorded, as the general path records them; one launch per expert and operand, the
+multi-tensor kernels being current scaling's), the module's states noted in autocast's round;
+inside minifloat.checkpoint's recompute the general path replays the recorded scales.
+
+Eligibility (GroupedPlan.for_lean_plans, `applies`): every expert GEMM has a lean plan, all
+current or all delayed scaling, one FP8 dtype per operand (other formats, a CustomRecipe that
+mixes them, TP amax reduction take the general path); a CUDA input, contiguous, of a kernel dtype,
 K and N multiples of 16, every block a multiple of 16 rows; a plain 3-D weight (no
 QuantizedTensor, DTensor or main_grad); eager only (FusedExperts reads its token counts on the
 host, so a compiled graph takes the general ops); not inside quantize_weights_once.
@@ -41,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..autocast import active_token
+from ..autocast import active_token, get_autocast_state, note_delayed_use
 from ..gemm_paths import scaled_mm_bytes
 from ..kernels.stacked_cast import SCALE_SLOT, StackedCast
 from ..quantizers.base import kernel_module
@@ -56,27 +61,34 @@ ROW_MULTIPLE = 16  # scaled_mm's rule on M, K and N; FusedExperts pads each expe
 
 @dataclass(frozen=True, eq=False)
 class GroupedPlan:
-    """The casts of every expert's input, weight and grad_output (equal for all experts)."""
+    """Every expert's casts of its input, weight and grad_output (lean_fp8.Cast: current
+    scaling, or delayed scaling with that expert's own recipe-state slots)."""
 
-    input: Cast
-    weight: Cast
-    grad_output: Cast
+    inputs: tuple[Cast, ...]
+    weights: tuple[Cast, ...]
+    grad_outputs: tuple[Cast, ...]
+
+    @property
+    def delayed(self) -> bool:
+        return self.inputs[0].scale is not None
 
     @staticmethod
     def for_lean_plans(plans: list[LeanPlan | None]) -> GroupedPlan | None:
-        """The plan when every expert GEMM's lean plan is the same current-scaling plan."""
+        """The plan when every expert GEMM has a lean plan, all current scaling or all delayed
+        scaling, with one FP8 dtype per operand (the grouped GEMM reads one dtype per side)."""
         if not plans or any(plan is None for plan in plans):
             return None
         first = plans[0]
-        slots = ("input", "weight", "grad_output")
         for plan in plans:
-            for slot in slots:
+            for slot in ("input", "weight", "grad_output"):
                 cast, want = getattr(plan, slot), getattr(first, slot)
-                if cast.scale is not None or (cast.fp8_dtype, cast.amax_epsilon,
-                                              cast.power_2_scale) != (
-                        want.fp8_dtype, want.amax_epsilon, want.power_2_scale):
+                if (cast.scale is None) != (first.input.scale is None):
                     return None
-        return GroupedPlan(first.input, first.weight, first.grad_output)
+                if cast.fp8_dtype != want.fp8_dtype:
+                    return None
+        return GroupedPlan(tuple(plan.input for plan in plans),
+                           tuple(plan.weight for plan in plans),
+                           tuple(plan.grad_output for plan in plans))
 
 
 def module_plan(module: QuantizedModule, first_gemm: int, experts: int
@@ -88,6 +100,10 @@ def module_plan(module: QuantizedModule, first_gemm: int, experts: int
     if token == 0 or torch.compiler.is_compiling() or weights_quantized_once():
         return None
     binding = module._bindings.get(token) or module.binding(token)
+    if binding.delayed_pair is not None:
+        if get_autocast_state().recompute_record is not None:
+            return None  # minifloat.checkpoint replays recorded scales: the general path's
+        note_delayed_use(binding.delayed_pair)  # this round's update takes these amaxes
     # (a module unpickled from before this cache existed gets one here)
     plans = module.__dict__.setdefault("_grouped_plans", {})
     kept = plans.get((token, first_gemm))
@@ -121,23 +137,29 @@ def applies(x: torch.Tensor, weights: tuple[torch.Tensor, ...], counts: list[int
             and all(count % ROW_MULTIPLE == 0 for count in counts))
 
 
-def cast_stacked(cast: Cast, pieces: list[torch.Tensor], *, rowwise: bool,
+def cast_stacked(casts: tuple[Cast, ...], pieces: list[torch.Tensor], *, rowwise: bool,
                  columnwise: bool) -> StackedCast:
-    """Each piece cast as `cast` casts it alone, into flat buffers where each piece's bytes
-    follow the previous piece's (every piece's size is a multiple of 16 bytes here, so the
-    buffers are the pieces' concatenations): one multi-tensor launch pair with the kernels,
-    else (the CPU) one cast per piece, concatenated."""
-    if kernels.available(pieces[0]):
+    """Each piece cast as its own cast casts it alone, into flat buffers where each piece's
+    bytes follow the previous piece's (every piece's size is a multiple of 16 bytes here, so
+    the buffers are the pieces' concatenations). Current scaling with one setting for all:
+    one multi-tensor launch pair with the kernels; otherwise (delayed scaling, each expert its
+    own scale and amax slot; the CPU) one cast per piece, concatenated. Empty pieces are not
+    cast (the general path never quantizes an empty split, so records no amax for it)."""
+    first = casts[0]
+    uniform = first.scale is None and all(
+        cast.scale is None and (cast.amax_epsilon, cast.power_2_scale) == (
+            first.amax_epsilon, first.power_2_scale) for cast in casts)
+    if uniform and kernels.available(pieces[0]):
         return kernel_module("multi_tensor").quantize_current_scaling_stacked(
-            pieces, cast.fp8_dtype, amax_epsilon=cast.amax_epsilon,
-            power_2_scale=cast.power_2_scale, rowwise=rowwise, columnwise=columnwise)
+            pieces, first.fp8_dtype, amax_epsilon=first.amax_epsilon,
+            power_2_scale=first.power_2_scale, rowwise=rowwise, columnwise=columnwise)
     shapes = [(piece.shape[0], piece.shape[1]) for piece in pieces]
     offsets, total = [], 0
     for m, k in shapes:
         offsets.append(total)
         total += m * k
     rows, columns, scales = [], [], []
-    for piece in pieces:
+    for cast, piece in zip(casts, pieces, strict=True):
         if piece.numel() == 0:
             scales.append(torch.ones(1, dtype=torch.float32, device=piece.device))
             continue
@@ -220,11 +242,11 @@ class LeanGroupedFP8(torch.autograd.Function):
                 need_dgrad: bool, need_wgrad: bool, *weights: torch.Tensor) -> torch.Tensor:
         counts = list(counts)
         x_pieces = list(torch.split(x, counts))
-        x_q = cast_stacked(plan.input, x_pieces, rowwise=True, columnwise=need_wgrad)
+        x_q = cast_stacked(plan.inputs, x_pieces, rowwise=True, columnwise=need_wgrad)
         stacked = len(weights) == 1
         w_pieces = list(weights[0].detach().unbind(0)) if stacked else [w.detach()
                                                                        for w in weights]
-        w_q = cast_stacked(plan.weight, w_pieces, rowwise=True, columnwise=need_dgrad)
+        w_q = cast_stacked(plan.weights, w_pieces, rowwise=True, columnwise=need_dgrad)
         y = grouped_gemm(x_q, w_q.data, w_q, counts, x.dtype, fast_accumulation=True)
         if need_wgrad:
             ctx.save_for_backward(x_q.data_t, x_q.scale_inv)
@@ -248,7 +270,7 @@ class LeanGroupedFP8(torch.autograd.Function):
         grad_x, grad_weights = None, nothing
         dy = grad_output if grad_output.is_contiguous() else grad_output.contiguous()
         counts = ctx.counts
-        dy_q = cast_stacked(ctx.plan.grad_output, list(torch.split(dy, counts)),
+        dy_q = cast_stacked(ctx.plan.grad_outputs, list(torch.split(dy, counts)),
                             rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad)
         if ctx.need_dgrad:
             w_t, w_scales = ctx.weight_copy
