@@ -17,8 +17,8 @@ The token counts per expert are read on the host, as transformers' own loop does
 torch.compile the module runs eagerly (torch.compiler.disable: one graph break at the call, no
 recompile per routing).
 
-Under per-tensor FP8 current scaling, eagerly, each grouped GEMM takes the lean grouped path
-(lean_grouped_fp8.py: one multi-tensor cast per operand, one grouped FP8 GEMM in forward);
+Under per-tensor FP8 (current or delayed scaling), eagerly, each grouped GEMM takes the lean
+grouped path (lean_grouped_fp8.py: one grouped FP8 GEMM in forward);
 everything else runs the experts' GEMMs through run_gemms.
 """
 
