@@ -4,9 +4,9 @@
 x go through weight i. Splits may be uneven or empty (an expert without tokens contributes no
 rows and a zero weight gradient). Every split's operands are quantized in one split_quantize
 call, with a quantizer per expert (its own scale), and the GEMMs run per expert. Under
-per-tensor FP8 (current or delayed scaling) without biases, with every split a multiple of 16 rows (TransformerEngine's
-own rule for FP8 grouped GEMMs), the GEMMs take the lean grouped path (lean_grouped_fp8.py:
-one grouped FP8 GEMM in forward on an H100/H200).
+per-tensor FP8 (current or delayed scaling) without biases, with every split a multiple of 16
+rows (TransformerEngine's own rule for FP8 grouped GEMMs), the GEMMs take the lean grouped
+path (lean_grouped_fp8.py: one grouped FP8 GEMM in forward on an H100/H200).
 """
 
 from __future__ import annotations
