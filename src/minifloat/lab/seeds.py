@@ -111,11 +111,11 @@ def write_summary(comparisons: list[Comparison], out_dir: Path) -> list[Path]:
     data.write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
     written = [text, data]
     with contextlib.suppress(ImportError):  # the per-seed folders say how to install it
-        written.append(_plot_bands(comparisons, out_dir / "seeds.png"))
+        written.append(_plot_bands(comparisons, summary, out_dir / "seeds.png"))
     return written
 
 
-def _plot_bands(comparisons: list[Comparison], path: Path) -> Path:
+def _plot_bands(comparisons: list[Comparison], summary: dict[str, Any], path: Path) -> Path:
     """Left: each recipe's training loss (moving average, as the single-seed plot) as the mean
     over the seeds with a min..max band. Right: each recipe's final validation loss against
     bf16's mean, in per cent (mean and min..max over the seeds), beside the bf16 runs' own
@@ -145,7 +145,6 @@ def _plot_bands(comparisons: list[Comparison], path: Path) -> Path:
     left.set(xlabel="step", ylabel=f"training loss, moving average of {window}",
              title="mean and min..max over the seeds")
     left.legend()
-    summary = summarise(comparisons)
     base = summary["recipes"].get(BASELINE)
     if base is not None and base["mean"]:
         mean = base["mean"]

@@ -92,7 +92,8 @@ class FusedExperts(QuantizedModule):
         shift = [padded_start - start for padded_start, start in
                  zip(accumulate([0, *padded[:-1]]), accumulate([0, *counts[:-1]]), strict=True)]
         real = (torch.arange(chosen.numel(), device=hidden_states.device)
-                + torch.tensor(shift, device=hidden_states.device)[chosen[order]])
+                + lean_grouped_fp8.upload(shift, torch.long, hidden_states.device)[
+                    chosen[order]])
         source[real] = token
         x = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[1])])[source]
         hidden = self._experts_gemm(x, padded, self.gate_up_proj, 0)

@@ -42,6 +42,7 @@ operand), the grouped GEMM is the per-expert loop of _scaled_mm calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -67,10 +68,6 @@ class GroupedPlan:
     inputs: tuple[Cast, ...]
     weights: tuple[Cast, ...]
     grad_outputs: tuple[Cast, ...]
-
-    @property
-    def delayed(self) -> bool:
-        return self.inputs[0].scale is not None
 
     @staticmethod
     def for_lean_plans(plans: list[LeanPlan | None]) -> GroupedPlan | None:
@@ -174,6 +171,16 @@ def cast_stacked(casts: tuple[Cast, ...], pieces: list[torch.Tensor], *, rowwise
                        slots.reshape(-1), offsets, shapes)
 
 
+def upload(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on `device` without blocking the host: on CUDA through pinned memory and a
+    non-blocking copy (torch.tensor(values, device=cuda) copies from pageable memory, which
+    waits for the stream to reach the copy)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _grouped_kernel_serves(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
     return (a.is_cuda and out_dtype == torch.bfloat16 and hasattr(torch, "_scaled_grouped_mm")
             and a.dtype == b.dtype == torch.float8_e4m3fn
@@ -198,10 +205,8 @@ def grouped_gemm(a: StackedCast, b: torch.Tensor, b_scales: StackedCast, counts:
             index = torch.tensor(kept, device=b.device)
             b3d, a_scales, b_vector = b3d[index], a_scales[index], b_vector[index]
         sizes = [counts[g] for g in kept]
-        host = torch.tensor(sizes + sizes, dtype=torch.int32)
-        host[len(sizes):] = host[:len(sizes)].cumsum(0)
-        # sizes and their running ends in one asynchronous copy (no host sync)
-        on_device = host.pin_memory().to(b.device, non_blocking=True)
+        # sizes and their running ends in one asynchronous copy
+        on_device = upload(sizes + list(accumulate(sizes)), torch.int32, b.device)
         sizes_on_device, offs = on_device[:len(sizes)], on_device[len(sizes):]
         row_scales = torch.repeat_interleave(a_scales, sizes_on_device, output_size=rows)
         column_scales = b_vector[:, None].expand(len(kept), width).contiguous()
