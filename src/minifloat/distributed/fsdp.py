@@ -35,6 +35,12 @@ gathered as data). Wrapped modules keep no weight copy from forward to backward 
 delayed scaling): backward reads the re-gathered weight, so the weights stay sharded between the
 two. The optimizer updates the high-precision shards; the next forward quantizes them again.
 
+Under torch.compile (each block compiled, as FSDP2 users do), the gathered QuantizedTensor
+reaches the graph as its buffers and the GEMM ops run on them (modules/quantized_weight_ops.py);
+backward derives the columnwise copy from the re-gathered bytes, equal to forward's for FP8
+current scaling, block FP8 and NVFP4. Delayed scaling and MXFP8, whose re-gathers bring other
+bytes, refuse to compile with a clear error (`_compile_refusal`).
+
 Weights built under quantized_model_init take another wrapper (quantized_shards.py): their bytes
 are sharded and gathered as they are, and quantize_master_weights updates them.
 """
@@ -359,6 +365,24 @@ def _supported(quantizer: Quantizer) -> bool:
             and not quantizer.stochastic_rounding)
 
 
+def _compile_refusal(quantizer: Quantizer) -> str | None:
+    """Why a compiled graph cannot run weights gathered with this quantizer, or None.
+
+    A compiled backward reads the weight buffers forward saw (FSDP2 refills them in place for
+    backward): right where the re-gather brings the same bytes, wrong where it does not."""
+    if isinstance(quantizer, Float8Quantizer):
+        return ("FSDP2's FP8 all-gather of delayed-scaling weights does not run under "
+                "torch.compile (backward's re-gather casts with the next step's scale, and a "
+                "compiled backward would pair those bytes with forward's); use current "
+                "scaling, gather high-precision weights, or run eagerly")
+    if isinstance(quantizer, MXFP8Quantizer):
+        return ("FSDP2's MXFP8 all-gather brings the columnwise copy only in backward's "
+                "re-gather, which a compiled backward does not see; gather MXFP8 weights in "
+                "high precision under torch.compile (the weights are then quantized inside the "
+                "graph), or run eagerly")
+    return None
+
+
 def gemm_weights(module: nn.Module) -> list[tuple[str, int]]:
     """(parameter name, GEMM index) of each weight of a minifloat module."""
     from ..modules import GroupedLinear, LayerNormLinear, LayerNormMLP, Linear
@@ -420,4 +444,5 @@ def enable_low_precision_all_gather(model: nn.Module, recipe) -> nn.Module:
             # forward; delayed scaling keeps its copy (a re-gather would use the scale of the
             # next step, updated when forward's autocast exits)
             module.rebuild_weight_copy_in_backward = not isinstance(quantizer, Float8Quantizer)
+            module.compile_refusal = _compile_refusal(quantizer)
     return model

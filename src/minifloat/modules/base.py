@@ -29,7 +29,7 @@ from ..autocast import (
     recipe_for_token,
     register_delayed_states,
 )
-from ..quantizers import QuantizedTensor, Quantizer
+from ..quantizers import HybridQuantizer, QuantizedTensor, Quantizer
 from ..quantizers.base import kernel_module
 from ..recipe_state import RecipeState
 from ..recipes import QuantizerRole, Recipe
@@ -98,6 +98,10 @@ class QuantizedModule(nn.Module):
     # undoes; distributed.rebuild_weight_copies_in_backward sets it on a model's modules. Under
     # torch.compile the ops honour it for stateless recipes and plain delayed scaling.
     rebuild_weight_copy_in_backward = False
+    # why this module's weights cannot run under torch.compile (None: they can); set by
+    # enable_low_precision_all_gather for gathers whose backward re-gather brings other bytes
+    # than forward's (delayed scaling, MXFP8), which only the eager path follows
+    compile_refusal: str | None = None
     # True (TransformerEngine's save_original_input): keep the high-precision input for wgrad
     # instead of its columnwise copy; backward quantizes it again
     # (linear_function.rebuild_input_copies). Eagerly it keeps 2 bytes an element where the
@@ -369,6 +373,11 @@ class QuantizedModule(nn.Module):
         weight_quantizer = weight_quantizer.copy()
         weight_quantizer.set_usage(rowwise=True, columnwise=True)
         weight_quantizer.internal = False
+        if isinstance(weight_quantizer, HybridQuantizer):
+            self.compile_refusal = (
+                "hybrid quantized weights (a format per direction) do not run under "
+                "torch.compile yet; build the model outside quantized_model_init to compile it, "
+                "or run eagerly")
         return nn.Parameter(weight_quantizer(weight))
 
     @staticmethod
@@ -441,6 +450,9 @@ class QuantizedModule(nn.Module):
             if multiple > 1 and m_splits[0] % multiple:
                 return self._run_rows_padded(x, multiple, weights, biases, gemms,
                                              is_first_microbatch, amax_reduction)
+        if torch.compiler.is_compiling() and self.compile_refusal is not None:
+            raise NotImplementedError(f"{self.name or type(self).__name__}: "
+                                      f"{self.compile_refusal}")
         grad_enabled = torch.is_grad_enabled()
         need_dgrad = grad_enabled and x.requires_grad
         need_wgrad = grad_enabled and any(w.requires_grad for w in weights)

@@ -51,6 +51,7 @@ from ..compile_cache import tag_compile_caches
 from ..kernels import is_fake
 from ..quantizers import Float8Quantizer, QuantizedStorage, QuantizedTensor, Quantizer
 from ..recipe_state import RecipeState
+from . import lean_ops
 from .input_recast import input_copy_buffers, recasts
 from .linear_function import (
     FORWARD_SLOTS,
@@ -239,11 +240,24 @@ def _unaliased(tensors: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[
     return result
 
 
+def _buffers(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors, each QuantizedTensor (a quantized weight) as its present buffers."""
+    result = []
+    for tensor in tensors:
+        if isinstance(tensor, QuantizedTensor):
+            storage = tensor.quantized_storage
+            result.extend(buffer for name in storage.tensor_fields()
+                          if (buffer := getattr(storage, name)) is not None)
+        else:
+            result.append(tensor)
+    return result
+
+
 def _storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
-def _gemms_forward(
+def gemms_forward_impl(
     x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
     has_bias: list[bool], state: list[torch.Tensor], plan: int, gemms: list[int],
     m_splits: list[int], need_dgrad: bool, need_wgrad: bool, rebuild: bool, save_original: bool,
@@ -252,6 +266,12 @@ def _gemms_forward(
     `rebuild` no weight copy is kept, with `save_original` no input copy (backward quantizes
     them again; the autograd context keeps the weights and the input themselves, and under
     delayed scaling the forward scales: _carried_counts)."""
+    if not state and not is_fake(x):  # one FP8 current-scaling GEMM: kernel calls only
+        lean = lean_ops.lean_plan(plan, gemms, _PLANS[plan].stateless)
+        if lean is not None and lean_ops.forward_applies(x, weights, save_original):
+            y, *kept = lean_ops.lean_forward(x, weights[0], biases[0] if has_bias[0] else None,
+                                             lean, need_dgrad, need_wgrad, rebuild)
+            return [y.contiguous()] + _unaliased(kept, [x, *_buffers(weights), *biases])
     if state and not is_fake(x):
         pair = _DELAYED_BY_STATE.get(state[0].data_ptr())
         if pair is not None:
@@ -270,14 +290,14 @@ def _gemms_forward(
     # contiguous: the kernels write row-major buffers where the reference path (which the fake
     # implementation runs) may hand over a transposed view; inductor asserts the fake strides
     kept = [t.contiguous() for t in saved.tensors if t is not None]
-    return [y.contiguous()] + _unaliased(kept, [x, *weights, *biases]) + carried
+    return [y.contiguous()] + _unaliased(kept, [x, *_buffers(weights), *biases]) + carried
 
 
 _gemms_forward_op = torch.library.custom_op("minifloat::gemms_forward",
-                                             mutates_args=())(_gemms_forward)
+                                             mutates_args=())(gemms_forward_impl)
 # the op on fake tensors is its own fake implementation (the reference path lays out the
 # same buffers as the kernels)
-_gemms_forward_op.register_fake(_gemms_forward)
+_gemms_forward_op.register_fake(gemms_forward_impl)
 
 
 def _layout(plan: int, gemms: list[int], m_splits: list[int], x_shape: list[int],
@@ -333,8 +353,7 @@ def _quantizer_without_tensors(quantizer: Quantizer) -> Quantizer:
     return clone
 
 
-@torch.library.custom_op("minifloat::gemms_backward", mutates_args=())
-def _gemms_backward_op(
+def gemms_backward_impl(
     grad_output: torch.Tensor, saved: list[torch.Tensor], state: list[torch.Tensor], plan: int,
     gemms: list[int], m_splits: list[int], x_shape: list[int], weight_shapes: list[int],
     has_bias: list[bool], need_dgrad: bool, need_wgrad: bool, rebuild_from: list[torch.Tensor],
@@ -344,6 +363,13 @@ def _gemms_backward_op(
     weights, when forward kept no copy of them (empty otherwise), `rebuild_scales`: their
     forward scales under delayed scaling (empty otherwise). `saved` is in the layout of a
     forward that kept the input's copy (with save_original_input, _backward made it)."""
+    if not state and not is_fake(grad_output):  # one FP8 current-scaling GEMM (lean_ops.py)
+        lean = lean_ops.lean_plan(plan, gemms, _PLANS[plan].stateless)
+        if lean is not None and lean_ops.backward_applies(grad_output, x_shape, weight_shapes):
+            outputs = lean_ops.lean_backward(grad_output, saved, lean, x_shape, has_bias[0],
+                                             need_dgrad, need_wgrad, rebuild_from)
+            return _unaliased([t.contiguous() for t in outputs],
+                              [grad_output, *saved, *_buffers(rebuild_from)])
     rebuild = bool(rebuild_from)
     layout, present = _layout(plan, gemms, m_splits, x_shape, weight_shapes, has_bias,
                               need_dgrad, need_wgrad, grad_output.dtype, grad_output.device,
@@ -369,11 +395,15 @@ def _gemms_backward_op(
     outputs.extend(g for g in grad_biases if g is not None)
     # contiguous, as the fake implementation's new_empty outputs are
     return _unaliased([t.contiguous() for t in outputs],
-                      [grad_output, *saved, *state, *rebuild_from, *rebuild_scales])
+                      [grad_output, *saved, *state, *_buffers(rebuild_from), *rebuild_scales])
+
+
+_gemms_backward_op = torch.library.custom_op("minifloat::gemms_backward",
+                                              mutates_args=())(gemms_backward_impl)
 
 
 @_gemms_backward_op.register_fake
-def _gemms_backward_fake(grad_output, saved, state, plan, gemms, m_splits, x_shape,
+def gemms_backward_fake(grad_output, saved, state, plan, gemms, m_splits, x_shape,
                          weight_shapes, has_bias, need_dgrad, need_wgrad, rebuild_from,
                          rebuild_scales):
     outputs = []
@@ -444,11 +474,12 @@ def compiled_gemms(
     """The module's GEMMs through the custom ops (the path torch.compile traces); `rebuild`:
     keep no weight copy for backward, `save_original_input`: no input copy (where the ops can
     make them in backward: rebuild_applies, save_original_applies)."""
+    quantized = [isinstance(weight, QuantizedTensor) for weight in weights]
+    if any(quantized) and not all(quantized):
+        raise NotImplementedError(
+            "a module whose weights are partly quantized (QuantizedTensor) and partly high "
+            "precision does not run under torch.compile; quantize all its weights or none")
     for weight in weights:
-        if isinstance(weight, QuantizedTensor):
-            raise NotImplementedError(
-                "quantized_model_init weights (QuantizedTensor parameters) do not run under "
-                "torch.compile yet; build the model without quantized_model_init to compile it")
         if getattr(weight, "main_grad", None) is not None:
             raise NotImplementedError(
                 "weight.main_grad accumulation does not run under torch.compile yet; "
@@ -457,6 +488,14 @@ def compiled_gemms(
     present = [b for b in biases if b is not None]
     outputs = _gemms_forward_op(x, list(weights), present, has_bias, list(state),
                                 plan, list(gemms), [int(m) for m in m_splits],
-                                need_dgrad, need_wgrad, rebuild and rebuild_applies(plan, gemms),
+                                need_dgrad, need_wgrad,
+                                # quantized weights: backward derives their columnwise copies
+                                # from them (quantized_weight_ops.py)
+                                any(quantized) or (rebuild and rebuild_applies(plan, gemms)),
                                 save_original_input and save_original_applies(plan, gemms))
     return outputs[0]
+
+
+# QuantizedTensor weights reach the ops above through their dispatch: the handlers registered
+# there pass the weights' buffers to the ops' twins
+from . import quantized_weight_ops  # noqa: E402, F401

@@ -156,13 +156,19 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             type(weight) not in (torch.nn.Parameter, torch.Tensor)
             and fp8_weight_storage(weight) is None):
         return False
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.dim() == 0:
+    if x.dim() == 0:
         return False
     n, k = weight.shape
     if x.shape[-1] != k:
         return False  # the general path raises the error that names the shapes
-    m = x.numel() // k if k else 0
-    return m > 0 and m % 16 == 0 and k % 16 == 0 and n % 16 == 0
+    return shapes_apply(x.device.type, x.dtype, x.numel() // k if k else 0, k, n)
+
+
+def shapes_apply(device_type: str, dtype: torch.dtype, m: int, k: int, n: int) -> bool:
+    """The conditions on device, dtype and GEMM shape [M, K] x [N, K]^T (scaled_mm's rule)."""
+    return (ENABLED and device_type in DEVICES
+            and dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and m > 0 and m % 16 == 0 and k % 16 == 0 and n % 16 == 0)
 
 
 class LeanFP8Gemm(torch.autograd.Function):

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_map
 from .base import QuantizedStorage
 
 aten = torch.ops.aten
+_INNER_PREFIX = "_q_"
 
 
 def as_storage(x: torch.Tensor | QuantizedStorage) -> QuantizedStorage:
@@ -61,6 +62,47 @@ class QuantizedTensor(torch.Tensor):
         return instance
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # ---- tracing (torch.compile): the buffers are the inner tensors ----
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        """The present buffers, as `_q_<field>` attributes, and what rebuilds the storage.
+
+        Why: dynamo and AOTAutograd take a weight built by quantized_model_init or gathered by
+        FSDP2's low-precision all-gather as these inner tensors; the GEMM ops then receive the
+        buffers (modules/quantized_weight_ops.py). The context ends in the storage's quantizer,
+        which __metadata_guard__ leaves out: every layer's weight has a quantizer object of its
+        own, and a guard on it would recompile per layer."""
+        storage = self._storage
+        if not storage.tensor_fields():
+            raise NotImplementedError(
+                f"{type(storage).__name__} weights (a format per direction) do not run under "
+                "torch.compile yet; build the model in high precision (or, under FSDP2, gather "
+                "high-precision weights) to compile it, or run eagerly")
+        present = tuple(name for name in storage.tensor_fields()
+                        if getattr(storage, name) is not None)
+        return [_INNER_PREFIX + name for name in present], (
+            type(storage), storage.shape, storage.dtype,
+            tuple(getattr(storage, name) for name in storage.metadata_fields), present,
+            storage.quantizer)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors: dict, context: tuple, outer_size, outer_stride
+                             ) -> QuantizedTensor:
+        storage_class, shape, dtype, metadata, present, quantizer = context
+        fields = dict(zip(storage_class.metadata_fields, metadata, strict=True))
+        fields.update({name: inner_tensors[_INNER_PREFIX + name] for name in present})
+        return QuantizedTensor(storage_class(shape=shape, dtype=dtype, quantizer=quantizer,
+                                             **fields))
+
+    @classmethod
+    def __metadata_guard__(cls, expected: tuple, actual: tuple) -> bool:
+        return expected[:-1] == actual[:-1]  # all but the quantizer (see __tensor_flatten__)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith(_INNER_PREFIX):  # __tensor_flatten__'s names for the buffers
+            return getattr(self._storage, name[len(_INNER_PREFIX):])
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     # ---- the storage's API, reachable from the tensor ----
 
@@ -197,6 +239,12 @@ def _infer_shape(shape: list[int], numel: int) -> list[int]:
                 known *= size
         shape[shape.index(-1)] = numel // known if known else 0
     return shape
+
+
+def register_handler(op, handler) -> None:
+    """Let QuantizedTensor arguments of `op` run through `handler(*args, **kwargs)` instead of
+    being dequantized (the GEMM ops hand a quantized weight's buffers to their own variants)."""
+    _HANDLERS[op] = handler
 
 
 _HANDLERS = {

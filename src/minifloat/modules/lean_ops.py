@@ -1,0 +1,122 @@
+"""The lean path inside the compiled GEMM ops: one per-tensor FP8 current-scaling GEMM as
+kernel calls, without quantizer objects or storages, as LeanFP8Gemm runs it eagerly.
+
+Why: the compiled ops (gemm_op.py) run the general forward and backward (GemmCall, quantizers,
+storages, keep_for_backward) on every call. With CUDA graphs (mode="reduce-overhead") that
+Python runs once at capture, but FSDP2's hooks rule CUDA graphs out, and there the ops' Python
+was most of the step's host time: at the 1b preset on an H200, 0.48 ms per forward and 0.74 ms
+per backward op call, 97 ms of a step whose kernels take 87 ms (BENCHMARKS.md, seventh session).
+
+The ops' outputs keep their layout: the forward returns the buffers the general path keeps, in
+its order (the input's columnwise bytes and scale_inv, then the weight's, unless backward
+rebuilds it), so the backward of either path reads what the forward of either path kept, and
+the fake implementation (the reference path) lays out the same tensors. The bytes are the
+general path's (the same kernels and the same torch._scaled_mm call, gemm_paths.scaled_mm_bytes;
+the GPU tests compare the paths bit for bit).
+
+Serves stateless plans only (current scaling: no recipe-state tensors to read or record into),
+one GEMM, no save_original_input, and the per-call conditions of lean_fp8.applies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..gemm_paths import scaled_mm_bytes
+from .lean_fp8 import LeanPlan, applies, fp8_weight_storage, shapes_apply
+
+_LEAN_PLANS: dict[tuple[int, int], LeanPlan | None] = {}
+
+
+def lean_plan(plan_id: int, gemms: list[int], stateless) -> LeanPlan | None:
+    """The lean plan of GEMM gemms[0] under a stateless plan (None: the general path)."""
+    if stateless is None or len(gemms) != 1:
+        return None
+    key = (plan_id, gemms[0])
+    if key not in _LEAN_PLANS:
+        from .linear_function import BACKWARD_SLOTS, FORWARD_SLOTS
+
+        forward, backward = stateless
+        slot = len(FORWARD_SLOTS) * gemms[0]
+        _LEAN_PLANS[key] = LeanPlan.for_quantizers(
+            forward[slot], forward[slot + 1], backward[len(BACKWARD_SLOTS) * gemms[0]])
+    return _LEAN_PLANS[key]
+
+
+def lean_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 plan: LeanPlan, need_dgrad: bool, need_wgrad: bool, rebuild: bool
+                 ) -> list[torch.Tensor]:
+    """[y, x_t, x_scale_inv (if need_wgrad), w_t, w_scale_inv (if need_dgrad, not rebuild)]."""
+    n, k = weight.shape
+    x2d = x.reshape(-1, k)
+    keep_weight = need_dgrad and not rebuild
+    x_data, x_t, x_scale_inv = plan.input(x2d, rowwise=True, columnwise=need_wgrad)
+    stored = fp8_weight_storage(weight)
+    if stored is not None:
+        stored.update_usage(rowwise=True, columnwise=True if keep_weight else None)
+        w_data, w_t, w_scale_inv = stored.data, stored.data_transpose, stored.scale_inv
+    else:
+        w_data, w_t, w_scale_inv = plan.weight(weight, rowwise=True, columnwise=keep_weight)
+    y = scaled_mm_bytes(x_data, w_data, x_scale_inv, w_scale_inv, out_dtype=x.dtype,
+                        bias=bias, fast_accumulation=True)
+    outputs = [y.reshape(*x.shape[:-1], n)]
+    if need_wgrad:
+        outputs += [x_t, x_scale_inv.reshape(1)]
+    if keep_weight:
+        outputs += [w_t, w_scale_inv.reshape(1)]
+    return outputs
+
+
+def lean_backward(grad_output: torch.Tensor, saved: list[torch.Tensor], plan: LeanPlan,
+                  x_shape: list[int], has_bias: bool, need_dgrad: bool, need_wgrad: bool,
+                  rebuild_from: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[dx if need_dgrad] + [dW if need_wgrad] + [db if has_bias], from what lean_forward (or
+    the general forward) kept; `rebuild_from`: [the weight] when forward kept no copy of it."""
+    dy2d = grad_output.reshape(-1, grad_output.shape[-1])
+    outputs = []
+    grad_bias = dy2d.sum(dim=0) if has_bias else None  # as the general path sums it
+    if need_dgrad or need_wgrad:
+        dy2d = dy2d.contiguous()
+        dy_data, dy_t, dy_scale_inv = plan.grad_output(dy2d, rowwise=need_dgrad,
+                                                       columnwise=need_wgrad)
+    kept = iter(saved)
+    if need_wgrad:
+        x_t, x_scale_inv = next(kept), next(kept)
+    if need_dgrad:
+        if rebuild_from:
+            stored = fp8_weight_storage(rebuild_from[0])
+            if stored is not None:  # already FP8: the transpose of its bytes
+                stored.update_usage(columnwise=True)
+                w_t, w_scale_inv = stored.data_transpose, stored.scale_inv
+            else:  # current scaling casts the same weight to the same bytes again
+                _, w_t, w_scale_inv = plan.weight(rebuild_from[0], rowwise=False,
+                                                  columnwise=True)
+        else:
+            w_t, w_scale_inv = next(kept), next(kept)
+        grad_x = scaled_mm_bytes(dy_data, w_t, dy_scale_inv, w_scale_inv,
+                                 out_dtype=grad_output.dtype, bias=None,
+                                 fast_accumulation=False)
+        outputs.append(grad_x.reshape(x_shape))
+    if need_wgrad:
+        outputs.append(scaled_mm_bytes(dy_t, x_t, dy_scale_inv, x_scale_inv,
+                                       out_dtype=grad_output.dtype, bias=None,
+                                       fast_accumulation=False))
+    if grad_bias is not None:
+        outputs.append(grad_bias)
+    return outputs
+
+
+def forward_applies(x: torch.Tensor, weights: list[torch.Tensor], save_original: bool) -> bool:
+    return len(weights) == 1 and not save_original and applies(x, weights[0])
+
+
+def backward_applies(grad_output: torch.Tensor, x_shape: list[int],
+                     weight_shapes: list[int]) -> bool:
+    """lean_fp8's conditions, from the shapes backward knows."""
+    if len(weight_shapes) != 2:
+        return False
+    m = math.prod(x_shape[:-1])
+    return shapes_apply(grad_output.device.type, grad_output.dtype, m, x_shape[-1],
+                        weight_shapes[0])

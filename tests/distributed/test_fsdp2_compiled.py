@@ -1,0 +1,111 @@
+"""FSDP2 with low-precision all-gather under torch.compile (each block compiled, fullgraph).
+
+The gathered weights are QuantizedTensor parameters; compiled blocks take them as their buffers
+(QuantizedTensor.__tensor_flatten__) and the GEMM ops' twins run on those buffers
+(modules/quantized_weight_ops.py). With the aot_eager backend the compiled run executes the same
+ops as the eager one, so two ranks must train bit for bit as eagerly: losses and the sharded
+parameters after each step. Delayed-scaling and MXFP8 gathers, which a compiled graph cannot
+run correctly, must say so.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch._dynamo
+from torch import nn
+
+import minifloat as mf
+from minifloat.distributed import enable_low_precision_all_gather
+
+from .launch import cpu_randn, device_mesh, run_ranks
+
+HIDDEN = 256
+RECIPES = {
+    "current": lambda: mf.Float8CurrentScaling(),
+    "block": lambda: mf.Float8BlockScaling(),
+    "nvfp4": lambda: mf.NVFP4BlockScaling(disable_stochastic_rounding=True),
+}
+
+
+def _build(recipe: mf.Recipe, world_size: int, compiled: bool) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        mf.LayerNormLinear(HIDDEN, HIDDEN, normalization="RMSNorm", name="qkv"),
+        mf.LayerNormMLP(HIDDEN, HIDDEN, normalization="RMSNorm", name="mlp"))
+    enable_low_precision_all_gather(model, recipe)
+    mesh = device_mesh((world_size,))
+    for block in model:
+        if compiled:  # as users of FSDP2 compile: each block, then shard it
+            block.compile(backend="aot_eager", fullgraph=True)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _train(rank: int, world_size: int, name: str, compiled: bool) -> dict:
+    recipe = RECIPES[name]()
+    model = _build(recipe, world_size, compiled)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(1)
+    losses, params = [], []
+    for _ in range(2):
+        x = cpu_randn(world_size * 64, HIDDEN, generator=generator).chunk(world_size)[rank]
+        with mf.autocast(recipe=recipe):
+            loss = model(x.requires_grad_(True)).float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach().clone())
+        params.append([p.to_local()._inner.clone() for p in model.parameters()
+                       if hasattr(p.to_local(), "_inner")])
+    return {"losses": losses, "params": params}
+
+
+def _refusal(recipe: mf.Recipe) -> str:
+    """The error a compiled step of a model with these gathered weights raises."""
+    torch._dynamo.reset()
+    model = _build(recipe, 1, compiled=True)
+    try:
+        with mf.autocast(recipe=recipe):
+            model(torch.randn(64, HIDDEN, requires_grad=True)).sum().backward()
+    except Exception as error:  # noqa: BLE001 - dynamo wraps the library's error
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def worker(rank: int, world_size: int) -> dict:
+    results = {}
+    for name in RECIPES:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        compiled = _train(rank, world_size, name, compiled=True)
+        results[name] = {"eager": _train(rank, world_size, name, compiled=False),
+                         "compiled": compiled,
+                         "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                         "breaks": sum(torch._dynamo.utils.counters["graph_break"].values())}
+    if rank == 0:
+        results["delayed"] = _refusal(mf.DelayedScaling())
+        results["mxfp8"] = _refusal(mf.MXFP8BlockScaling())
+    return results
+
+
+def test_compiled_blocks_train_like_eager_with_low_precision_gathers():
+    results = run_ranks(worker, 2, timeout=300)
+    for rank, result in enumerate(results):
+        for name in RECIPES:
+            eager, compiled = result[name]["eager"], result[name]["compiled"]
+            assert result[name]["breaks"] == 0, (rank, name)
+            # one graph per block kind, and none again for the next step or layer
+            assert result[name]["graphs"] <= 2, (rank, name, result[name]["graphs"])
+            for step, (a, b) in enumerate(zip(compiled["losses"], eager["losses"],
+                                              strict=True)):
+                assert torch.equal(a, b), (rank, name, step)
+            for step, (mine, theirs) in enumerate(zip(compiled["params"], eager["params"],
+                                                      strict=True)):
+                assert len(mine) == 3
+                for a, b in zip(mine, theirs, strict=True):
+                    assert torch.equal(a, b), (rank, name, step)
+    assert "delayed-scaling weights does not run under torch.compile" in results[0]["delayed"]
+    assert "gather MXFP8 weights in high precision" in results[0]["mxfp8"]
