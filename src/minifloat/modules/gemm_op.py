@@ -62,6 +62,7 @@ from .linear_function import (
     gemms_forward,
     rebuild_weight_copy,
 )
+from .op_define import define_op
 
 tag_compile_caches()  # the backward formula below is not in inductor's cache keys otherwise
 
@@ -293,11 +294,9 @@ def gemms_forward_impl(
     return [y.contiguous()] + _unaliased(kept, [x, *_buffers(weights), *biases]) + carried
 
 
-_gemms_forward_op = torch.library.custom_op("minifloat::gemms_forward",
-                                             mutates_args=())(gemms_forward_impl)
 # the op on fake tensors is its own fake implementation (the reference path lays out the
 # same buffers as the kernels)
-_gemms_forward_op.register_fake(gemms_forward_impl)
+_gemms_forward_op = define_op("gemms_forward", gemms_forward_impl)
 
 
 def _layout(plan: int, gemms: list[int], m_splits: list[int], x_shape: list[int],
@@ -398,11 +397,6 @@ def gemms_backward_impl(
                       [grad_output, *saved, *state, *_buffers(rebuild_from), *rebuild_scales])
 
 
-_gemms_backward_op = torch.library.custom_op("minifloat::gemms_backward",
-                                              mutates_args=())(gemms_backward_impl)
-
-
-@_gemms_backward_op.register_fake
 def gemms_backward_fake(grad_output, saved, state, plan, gemms, m_splits, x_shape,
                          weight_shapes, has_bias, need_dgrad, need_wgrad, rebuild_from,
                          rebuild_scales):
@@ -415,6 +409,9 @@ def gemms_backward_fake(grad_output, saved, state, plan, gemms, m_splits, x_shap
     outputs.extend(grad_output.new_empty(shape[0])
                    for shape, flag in zip(shapes, has_bias, strict=True) if flag)
     return outputs
+
+
+_gemms_backward_op = define_op("gemms_backward", gemms_backward_impl, gemms_backward_fake)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -463,7 +460,8 @@ def _backward(ctx, grads):
             None, None, None, None, None)
 
 
-_gemms_forward_op.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd("minifloat::gemms_forward", _backward,
+                                setup_context=_setup_context)
 
 
 def compiled_gemms(

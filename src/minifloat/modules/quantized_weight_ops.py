@@ -28,6 +28,7 @@ import torch
 from ..quantizers import QuantizedStorage, QuantizedTensor
 from ..quantizers.tensor import register_handler
 from . import gemm_op
+from .op_define import define_op
 
 PLAIN = 0  # the layout id of a high-precision weight: one buffer, the weight itself
 
@@ -129,9 +130,8 @@ def _forward_qw(
                                       m_splits, need_dgrad, need_wgrad, rebuild, save_original)
 
 
-_forward_qw_op = torch.library.custom_op("minifloat::gemms_forward_qw",
-                                          mutates_args=())(_forward_qw)
-_forward_qw_op.register_fake(_forward_qw)  # the reference path on fake buffers, as gemm_op's
+# on fake buffers: the reference path, as gemm_op's ops
+_forward_qw_op = define_op("gemms_forward_qw", _forward_qw)
 
 
 def _backward_qw(
@@ -148,17 +148,15 @@ def _backward_qw(
                                        weights, rebuild_scales)
 
 
-_backward_qw_op = torch.library.custom_op("minifloat::gemms_backward_qw",
-                                           mutates_args=())(_backward_qw)
-
-
-@_backward_qw_op.register_fake
 def _backward_qw_fake(grad_output, saved, state, plan, gemms, m_splits, x_shape, weight_shapes,
                       has_bias, need_dgrad, need_wgrad, rebuild_buffers, rebuild_layouts,
                       rebuild_scales):
     return gemm_op.gemms_backward_fake(grad_output, saved, state, plan, gemms, m_splits,
                                        x_shape, weight_shapes, has_bias, need_dgrad, need_wgrad,
                                        [], rebuild_scales)
+
+
+_backward_qw_op = define_op("gemms_backward_qw", _backward_qw, _backward_qw_fake)
 
 
 def _forward_handler(x, weights, biases, has_bias, state, plan, gemms, m_splits, need_dgrad,
