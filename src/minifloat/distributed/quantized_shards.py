@@ -34,6 +34,7 @@ from ..quantizers import (
     NVFP4Storage,
     QuantizedTensor,
 )
+from .presigned import presigned
 
 
 class QuantizedShardWeight(torch.Tensor):
@@ -107,6 +108,7 @@ class QuantizedShardWeight(torch.Tensor):
         return type(results[0])(QuantizedShardWeight(rows, first._shared, first._meta)
                                 for rows in zip(*results, strict=True))
 
+    @presigned
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """The rank's bytes as they are; what shards share travels as metadata. MXFP8 sends its
         rowwise copy for forward and its columnwise copy for backward (same sizes: FSDP2 keeps
