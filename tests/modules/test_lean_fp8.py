@@ -153,6 +153,32 @@ def test_quantized_fp8_weights_take_the_lean_path(on_cpu, monkeypatch):
         assert rel_err(got, general) < 1e-5
 
 
+@pytest.mark.parametrize("lean", [True, False])
+@pytest.mark.parametrize("rebuild", [True, False])
+def test_a_transpose_made_in_backward_is_not_left_on_the_weight(on_cpu, monkeypatch, lean,
+                                                                rebuild):
+    """A quantized weight holding only its rowwise bytes (what FSDP2's FP8 all-gather brings):
+    with rebuild_weight_copy_in_backward (FSDP2's setting) the transpose backward needs is made
+    for the call and dropped after it, on the lean and the general path; on the weight it
+    stayed until the next gather, every layer's at once at the end of backward (~1 GB of FP8 at
+    the 1b preset). Without it, forward derives the copy and leaves it on the weight: the lazy
+    rebuild that quantize_master_weights(manual_post_all_gather_processing=False) relies on."""
+    monkeypatch.setattr(lean_fp8, "ENABLED", lean)
+    x, dy = data()
+    with mf.quantized_model_init(recipe=CURRENT):
+        torch.manual_seed(0)
+        lin = mf.Linear(96, 48)
+    lin.rebuild_weight_copy_in_backward = rebuild
+    results = run(lin, x, dy)[:3]
+    lin.weight.update_usage(columnwise=False)
+    again = run(lin, x, dy)[:3]
+    assert lin.weight.quantized_storage.has_columnwise() == (not rebuild)
+    assert on_cpu == ([x.shape] * 2 if lean else [])
+    for a, b in ((results[0], again[0]), (results[1], again[1]),
+                 *zip(results[2], again[2], strict=True)):
+        assert torch.equal(a, b)
+
+
 def test_fsdp2_fp8_gathered_weights_take_the_lean_path(on_cpu, monkeypatch, one_rank_group):
     """FSDP2's FP8 all-gather (one rank) hands the module a QuantizedTensor each step, and
     backward reads the re-gathered one: the lean path serves it, with the general path's

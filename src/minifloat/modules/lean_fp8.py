@@ -236,6 +236,9 @@ class LeanFP8Gemm(torch.autograd.Function):
                     raise ValueError("the FP8 weight came to backward without its rowwise bytes "
                                      "(an FSDP2 re-gather of another format?); gather it in "
                                      "high precision")
+                # transposed on a view: the unsharded weight would keep every layer's
+                # transpose until its next gather
+                stored = stored.detach()
                 stored.update_usage(columnwise=True)
                 w_t, w_scale_inv = stored.data_transpose, stored.scale_inv
                 if not graph_kept():

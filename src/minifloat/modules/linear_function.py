@@ -429,7 +429,10 @@ def rebuild_weight_copy(weight: torch.Tensor, quantizer: Quantizer,
     derives the copy or already holds it.
     """
     if isinstance(weight, QuantizedTensor):
-        storage = as_storage(weight)
+        # on a view: the copy made here must not stay on the weight (FSDP2's unsharded weight
+        # would hold every layer's until its next gather). Forward's copy, by contrast, stays
+        # on the weight (quantized_weight): the lazy rebuild quantize_master_weights relies on
+        storage = as_storage(weight).detach()
         try:
             storage.update_usage(columnwise=True)
         except ValueError as error:
