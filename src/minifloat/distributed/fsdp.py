@@ -401,11 +401,14 @@ def _compile_refusal(quantizer: Quantizer) -> str | None:
                 "compiled backward would pair those bytes with forward's); use current "
                 "scaling, gather high-precision weights, or run eagerly")
     if isinstance(quantizer, MXFP8Quantizer):
-        return ("FSDP2's MXFP8 all-gather brings the columnwise copy only in backward's "
-                "re-gather, which a compiled backward does not see; gather MXFP8 weights in "
-                "high precision under torch.compile (the weights are then quantized inside the "
-                "graph), or run eagerly")
+        return _MXFP8_REFUSAL
     return None
+
+
+_MXFP8_REFUSAL = (
+    "FSDP2's MXFP8 all-gather brings the columnwise copy only in backward's re-gather, which a "
+    "compiled backward does not see; gather MXFP8 weights in high precision under "
+    "torch.compile (the weights are then quantized inside the graph), or run eagerly")
 
 
 def gemm_weights(module: nn.Module) -> list[tuple[str, int]]:
@@ -441,6 +444,8 @@ def enable_low_precision_all_gather(model: nn.Module, recipe) -> nn.Module:
                 wrapped = QuantizedShardWeight.of(weight)
                 setattr(module, name, nn.Parameter(wrapped, requires_grad=weight.requires_grad))
                 module.rebuild_weight_copy_in_backward = True
+                if isinstance(weight.quantized_storage, MXFP8Storage):  # a direction per gather
+                    module.compile_refusal = _MXFP8_REFUSAL
                 continue
             if isinstance(weight, LowPrecisionGatherWeight | QuantizedShardWeight):
                 raise TypeError(f"{module.name or type(module).__name__}.{name} is already a "
@@ -469,5 +474,5 @@ def enable_low_precision_all_gather(model: nn.Module, recipe) -> nn.Module:
             # forward; delayed scaling keeps its copy (a re-gather would use the scale of the
             # next step, updated when forward's autocast exits)
             module.rebuild_weight_copy_in_backward = not isinstance(quantizer, Float8Quantizer)
-            module.compile_refusal = _compile_refusal(quantizer)
+            module.compile_refusal = module.compile_refusal or _compile_refusal(quantizer)
     return model
