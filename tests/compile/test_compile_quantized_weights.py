@@ -17,14 +17,9 @@ import torch._dynamo
 from torch import nn
 
 import minifloat as mf
+from recipe_factories import FORMAT_RECIPES
 
-RECIPES = {
-    "current": lambda: mf.Float8CurrentScaling(),
-    "delayed": lambda: mf.DelayedScaling(amax_history_len=4),
-    "block": lambda: mf.Float8BlockScaling(),
-    "mxfp8": lambda: mf.MXFP8BlockScaling(),
-    "nvfp4": lambda: mf.NVFP4BlockScaling(disable_stochastic_rounding=True),
-}
+RECIPES = FORMAT_RECIPES
 HIDDEN, FFN, ROWS = 128, 256, 128
 
 pytestmark = pytest.mark.filterwarnings("error:Accessing the data pointer of FakeTensor")

@@ -28,6 +28,7 @@ from torch import nn
 import minifloat as mf
 from minifloat.distributed import rebuild_weight_copies_in_backward
 from minifloat.modules.extra_state import decode
+from recipe_factories import FORMAT_RECIPES
 
 from .launch import cpu_randn, device_mesh, run_ranks
 
@@ -38,13 +39,7 @@ HIDDEN, FFN, ROWS = 128, 256, 64  # block FP8 needs multiples of 128 in the weig
 # the FSDP2 run keeps no weight copy from forward to backward, and the inputs in high precision
 # instead of their copies (rebuild_weight_copies_in_backward, save_original_inputs)
 REBUILD = "+rebuild"
-RECIPES = {
-    "current": lambda: mf.Float8CurrentScaling(),
-    "delayed": lambda: mf.DelayedScaling(amax_history_len=4),
-    "block": lambda: mf.Float8BlockScaling(),
-    "mxfp8": lambda: mf.MXFP8BlockScaling(),
-    "nvfp4": lambda: mf.NVFP4BlockScaling(disable_stochastic_rounding=True),
-}
+RECIPES = FORMAT_RECIPES
 
 
 class PlainBlock(nn.Module):

@@ -22,15 +22,13 @@ import torch
 import torch.distributed as dist
 
 import minifloat as mf
+from recipe_factories import FORMAT_RECIPES
 
 from .launch import cpu_randn, device_mesh, run_ranks
 
 RECIPES = {
-    "current": lambda: mf.Float8CurrentScaling(),
+    **FORMAT_RECIPES,
     "delayed": lambda: mf.DelayedScaling(amax_history_len=2),
-    "block": lambda: mf.Float8BlockScaling(),
-    "mxfp8": lambda: mf.MXFP8BlockScaling(),
-    "nvfp4": lambda: mf.NVFP4BlockScaling(disable_stochastic_rounding=True),
     "hybrid": lambda: mf.HybridRecipe(
         fprop=mf.MXFP8BlockScaling(),
         dgrad=mf.NVFP4BlockScaling(disable_stochastic_rounding=True),

@@ -18,16 +18,11 @@ from torch import nn
 
 import minifloat as mf
 from minifloat.modules import lean_fp8
+from recipe_factories import FORMAT_RECIPES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-RECIPES = {
-    "current": lambda: mf.Float8CurrentScaling(),
-    "delayed": lambda: mf.DelayedScaling(),
-    "block": lambda: mf.Float8BlockScaling(),
-    "mxfp8": lambda: mf.MXFP8BlockScaling(),
-    "nvfp4": lambda: mf.NVFP4BlockScaling(disable_stochastic_rounding=True),
-}
+RECIPES = FORMAT_RECIPES
 
 
 def _stack(recipe: mf.Recipe | None, rebuild: bool = False) -> nn.Module:
