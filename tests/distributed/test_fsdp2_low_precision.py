@@ -340,3 +340,26 @@ def two_groups_worker(rank: int, world_size: int) -> list[bool]:
 def test_two_modules_on_two_groups_never_override_each_other():
     for rank, same in enumerate(run_ranks(two_groups_worker, 4, timeout=180)):
         assert same == [True, True], f"rank {rank}"
+
+
+def test_foreach_ops_over_wrapped_shards_run_on_the_inner_tensors():
+    """The optimizer's foreach ops take every shard at once; the wrapper unwraps the lists by
+    hand (fsdp._unwrapped) and must give what the ops give on the plain tensors, in place too,
+    with nested lists and keyword tensors handled as well."""
+    from minifloat.distributed.fsdp import LowPrecisionGatherWeight
+
+    quantizer = mf.Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+    plain = [torch.randn(4, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    wrapped = [LowPrecisionGatherWeight(t.clone(), quantizer) for t in plain]
+    steps = [torch.full((4, 4), 0.5) for _ in range(3)]
+    results = torch._foreach_add(wrapped, steps, alpha=2.0)
+    for got, want in zip(results, torch._foreach_add(plain, steps, alpha=2.0), strict=True):
+        assert type(got) is torch.Tensor and torch.equal(got, want)
+    torch._foreach_mul_(wrapped, 3.0)  # in place: the inner tensors change
+    for got, want in zip(wrapped, plain, strict=True):
+        assert torch.equal(got._inner, want * 3.0)
+    out = torch.empty(4, 4)
+    torch.add(wrapped[0], wrapped[1], out=out)  # a keyword tensor
+    assert torch.equal(out, wrapped[0]._inner + wrapped[1]._inner)
+    stacked = torch.stack([wrapped[0], plain[1]])  # one level down, mixed
+    assert type(stacked) is torch.Tensor and torch.equal(stacked[0], wrapped[0]._inner)
