@@ -1,11 +1,11 @@
-"""The GEMMs of a quantized module as two torch custom ops, for torch.compile (fullgraph).
+"""The GEMMs of a quantized module as two torch ops, for torch.compile (fullgraph).
 
 Eagerly, a module call runs the autograd function LinearGemms (linear_function.py), which holds
 quantizers and quantized storages on its ctx: plain Python objects that dynamo cannot put in a
 graph. Under torch.compile the same forward and backward (`gemms_forward` / `gemms_backward`,
-shared with LinearGemms, so both paths compute the same bytes) run inside two custom ops,
-`minifloat::gemms_forward` and `minifloat::gemms_backward`, whose arguments are tensors and plain
-constants only:
+shared with LinearGemms, so both paths compute the same bytes) run inside two ops,
+`minifloat::gemms_forward` and `minifloat::gemms_backward` (defined through torch.library, not
+custom_op: op_define.py says why), whose arguments are tensors and plain constants only:
 
 - `plan`: an int standing for the module's quantizer configuration, the same for every module
   of equal configuration (every block of a model under one recipe), so that compiling the
@@ -14,7 +14,10 @@ constants only:
   history), the module's own, so each module's amaxes land in its own history;
 - shapes, splits, GEMM slots and flags as ints and bools.
 
-The Triton kernels run inside the ops and inductor schedules around them. The fake (meta)
+One FP8 current-scaling GEMM runs inside the ops as kernel calls only (lean_ops.py); quantized
+weights (QuantizedTensor parameters) reach the ops' twins as their buffers
+(quantized_weight_ops.py). The Triton kernels run inside the ops and inductor schedules around
+them. The fake (meta)
 implementation is the op itself run on fake tensors: the quantizers then take the pure-torch
 reference path (kernels.available is False for fake tensors), which lays out the same buffers.
 
