@@ -26,16 +26,18 @@ pytestmark = pytest.mark.filterwarnings("error:Accessing the data pointer of Fak
 
 
 class Block(nn.Module):
-    """Every module kind with quantized weights: a Linear, a LayerNormMLP, two experts."""
+    """Every module kind with quantized weights: a LayerNormLinear, a Linear, a LayerNormMLP,
+    two experts."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.qkv = mf.LayerNormLinear(HIDDEN, HIDDEN, normalization="RMSNorm", name="qkv")
         self.proj = mf.Linear(HIDDEN, HIDDEN, name="proj")
         self.mlp = mf.LayerNormMLP(HIDDEN, FFN, normalization="RMSNorm", name="mlp")
         self.experts = mf.GroupedLinear(2, HIDDEN, HIDDEN, bias=False, name="experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.mlp(self.proj(x))
+        x = self.mlp(self.proj(self.qkv(x)))
         return self.experts(x, [ROWS // 2, ROWS // 2])
 
 
