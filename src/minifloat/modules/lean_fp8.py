@@ -171,6 +171,44 @@ def shapes_apply(device_type: str, dtype: torch.dtype, m: int, k: int, n: int) -
             and m > 0 and m % 16 == 0 and k % 16 == 0 and n % 16 == 0)
 
 
+def forward_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 plan: LeanPlan, *, input_columnwise: bool, keep_weight: bool
+                 ) -> tuple[torch.Tensor, tuple, tuple, bool]:
+    """Fprop of one lean GEMM, shared by LeanFP8Gemm and the compiled ops (lean_ops.py):
+    (y [M, N], (x_t, x_scale_inv), (w_t, w_scale_inv), whether the weight was already FP8).
+    The input is cast (with its columnwise copy if asked), the weight's own bytes are read when
+    it is FP8 already (the transpose derived onto it, as LinearGemms does, if kept), and cast
+    otherwise."""
+    x_data, x_t, x_scale_inv = plan.input(x2d, rowwise=True, columnwise=input_columnwise)
+    stored = fp8_weight_storage(weight)
+    if stored is not None:
+        stored.update_usage(rowwise=True, columnwise=True if keep_weight else None)
+        w_data, w_t, w_scale_inv = stored.data, stored.data_transpose, stored.scale_inv
+    else:
+        w_data, w_t, w_scale_inv = plan.weight(weight.detach(), rowwise=True,
+                                               columnwise=keep_weight)
+    y = scaled_mm_bytes(x_data, w_data, x_scale_inv, w_scale_inv, out_dtype=x2d.dtype,
+                        bias=bias, fast_accumulation=True)
+    return y, (x_t, x_scale_inv), (w_t, w_scale_inv), stored is not None
+
+
+def weight_transpose(weight: torch.Tensor, cast: Cast) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_t, w_scale_inv) for dgrad, made in backward when forward kept no copy: an FP8 weight's
+    own bytes transposed, on a view (FSDP2's unsharded weight would otherwise keep every layer's
+    transpose until its next gather), a high-precision weight cast with `cast`."""
+    if isinstance(weight, QuantizedTensor):
+        stored = fp8_weight_storage(weight)
+        if stored is None:
+            raise ValueError("the FP8 weight came to backward without its rowwise bytes "
+                             "(an FSDP2 re-gather of another format?); gather it in high "
+                             "precision")
+        stored = stored.detach()
+        stored.update_usage(columnwise=True)
+        return stored.data_transpose, stored.scale_inv
+    _, w_t, w_scale_inv = cast(weight.detach(), rowwise=False, columnwise=True)
+    return w_t, w_scale_inv
+
+
 class LeanFP8Gemm(torch.autograd.Function):
     """y = x W^T + b in per-tensor FP8, current or delayed scaling (see the module docstring)."""
 
@@ -182,18 +220,9 @@ class LeanFP8Gemm(torch.autograd.Function):
         x2d = x.reshape(-1, k)
         rebuild = rebuild and need_dgrad
         save_original = save_original and need_wgrad
-        x_data, x_t, x_scale_inv = plan.input(x2d, rowwise=True,
-                                              columnwise=need_wgrad and not save_original)
-        stored = fp8_weight_storage(weight)
-        if stored is not None:  # already FP8: its bytes, the transpose derived as LinearGemms does
-            stored.update_usage(rowwise=True, columnwise=True if need_dgrad and not rebuild
-                                else None)
-            w_data, w_t, w_scale_inv = stored.data, stored.data_transpose, stored.scale_inv
-        else:
-            w_data, w_t, w_scale_inv = plan.weight(weight.detach(), rowwise=True,
-                                                   columnwise=need_dgrad and not rebuild)
-        y = scaled_mm_bytes(x_data, w_data, x_scale_inv, w_scale_inv, out_dtype=x.dtype,
-                            bias=bias, fast_accumulation=True)
+        y, (x_t, x_scale_inv), (w_t, w_scale_inv), quantized = forward_gemm(
+            x2d, weight, bias, plan, input_columnwise=need_wgrad and not save_original,
+            keep_weight=need_dgrad and not rebuild)
         # save_original_input: the input itself (backward casts it again, with forward's scale
         # under delayed scaling, the recipe state's slot being updated before backward runs)
         kept = (x,) if save_original else (x_t, x_scale_inv) if need_wgrad else ()
@@ -204,11 +233,11 @@ class LeanFP8Gemm(torch.autograd.Function):
         # cast used (the recipe state's slot is updated before backward runs). A quantized
         # weight is kept by reference: FSDP2's re-gather refills that very object for backward,
         # which an offload hook's copy would not see (LinearGemms does the same)
-        by_reference = rebuild and stored is not None
+        by_reference = rebuild and quantized
         ctx.save_for_backward(*kept, *((weight,) if rebuild and not by_reference else ()))
         ctx.weight_by_reference = weight if by_reference else None
         ctx.rebuild_scale = (plan.weight.scale.clone()
-                             if rebuild and stored is None and plan.weight.scale is not None
+                             if rebuild and not quantized and plan.weight.scale is not None
                              else None)
         ctx.rebuild = rebuild
         ctx.weight_copy = (w_t, w_scale_inv) if need_dgrad and not rebuild else None
@@ -230,22 +259,13 @@ class LeanFP8Gemm(torch.autograd.Function):
             dy2d, rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad)
         saved = ctx.saved_tensors
         if ctx.need_dgrad:
-            if ctx.weight_by_reference is not None:  # the re-gathered FP8 bytes, transposed
-                stored = fp8_weight_storage(ctx.weight_by_reference)
-                if stored is None:
-                    raise ValueError("the FP8 weight came to backward without its rowwise bytes "
-                                     "(an FSDP2 re-gather of another format?); gather it in "
-                                     "high precision")
-                # transposed on a view: the unsharded weight would keep every layer's
-                # transpose until its next gather
-                stored = stored.detach()
-                stored.update_usage(columnwise=True)
-                w_t, w_scale_inv = stored.data_transpose, stored.scale_inv
+            if ctx.rebuild:  # the copy forward would have kept (the re-gathered FP8 bytes)
+                weight = (ctx.weight_by_reference if ctx.weight_by_reference is not None
+                          else saved[-1])
+                w_t, w_scale_inv = weight_transpose(weight,
+                                                    ctx.plan.weight.again(ctx.rebuild_scale))
                 if not graph_kept():
                     ctx.weight_by_reference = None
-            elif ctx.rebuild:  # the columnwise copy forward would have kept, made now
-                _, w_t, w_scale_inv = ctx.plan.weight.again(ctx.rebuild_scale)(
-                    saved[-1].detach(), rowwise=False, columnwise=True)
             else:
                 w_t, w_scale_inv = ctx.weight_copy
             grad_x2d = scaled_mm_bytes(dy_data, w_t, dy_scale_inv, w_scale_inv,

@@ -25,7 +25,7 @@ import math
 import torch
 
 from ..gemm_paths import scaled_mm_bytes
-from .lean_fp8 import LeanPlan, applies, fp8_weight_storage, shapes_apply
+from .lean_fp8 import LeanPlan, applies, forward_gemm, shapes_apply, weight_transpose
 
 _LEAN_PLANS: dict[tuple[int, int], LeanPlan | None] = {}
 
@@ -50,17 +50,10 @@ def lean_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  ) -> list[torch.Tensor]:
     """[y, x_t, x_scale_inv (if need_wgrad), w_t, w_scale_inv (if need_dgrad, not rebuild)]."""
     n, k = weight.shape
-    x2d = x.reshape(-1, k)
     keep_weight = need_dgrad and not rebuild
-    x_data, x_t, x_scale_inv = plan.input(x2d, rowwise=True, columnwise=need_wgrad)
-    stored = fp8_weight_storage(weight)
-    if stored is not None:
-        stored.update_usage(rowwise=True, columnwise=True if keep_weight else None)
-        w_data, w_t, w_scale_inv = stored.data, stored.data_transpose, stored.scale_inv
-    else:
-        w_data, w_t, w_scale_inv = plan.weight(weight, rowwise=True, columnwise=keep_weight)
-    y = scaled_mm_bytes(x_data, w_data, x_scale_inv, w_scale_inv, out_dtype=x.dtype,
-                        bias=bias, fast_accumulation=True)
+    y, (x_t, x_scale_inv), (w_t, w_scale_inv), _ = forward_gemm(
+        x.reshape(-1, k), weight, bias, plan, input_columnwise=need_wgrad,
+        keep_weight=keep_weight)
     outputs = [y.reshape(*x.shape[:-1], n)]
     if need_wgrad:
         outputs += [x_t, x_scale_inv.reshape(1)]
@@ -85,14 +78,8 @@ def lean_backward(grad_output: torch.Tensor, saved: list[torch.Tensor], plan: Le
     if need_wgrad:
         x_t, x_scale_inv = next(kept), next(kept)
     if need_dgrad:
-        if rebuild_from:
-            stored = fp8_weight_storage(rebuild_from[0])
-            if stored is not None:  # already FP8: the transpose of its bytes
-                stored.update_usage(columnwise=True)
-                w_t, w_scale_inv = stored.data_transpose, stored.scale_inv
-            else:  # current scaling casts the same weight to the same bytes again
-                _, w_t, w_scale_inv = plan.weight(rebuild_from[0], rowwise=False,
-                                                  columnwise=True)
+        if rebuild_from:  # current scaling casts the same weight to the same bytes again
+            w_t, w_scale_inv = weight_transpose(rebuild_from[0], plan.weight)
         else:
             w_t, w_scale_inv = next(kept), next(kept)
         grad_x = scaled_mm_bytes(dy_data, w_t, dy_scale_inv, w_scale_inv,
