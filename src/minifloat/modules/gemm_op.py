@@ -250,8 +250,7 @@ def _buffers(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     for tensor in tensors:
         if isinstance(tensor, QuantizedTensor):
             storage = tensor.quantized_storage
-            result.extend(buffer for name in storage.tensor_fields()
-                          if (buffer := getattr(storage, name)) is not None)
+            result.extend(getattr(storage, name) for name in storage.present_fields())
         else:
             result.append(tensor)
     return result

@@ -30,8 +30,6 @@ from ..quantizers.tensor import register_handler
 from . import gemm_op
 from .op_define import define_op
 
-PLAIN = 0  # the layout id of a high-precision weight: one buffer, the weight itself
-
 
 @dataclass(frozen=True)
 class WeightLayout:
@@ -53,7 +51,7 @@ def layout_id(storage: QuantizedStorage) -> int:
     layout = WeightLayout(
         type(storage), tuple(int(size) for size in storage.shape), storage.dtype,
         tuple(getattr(storage, name) for name in storage.metadata_fields),
-        tuple(name for name in storage.tensor_fields() if getattr(storage, name) is not None))
+        storage.present_fields())
     ident = _IDS.get(layout)
     if ident is None:
         description = repr((layout.storage_class.__qualname__, layout.shape, str(layout.dtype),
@@ -81,17 +79,14 @@ def check_compilable(weight: QuantizedTensor, need_dgrad: bool) -> None:
 
 
 def weight_buffers(weights: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
-    """Each weight as its buffers and its layout id (PLAIN: the tensor itself)."""
+    """The quantized weights as their present buffers, and each one's layout id (compiled_gemms
+    lets a module's weights be all quantized or none)."""
     buffers: list[torch.Tensor] = []
     layouts: list[int] = []
     for weight in weights:
-        if isinstance(weight, QuantizedTensor):
-            storage = weight.quantized_storage
-            ident = layout_id(storage)
-            buffers.extend(getattr(storage, name) for name in _LAYOUTS[ident].present)
-        else:
-            ident = PLAIN
-            buffers.append(weight)
+        storage = weight.quantized_storage
+        ident = layout_id(storage)
+        buffers.extend(getattr(storage, name) for name in _LAYOUTS[ident].present)
         layouts.append(ident)
     return buffers, layouts
 
@@ -101,15 +96,12 @@ def rebuilt_weights(buffers: list[torch.Tensor], layouts: list[int]) -> list[tor
     remaining = iter(buffers)
     weights: list[torch.Tensor] = []
     for ident in layouts:
-        if ident == PLAIN:
-            weights.append(next(remaining))
-            continue
         layout = _LAYOUTS.get(ident)
         if layout is None:
             raise RuntimeError(
-                f"minifloat: unknown quantized-weight layout {ident}: a compiled graph from "
-                "another process ran before this one saw its weights; run one step eagerly "
-                "first")
+                f"minifloat: quantized-weight layout {ident} is unknown to this process (a "
+                "compiled graph loaded from another process's cache?); clear torch.compile's "
+                "caches, or set TORCHINDUCTOR_FORCE_DISABLE_CACHES=1, and compile again")
         fields = dict(zip(layout.storage_class.metadata_fields, layout.metadata, strict=True))
         fields.update({name: next(remaining) for name in layout.present})
         storage = layout.storage_class(shape=torch.Size(layout.shape), dtype=layout.dtype,
@@ -162,8 +154,7 @@ _backward_qw_op = define_op("gemms_backward_qw", _backward_qw, _backward_qw_fake
 def _forward_handler(x, weights, biases, has_bias, state, plan, gemms, m_splits, need_dgrad,
                      need_wgrad, rebuild, save_original):
     for weight in weights:
-        if isinstance(weight, QuantizedTensor):
-            check_compilable(weight, need_dgrad)
+        check_compilable(weight, need_dgrad)
     buffers, layouts = weight_buffers(list(weights))
     return _forward_qw_op(x, buffers, layouts, biases, has_bias, state, plan, gemms, m_splits,
                           need_dgrad, need_wgrad, rebuild, save_original)

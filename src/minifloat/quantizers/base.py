@@ -94,6 +94,10 @@ class QuantizedStorage:
     def tensor_fields(cls) -> tuple[str, ...]:
         return cls._tensor_fields
 
+    def present_fields(self) -> tuple[str, ...]:
+        """The names of the buffers this storage holds now (tensor_fields that are not None)."""
+        return tuple(name for name in self._tensor_fields if getattr(self, name) is not None)
+
     def has_rowwise(self) -> bool:
         return getattr(self, self.rowwise_fields[0]) is not None
 

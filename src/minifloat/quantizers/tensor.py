@@ -79,8 +79,7 @@ class QuantizedTensor(torch.Tensor):
                 f"{type(storage).__name__} weights (a format per direction) do not run under "
                 "torch.compile yet; build the model in high precision (or, under FSDP2, gather "
                 "high-precision weights) to compile it, or run eagerly")
-        present = tuple(name for name in storage.tensor_fields()
-                        if getattr(storage, name) is not None)
+        present = storage.present_fields()
         return [_INNER_PREFIX + name for name in present], (
             type(storage), storage.shape, storage.dtype,
             tuple(getattr(storage, name) for name in storage.metadata_fields), present,
