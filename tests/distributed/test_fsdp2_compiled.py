@@ -5,7 +5,7 @@ The gathered weights are QuantizedTensor parameters; compiled blocks take them a
 (modules/quantized_weight_ops.py). With the aot_eager backend the compiled run executes the same
 ops as the eager one, so two ranks must train bit for bit as eagerly: losses and the sharded
 parameters after each step. Delayed-scaling and MXFP8 gathers, which a compiled graph cannot
-run correctly, must say so.
+run correctly, and hybrid gathers (a format per direction), must say so.
 """
 
 from __future__ import annotations
@@ -88,6 +88,9 @@ def worker(rank: int, world_size: int) -> dict:
                          "breaks": sum(torch._dynamo.utils.counters["graph_break"].values())}
     results["delayed"] = _refusal(mf.DelayedScaling(), world_size)
     results["mxfp8"] = _refusal(mf.MXFP8BlockScaling(), world_size)
+    results["hybrid"] = _refusal(mf.HybridRecipe(
+        fprop=mf.Float8CurrentScaling(), dgrad=mf.Float8BlockScaling(),
+        wgrad=mf.Float8CurrentScaling()), world_size)
     return results
 
 
@@ -110,3 +113,4 @@ def test_compiled_blocks_train_like_eager_with_low_precision_gathers():
     for result in results:
         assert "delayed-scaling weights does not run under torch.compile" in result["delayed"]
         assert "gather MXFP8 weights in high precision" in result["mxfp8"]
+        assert "hybrid quantized weights (a format per direction)" in result["hybrid"]

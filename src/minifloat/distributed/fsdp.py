@@ -402,6 +402,10 @@ def _compile_refusal(quantizer: Quantizer) -> str | None:
                 "scaling, gather high-precision weights, or run eagerly")
     if isinstance(quantizer, MXFP8Quantizer):
         return _MXFP8_REFUSAL
+    if isinstance(quantizer, HybridQuantizer):
+        from ..modules.base import HYBRID_COMPILE_REFUSAL
+
+        return HYBRID_COMPILE_REFUSAL
     return None
 
 
@@ -444,8 +448,10 @@ def enable_low_precision_all_gather(model: nn.Module, recipe) -> nn.Module:
                 wrapped = QuantizedShardWeight.of(weight)
                 setattr(module, name, nn.Parameter(wrapped, requires_grad=weight.requires_grad))
                 module.rebuild_weight_copy_in_backward = True
-                if isinstance(weight.quantized_storage, MXFP8Storage):  # a direction per gather
-                    module.compile_refusal = _MXFP8_REFUSAL
+                # bytes gathered as they are: only a direction per gather refuses to compile
+                module.compile_refusal = module.compile_refusal or (
+                    _MXFP8_REFUSAL if isinstance(weight.quantized_storage, MXFP8Storage)
+                    else None)
                 continue
             if isinstance(weight, LowPrecisionGatherWeight | QuantizedShardWeight):
                 raise TypeError(f"{module.name or type(module).__name__}.{name} is already a "

@@ -88,6 +88,12 @@ def _allow_missing_extra_state(module: QuantizedModule, state_dict: dict, prefix
     extra_state.missing_extra_state(state_dict, prefix, module.name)
 
 
+HYBRID_COMPILE_REFUSAL = (
+    "hybrid quantized weights (a format per direction) do not run under torch.compile yet; "
+    "compile with high-precision weights (outside quantized_model_init, and under FSDP2 without "
+    "enable_low_precision_all_gather), or run eagerly")
+
+
 class QuantizedModule(nn.Module):
     """Base of minifloat's GEMM modules: roles, per-recipe quantizers and the weight cache."""
 
@@ -98,9 +104,10 @@ class QuantizedModule(nn.Module):
     # undoes; distributed.rebuild_weight_copies_in_backward sets it on a model's modules. Under
     # torch.compile the ops honour it for stateless recipes and plain delayed scaling.
     rebuild_weight_copy_in_backward = False
-    # why this module's weights cannot run under torch.compile (None: they can); set by
-    # enable_low_precision_all_gather for gathers whose backward re-gather brings other bytes
-    # than forward's (delayed scaling, MXFP8), which only the eager path follows
+    # why this module's weights cannot run under torch.compile (None: they can): hybrid
+    # quantized weights (new_weight), and gathers whose backward re-gather brings other bytes
+    # than forward's (delayed scaling, MXFP8: enable_low_precision_all_gather), which only the
+    # eager path follows
     compile_refusal: str | None = None
     # True (TransformerEngine's save_original_input): keep the high-precision input for wgrad
     # instead of its columnwise copy; backward quantizes it again
@@ -374,10 +381,7 @@ class QuantizedModule(nn.Module):
         weight_quantizer.set_usage(rowwise=True, columnwise=True)
         weight_quantizer.internal = False
         if isinstance(weight_quantizer, HybridQuantizer):
-            self.compile_refusal = (
-                "hybrid quantized weights (a format per direction) do not run under "
-                "torch.compile yet; build the model outside quantized_model_init to compile it, "
-                "or run eagerly")
+            self.compile_refusal = HYBRID_COMPILE_REFUSAL
         return nn.Parameter(weight_quantizer(weight))
 
     @staticmethod
