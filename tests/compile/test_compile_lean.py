@@ -17,6 +17,7 @@ from torch import nn
 
 import minifloat as mf
 from minifloat.modules import lean_fp8, lean_ops
+from training._reference import rel_err
 
 RECIPE = mf.Float8CurrentScaling()
 HIDDEN, FFN, ROWS = 64, 128, 48
@@ -61,8 +62,11 @@ def _step(model, x, dy):
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp", "rebuild", "quantized_weight"])
-def test_lean_ops_serve_the_compiled_gemms_and_match_eager(lean_on_cpu, kind):
-    eager, model = _model(kind), _model(kind)
+def test_lean_ops_serve_the_compiled_gemms_and_match_eager(lean_on_cpu, monkeypatch, kind):
+    """Bitwise against eager LeanFP8Gemm (the same calls), and within the summation order of
+    another GEMM against the eager general path (LinearGemms, which on the CPU emulates the
+    GEMMs: tests/modules/test_lean_fp8.py), an implementation that shares no code with it."""
+    eager, model, general = _model(kind), _model(kind), _model(kind)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     gemms = 2 if kind == "mlp" else 1
@@ -78,6 +82,11 @@ def test_lean_ops_serve_the_compiled_gemms_and_match_eager(lean_on_cpu, kind):
         assert len(got) == len(want) >= 3
         for index, (a, b) in enumerate(zip(got, want, strict=True)):
             assert torch.equal(a, b), (kind, step, index)
+        monkeypatch.setattr(lean_fp8, "ENABLED", False)
+        reference = _step(general, x, dy)
+        monkeypatch.setattr(lean_fp8, "ENABLED", True)
+        for index, (a, b) in enumerate(zip(got, reference, strict=True)):
+            assert rel_err(a, b) < 1e-5, (kind, step, index)
 
 
 def test_shapes_off_the_rule_take_the_general_ops(lean_on_cpu):
