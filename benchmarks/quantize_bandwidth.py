@@ -7,7 +7,7 @@ where the format needs a global amax before it can scale (current-scaling FP8, N
 bandwidth is measured in the same run as (read + write bytes) / time of a same-size bf16
 device-to-device copy_. Reported ratio = (floor bytes / time) / copy bandwidth.
 
-Usage: python benchmarks/quantize_bandwidth.py [--out DIR] [--rows R --cols C]
+Usage: python benchmarks/quantize_bandwidth.py [--out DIR] [--rows R --cols C | --shapes RxC,...]
 """
 
 from __future__ import annotations
@@ -63,18 +63,24 @@ def run(rows: int, cols: int) -> dict:
                "copy_bandwidth_GBps": copy_bandwidth / 1e9, "formats": {}}
     from minifloat.kernels import per_tensor_fp8
 
-    rows_to_time = list(_quantizers().items())
+    rows_to_time = [(name, spec, {}) for name, spec in _quantizers().items()]
+    current = rows_to_time[0][1]
     # the same current-scaling cast in two launches (amax partials, then the cast), as before
-    # the one-launch kernel: the GPU-time cost or gain of its grid barrier, measured here
-    rows_to_time.insert(1, ("fp8-current E4M3 two launches", rows_to_time[0][1]))
-    one_launch = per_tensor_fp8.ONE_LAUNCH
-    for name, (quantizer, out_bytes, extra_reads) in rows_to_time:
+    # the one-launch kernel: the GPU-time cost or gain of its grid barrier, measured here; and
+    # the one-launch kernel with its cast pass in the amax pass's order (no L2 reuse)
+    rows_to_time[1:1] = [
+        ("fp8-current E4M3 two launches", current, {"ONE_LAUNCH": False}),
+        ("fp8-current E4M3 cast in amax order", current, {"ONE_LAUNCH_CAST_REVERSED": False})]
+    for name, (quantizer, out_bytes, extra_reads), overrides in rows_to_time:
         quantizer.internal = True
-        per_tensor_fp8.ONE_LAUNCH = one_launch and "two launches" not in name
+        saved = {key: getattr(per_tensor_fp8, key) for key in overrides}
+        for key, value in overrides.items():
+            setattr(per_tensor_fp8, key, value and getattr(per_tensor_fp8, key))
         try:
             ms = _bench(lambda q=quantizer: q(x))
         finally:
-            per_tensor_fp8.ONE_LAUNCH = one_launch
+            for key, value in saved.items():
+                setattr(per_tensor_fp8, key, value)
         floor_bytes = elements * (x.element_size() * (1 + extra_reads) + out_bytes)
         bandwidth = floor_bytes / (ms * 1e-3)
         results["formats"][name] = {
@@ -87,9 +93,9 @@ def run(rows: int, cols: int) -> dict:
 def print_table(results: dict) -> None:
     print(f"quantize {results['shape']} bf16 on {results['device']} (torch {results['torch']}); "
           f"copy bandwidth {results['copy_bandwidth_GBps']:.0f} GB/s")
-    print(f"{'format':32s} {'ms':>8s} {'reads':>5s} {'GB/s':>8s} {'x copy':>7s}")
+    print(f"{'format':36s} {'ms':>8s} {'reads':>5s} {'GB/s':>8s} {'x copy':>7s}")
     for name, row in results["formats"].items():
-        print(f"{name:32s} {row['ms']:8.3f} {row['input_reads']:5d} "
+        print(f"{name:36s} {row['ms']:8.3f} {row['input_reads']:5d} "
               f"{row['bandwidth_GBps']:8.0f} {row['fraction_of_copy']:7.3f}")
 
 
@@ -98,15 +104,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--cols", type=int, default=8192)
+    parser.add_argument("--shapes", default=None,
+                        help="comma list of RxC shapes instead of --rows/--cols, e.g. "
+                             "8192x2048,8192x8192 (the 1b preset's layer inputs); one JSON each")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("quantize_bandwidth: no CUDA device; skipped", file=sys.stderr)
         return 0
-    results = run(args.rows, args.cols)
-    print_table(results)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "quantize_bandwidth.json").write_text(json.dumps(results, indent=2))
+    shapes = ([tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+              if args.shapes else [(args.rows, args.cols)])
+    for rows, cols in shapes:
+        results = run(rows, cols)
+        print_table(results)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            name = ("quantize_bandwidth.json" if args.shapes is None
+                    else f"quantize_bandwidth_{rows}x{cols}.json")
+            (args.out / name).write_text(json.dumps(results, indent=2))
     return 0
 
 

@@ -70,6 +70,11 @@ ONE_LAUNCH_PROGRAMS_PER_SM = 2
 ONE_LAUNCH_WARPS = 4
 ONE_LAUNCH_AMAX_BLOCK = 2048
 ONE_LAUNCH_AMAX_UNROLL = 4
+# The cast pass walks the tiles from the last to the first: the amax pass ends on the tensor's
+# last bytes, which are then still in L2 (50 MB on an H100 or H200) and are read first, so a
+# tensor of a few tens of MB (a 1b layer's input or weight) is read from HBM about once, not
+# twice. False walks them in the amax pass's order (benchmarks/quantize_bandwidth.py compares).
+ONE_LAUNCH_CAST_REVERSED = True
 # Tests only: run the words kernel's CUDA algorithm (cvt stand-in with a wrong NaN byte, NaN
 # fix-up per tile, plain halfwise maxima) under the interpreter.
 EMULATE_PRODUCTS = False
@@ -138,7 +143,8 @@ def _one_launch_kernel(x_ptr, x_words_ptr, data_ptr, data_t_ptr, sync_ptr, scale
                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WIDE: tl.constexpr,
                        HW_CAST: tl.constexpr, PRODUCTS: tl.constexpr, MAX_U16X2: tl.constexpr,
                        MASK_M: tl.constexpr, MASK_K: tl.constexpr, AMAX_BLOCK: tl.constexpr,
-                       AMAX_UNROLL: tl.constexpr, BF16_BITS: tl.constexpr):
+                       AMAX_UNROLL: tl.constexpr, BF16_BITS: tl.constexpr,
+                       REVERSED: tl.constexpr):
     """Current scaling in one launch: amax, grid barrier, scale, cast (+ transpose).
 
     Why: the two-launch form (amax partials, then the cast) costs a launch and an allocation of
@@ -148,7 +154,8 @@ def _one_launch_kernel(x_ptr, x_words_ptr, data_ptr, data_t_ptr, sync_ptr, scale
     tensor's amax exactly as the cast kernels do, then casts its share of the tiles with the
     element or the words tile function. The last program to leave (sync[1]) zeroes sync[0..2]
     for the next launch on the stream. The grid must fit the GPU at once (the host sizes it);
-    the interpreter runs programs one by one and never takes this kernel.
+    the interpreter runs programs one by one and never takes this kernel. REVERSED: the cast
+    pass takes the tiles last first (ONE_LAUNCH_CAST_REVERSED says why).
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -170,8 +177,9 @@ def _one_launch_kernel(x_ptr, x_words_ptr, data_ptr, data_t_ptr, sync_ptr, scale
     tiles = tl.cdiv(M, BLOCK_M) * tiles_k
     tile = pid
     while tile < tiles:
-        pid_m = tile // tiles_k
-        pid_k = tile % tiles_k
+        index = tiles - 1 - tile if REVERSED else tile
+        pid_m = index // tiles_k
+        pid_k = index % tiles_k
         if WORDS:
             words_kernels.per_tensor_words_tile(
                 x_words_ptr, data_ptr, data_t_ptr, sync_ptr, scale, nan_possible, M, K, pid_m,
@@ -386,6 +394,7 @@ def _one_launch_plan(x: torch.Tensor, m: int, k: int, e5m2: bool, power_2_scale:
         "MASK_M": words and m % block_m != 0, "MASK_K": words and k % block_k != 0,
         "AMAX_BLOCK": ONE_LAUNCH_AMAX_BLOCK, "AMAX_UNROLL": ONE_LAUNCH_AMAX_UNROLL,
         "BF16_BITS": amax_kernels.AMAX_BF16_BITS and x.dtype == torch.bfloat16,
+        "REVERSED": ONE_LAUNCH_CAST_REVERSED,
     }
     return (programs,), cdiv(amax_blocks, programs), constexprs
 
@@ -399,7 +408,7 @@ def _one_launch(x: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float,
     m, k = _matrix_shape(x)
     index = x.get_device()
     plan_key = (x.dtype, m, k, fp8_dtype, amax_epsilon, power_2_scale, rowwise, columnwise,
-                x.data_ptr() % 16, x.storage_offset() % 4, index)
+                x.data_ptr() % 16, x.storage_offset() % 4, index, ONE_LAUNCH_CAST_REVERSED)
     plan = _ONE_LAUNCH_PLANS.get(plan_key)
     if plan is None:
         plan = _ONE_LAUNCH_PLANS[plan_key] = _one_launch_plan(
