@@ -22,6 +22,8 @@ rank's median alongside:
 - ms_per_step: median of --steps steps, each timed by CUDA events around it;
   tokens_per_s_per_gpu: the rank's batch tokens / that time.
 - peak_gib: max over ranks of torch.cuda.max_memory_allocated (reset before the row is built).
+- steady_peak_gib: this rank's peak over the timed steps alone (the statistics reset after the
+  warmup steps), so a peak that compilation or the first steps set shows as the difference.
 - all_gather_bytes / reduce_scatter_bytes: the output bytes of the all-gathers / input bytes of
   the reduce-scatters of one step on rank 0 (minifloat.distributed.count_collective_bytes).
 - all_gather_ms / reduce_scatter_ms: summed GPU time of NCCL AllGather / ReduceScatter kernels in
@@ -177,7 +179,13 @@ def measure(step: ShardedStep, batches: list[torch.Tensor], warmup: int, steps: 
     result["first_step_s"] = time.perf_counter() - start
     for tokens in batches[1:warmup]:
         step(tokens)
+    if device == "cuda":  # the first steps' peak (compilation, autotuning) apart from steady state
+        torch.cuda.synchronize()
+        first_steps_peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     ms, loss = model_step._timed_steps(step, batches[warmup:warmup + steps], device)
+    if device == "cuda":
+        result["steady_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     result.update(ms_per_step=statistics.median(ms), ms_steps=ms, final_loss=float(loss.item()))
     # host ms: the step's Python from an empty GPU queue to its return (model_step.host_times)
     result["host_ms"] = statistics.median(
@@ -190,7 +198,7 @@ def measure(step: ShardedStep, batches: list[torch.Tensor], warmup: int, steps: 
                   reduce_scatter_bytes=moved["reduce_scatter_input_bytes"])
     if device == "cuda":
         result.update(collective_kernel_ms(step, batches[warmup + steps + 1], profile_file))
-        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["peak_gib"] = max(first_steps_peak, torch.cuda.max_memory_allocated()) / 2**30
     return result
 
 
@@ -252,8 +260,9 @@ def table(data: dict) -> str:
     lines = [f"{data['world_size']} x {data['device']}, preset {data['preset']}, torch "
              f"{data['versions']['torch']}", "",
              "| row | ms/step | host ms | tokens/s/GPU | vs bf16 eager | vs bf16 compiled | "
-             "weak scaling | peak GiB | all-gather MB | all-gather ms | reduce-scatter ms |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "weak scaling | peak GiB | steady peak GiB | all-gather MB | all-gather ms | "
+             "reduce-scatter ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def cell(value, fmt: str) -> str:
         return "" if value is None else format(value, fmt)
@@ -261,7 +270,7 @@ def table(data: dict) -> str:
     for row in data["rows"]:
         if "ms_per_step" not in row:
             lines.append(f"| {row['row']} | {row.get('skipped') or 'failed: ' + row['error']} "
-                         "| | | | | | | | | |")
+                         "| | | | | | | | | | |")
             continue
         lines.append(
             f"| {row['row']} | {row['ms_per_step']:.2f} | {cell(row.get('host_ms'), '.1f')} | "
@@ -269,7 +278,8 @@ def table(data: dict) -> str:
             f"{cell(row.get('speedup_vs_bf16_eager'), '.2f')} | "
             f"{cell(row.get('speedup_vs_bf16_compiled'), '.2f')} | "
             f"{cell(row.get('weak_scaling_efficiency'), '.2f')} | "
-            f"{cell(row.get('peak_gib'), '.1f')} | {row['all_gather_bytes'] / 1e6:.1f} | "
+            f"{cell(row.get('peak_gib'), '.1f')} | {cell(row.get('steady_peak_gib'), '.1f')} | "
+            f"{row['all_gather_bytes'] / 1e6:.1f} | "
             f"{cell(row.get('all_gather_ms'), '.1f')} | "
             f"{cell(row.get('reduce_scatter_ms'), '.1f')} |")
     return "\n".join(lines)

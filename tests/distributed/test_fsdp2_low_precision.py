@@ -349,7 +349,8 @@ def test_foreach_ops_over_wrapped_shards_run_on_the_inner_tensors():
     from minifloat.distributed.fsdp import LowPrecisionGatherWeight
 
     quantizer = mf.Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
-    plain = [torch.randn(4, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    # fixed values, no generator: under NCCL runs the default device is cuda:0 (conftest.py)
+    plain = [torch.arange(16.0).reshape(4, 4) * (i + 1) - 7.5 for i in range(3)]
     wrapped = [LowPrecisionGatherWeight(t.clone(), quantizer) for t in plain]
     steps = [torch.full((4, 4), 0.5) for _ in range(3)]
     results = torch._foreach_add(wrapped, steps, alpha=2.0)
