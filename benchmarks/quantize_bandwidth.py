@@ -75,7 +75,7 @@ def run(rows: int, cols: int) -> dict:
         quantizer.internal = True
         saved = {key: getattr(per_tensor_fp8, key) for key in overrides}
         for key, value in overrides.items():
-            setattr(per_tensor_fp8, key, value and getattr(per_tensor_fp8, key))
+            setattr(per_tensor_fp8, key, value)
         try:
             ms = _bench(lambda q=quantizer: q(x))
         finally:
