@@ -8,7 +8,8 @@ Its kernel table shows where the GPU time goes, grouped by kernel name.
 For each row (model_step.py's row names and presets): build and convert the model as
 model_step does, run --warmup steps, then
 - the GPU kernels of --steps steps under torch.profiler: per kernel name, ms and calls a step,
-  the --top largest, and the total GPU time a step against the step's wall time;
+  the --top largest, the total GPU time a step against the step's wall time, and the time by
+  kind (kernel_kind: GEMMs, attention, minifloat's kernels, inductor's, optimizer, copies);
 - cProfile of --steps more steps: the --top entries by own time and by cumulative time.
 
 Usage: python benchmarks/profile_model.py --preset hf-mixtral-moe \\
@@ -39,6 +40,31 @@ from model_step import (  # noqa: E402
     prepare_row,
 )
 
+# kernel kinds, tested in order on a kernel's name (the first that matches names its kind)
+KERNEL_KINDS = (
+    ("copies", lambda name: name.startswith(("Memcpy", "Memset")) or "copy_kernel" in name
+     or "CatArrayBatchedCopy" in name),
+    # before GEMMs: inductor names its kernels after the ops they fuse (gemms_forward, ...)
+    ("inductor-generated", lambda name: name.startswith("triton_")),
+    ("attention", lambda name: any(part in name for part in ("sdpa", "flash", "fmha",
+                                                               "cudnn::fusion"))),
+    ("GEMMs", lambda name: name.startswith("nvjet") or "gemm" in name.lower()
+     or "cutlass" in name or "xmma" in name),
+    ("optimizer", lambda name: "multi_tensor_apply_kernel" in name),
+    # minifloat's Triton kernels (quantize, decode, epilogue): plain names, no C++ scope
+    ("minifloat kernels", lambda name: "::" not in name and " " not in name
+     and name.endswith("kernel")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a CUDA kernel by its profiler name: copies, attention, GEMMs, optimizer,
+    inductor-generated, minifloat kernels, or other (aten elementwise, reductions, indexing)."""
+    for kind, matches in KERNEL_KINDS:
+        if matches(name):
+            return kind
+    return "other"
+
 
 def kernel_table(step, batches: list[torch.Tensor], top: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
@@ -58,9 +84,13 @@ def kernel_table(step, batches: list[torch.Tensor], top: int) -> dict:
             entry[1] += 1 / len(batches)
     rows = sorted(({"kernel": name[:100], "ms_per_step": ms, "calls_per_step": calls}
                    for name, (ms, calls) in totals.items()), key=lambda row: -row["ms_per_step"])
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, (ms, _) in totals.items():
+        by_kind[kernel_kind(name)] += ms
     return {"profiled_wall_ms_per_step": wall,
             "gpu_ms_per_step": sum(row["ms_per_step"] for row in rows),
             "kernels_per_step": sum(row["calls_per_step"] for row in rows),
+            "ms_per_step_by_kind": dict(sorted(by_kind.items(), key=lambda item: -item[1])),
             "top_kernels": rows[:top]}
 
 
@@ -101,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {args.preset} {name}: profiled wall {table['profiled_wall_ms_per_step']:.2f} "
               f"ms/step, GPU {table['gpu_ms_per_step']:.2f} ms/step, "
               f"{table['kernels_per_step']:.0f} kernels/step")
+        print("  by kind: " + ", ".join(f"{kind} {ms:.2f} ms"
+                                         for kind, ms in table["ms_per_step_by_kind"].items()))
         for row in table["top_kernels"]:
             print(f"  {row['ms_per_step']:8.3f} ms {row['calls_per_step']:7.1f} x  "
                   f"{row['kernel']}")

@@ -217,3 +217,36 @@ def test_small_m_benchmark_runs_on_cpu(tmp_path: Path) -> None:
         (m, name) for m in (1, 16) for name in ("bf16", "fp8-current", "mxfp8",
                                                  "fp8-current-rule", "mxfp8-rule")}
     assert all(row["device_ms"] > 0 and row["host_us"] > 0 for row in rows)
+
+
+def test_profile_model_sorts_kernels_by_kind() -> None:
+    """profile_model.kernel_kind on kernel names the H100 profiles of the eighth session
+    reported (benchmarks/results/profile_model_h100_hf_mixtral_s8.txt and the 1b profile)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import profile_model
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    expected = {
+        "nvjet_sm90_qrtst_128x128_128x6_1x2_h_bz_coopA_algo2_TNT": "GEMMs",
+        "_ZN7cutlass13device_kernelINS_4gemm6kernel13GemmUniversalINS1_17GroupProblemShapeIN4":
+            "GEMMs",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1":
+            "attention",
+        "void cudnn::fusion::compute_dot_do_o_specialized<true, 128>(void const*, void const*":
+            "attention",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anon":
+            "optimizer",
+        "_one_launch_kernel": "minifloat kernels",
+        "per_tensor_words_kernel": "minifloat kernels",
+        "_multi_cast_kernel": "minifloat kernels",
+        "triton_poi_fused_gelu_gelu_backward_gemms_backward_3": "inductor-generated",
+        "Memset (Device)": "copies",
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::":
+            "copies",
+        "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::n":
+            "other",
+        "void at::native::reduce_kernel<128, 4, at::native::ReduceOp<float, at::native::func_":
+            "other",
+    }
+    assert {name: profile_model.kernel_kind(name) for name in expected} == expected
