@@ -18,6 +18,7 @@ from torch import nn
 
 import minifloat as mf
 from recipe_factories import FORMAT_RECIPES
+from train_steps import optimizer_step
 
 RECIPES = FORMAT_RECIPES
 HIDDEN, FFN, ROWS = 128, 256, 128
@@ -47,17 +48,6 @@ def _build(recipe: mf.Recipe, blocks: int = 1) -> nn.Module:
         return nn.Sequential(*(Block() for _ in range(blocks)))
 
 
-def _step(model: nn.Module, optimizer, recipe: mf.Recipe, x: torch.Tensor) -> list[torch.Tensor]:
-    x = x.clone().requires_grad_(True)
-    with mf.autocast(recipe=recipe):
-        y = model(x)
-    y.float().pow(2).mean().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return [y.detach(), x.grad, *grads]
-
-
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_quantized_weights_compile_without_breaks_and_train_like_eager(name):
     recipe = RECIPES[name]()
@@ -72,8 +62,8 @@ def test_quantized_weights_compile_without_breaks_and_train_like_eager(name):
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (eager, model)]
     for step in range(3):
         x = torch.randn(ROWS, HIDDEN, generator=torch.Generator().manual_seed(step))
-        want = _step(eager, optimizers[0], recipe, x)
-        got = _step(compiled, optimizers[1], recipe, x)
+        want = optimizer_step(eager, optimizers[0], recipe, x)
+        got = optimizer_step(compiled, optimizers[1], recipe, x)
         assert len(got) == len(want) > 3
         for index, (a, b) in enumerate(zip(got, want, strict=True)):
             assert a.dtype == b.dtype and torch.equal(a, b), (name, step, index)

@@ -19,6 +19,7 @@ from torch import nn
 import minifloat as mf
 from minifloat.modules import lean_fp8
 from recipe_factories import FORMAT_RECIPES
+from train_steps import optimizer_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -40,14 +41,7 @@ def _stack(recipe: mf.Recipe | None, rebuild: bool = False) -> nn.Module:
 def _step(model: nn.Module, optimizer, recipe: mf.Recipe, seed: int) -> list[torch.Tensor]:
     generator = torch.Generator("cuda").manual_seed(seed)
     x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16, generator=generator)
-    x.requires_grad_(True)
-    with mf.autocast(recipe=recipe):
-        y = model(x)
-    y.float().pow(2).mean().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return [y.detach(), x.grad, *grads]
+    return optimizer_step(model, optimizer, recipe, x)
 
 
 def _assert_equal_runs(eager: nn.Module, model: nn.Module, compiled, recipe: mf.Recipe,

@@ -244,13 +244,19 @@ def _unaliased(tensors: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[
     return result
 
 
+def present_buffers(weight: QuantizedTensor) -> list[torch.Tensor]:
+    """A quantized weight's present buffers, in present_fields order (the order its layout and
+    QuantizedTensor.__tensor_flatten__ give them)."""
+    storage = weight.quantized_storage
+    return [getattr(storage, name) for name in storage.present_fields()]
+
+
 def _buffers(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors, each QuantizedTensor (a quantized weight) as its present buffers."""
     result = []
     for tensor in tensors:
         if isinstance(tensor, QuantizedTensor):
-            storage = tensor.quantized_storage
-            result.extend(getattr(storage, name) for name in storage.present_fields())
+            result.extend(present_buffers(tensor))
         else:
             result.append(tensor)
     return result

@@ -26,6 +26,7 @@ import torch
 
 from ..gemm_paths import scaled_mm_bytes
 from .lean_fp8 import LeanPlan, applies, forward_gemm, shapes_apply, weight_transpose
+from .linear_function import BACKWARD_SLOTS, FORWARD_SLOTS
 
 _LEAN_PLANS: dict[tuple[int, int], LeanPlan | None] = {}
 
@@ -36,8 +37,6 @@ def lean_plan(plan_id: int, gemms: list[int], stateless) -> LeanPlan | None:
         return None
     key = (plan_id, gemms[0])
     if key not in _LEAN_PLANS:
-        from .linear_function import BACKWARD_SLOTS, FORWARD_SLOTS
-
         forward, backward = stateless
         slot = len(FORWARD_SLOTS) * gemms[0]
         _LEAN_PLANS[key] = LeanPlan.for_quantizers(

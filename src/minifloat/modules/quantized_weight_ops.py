@@ -50,8 +50,7 @@ def layout_id(storage: QuantizedStorage) -> int:
     """The id of this storage's layout (registered on first sight)."""
     layout = WeightLayout(
         type(storage), tuple(int(size) for size in storage.shape), storage.dtype,
-        tuple(getattr(storage, name) for name in storage.metadata_fields),
-        storage.present_fields())
+        storage.metadata_values(), storage.present_fields())
     ident = _IDS.get(layout)
     if ident is None:
         description = repr((layout.storage_class.__qualname__, layout.shape, str(layout.dtype),
@@ -85,9 +84,8 @@ def weight_buffers(weights: list[torch.Tensor]) -> tuple[list[torch.Tensor], lis
     layouts: list[int] = []
     for weight in weights:
         storage = weight.quantized_storage
-        ident = layout_id(storage)
-        buffers.extend(getattr(storage, name) for name in _LAYOUTS[ident].present)
-        layouts.append(ident)
+        layouts.append(layout_id(storage))
+        buffers.extend(gemm_op.present_buffers(weight))
     return buffers, layouts
 
 
@@ -102,11 +100,9 @@ def rebuilt_weights(buffers: list[torch.Tensor], layouts: list[int]) -> list[tor
                 f"minifloat: quantized-weight layout {ident} is unknown to this process (a "
                 "compiled graph loaded from another process's cache?); clear torch.compile's "
                 "caches, or set TORCHINDUCTOR_FORCE_DISABLE_CACHES=1, and compile again")
-        fields = dict(zip(layout.storage_class.metadata_fields, layout.metadata, strict=True))
-        fields.update({name: next(remaining) for name in layout.present})
-        storage = layout.storage_class(shape=torch.Size(layout.shape), dtype=layout.dtype,
-                                       quantizer=None, **fields)
-        weights.append(QuantizedTensor(storage))
+        buffers = {name: next(remaining) for name in layout.present}
+        weights.append(QuantizedTensor(layout.storage_class.from_buffers(
+            layout.shape, layout.dtype, layout.metadata, buffers)))
     return weights
 
 

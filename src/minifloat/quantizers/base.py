@@ -98,6 +98,22 @@ class QuantizedStorage:
         """The names of the buffers this storage holds now (tensor_fields that are not None)."""
         return tuple(name for name in self._tensor_fields if getattr(self, name) is not None)
 
+    def metadata_values(self) -> tuple:
+        """The metadata_fields' values, in their order (what from_buffers takes back)."""
+        return tuple(getattr(self, name) for name in self.metadata_fields)
+
+    @classmethod
+    def from_buffers(cls, shape: tuple[int, ...], dtype: torch.dtype, metadata: tuple,
+                     buffers: dict[str, torch.Tensor],
+                     quantizer: Quantizer | None = None) -> QuantizedStorage:
+        """A storage of this class over `buffers` (by field name; absent fields None) with the
+        metadata_values() of the storage it stands for: how a storage taken apart into its
+        buffers (QuantizedTensor.__tensor_flatten__, the compiled GEMM ops' weight layouts) is
+        put back together."""
+        fields = dict(zip(cls.metadata_fields, metadata, strict=True))
+        fields.update(buffers)
+        return cls(shape=torch.Size(shape), dtype=dtype, quantizer=quantizer, **fields)
+
     def has_rowwise(self) -> bool:
         return getattr(self, self.rowwise_fields[0]) is not None
 

@@ -81,18 +81,16 @@ class QuantizedTensor(torch.Tensor):
                 "high-precision weights) to compile it, or run eagerly")
         present = storage.present_fields()
         return [_INNER_PREFIX + name for name in present], (
-            type(storage), storage.shape, storage.dtype,
-            tuple(getattr(storage, name) for name in storage.metadata_fields), present,
+            type(storage), storage.shape, storage.dtype, storage.metadata_values(), present,
             storage.quantizer)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors: dict, context: tuple, outer_size, outer_stride
                              ) -> QuantizedTensor:
         storage_class, shape, dtype, metadata, present, quantizer = context
-        fields = dict(zip(storage_class.metadata_fields, metadata, strict=True))
-        fields.update({name: inner_tensors[_INNER_PREFIX + name] for name in present})
-        return QuantizedTensor(storage_class(shape=shape, dtype=dtype, quantizer=quantizer,
-                                             **fields))
+        buffers = {name: inner_tensors[_INNER_PREFIX + name] for name in present}
+        return QuantizedTensor(storage_class.from_buffers(shape, dtype, metadata, buffers,
+                                                          quantizer))
 
     @classmethod
     def __metadata_guard__(cls, expected: tuple, actual: tuple) -> bool:
