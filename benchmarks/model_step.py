@@ -46,7 +46,9 @@ first_step_s):
 - host16_ms (eager rows only): host time, measured as host_ms is, of forward+loss+backward on
   16 tokens (batch 1 x 16), the shape where host cost dominates; host16_cost_vs_bf16 is it over
   bf16-eager's (the issue's target: FP8 at 1b at most 1.3x). Compiled and graphed rows skip
-  it: a new shape would recompile (or need a new capture).
+  it: a new shape would recompile (or need a new capture). No optimizer step runs between
+  these forwards, so under current scaling each casts its weights alone (the step's batched
+  weight cast runs once per change of the weights: modules/weight_cast_batch.py).
 
 Usage:
   python benchmarks/model_step.py --preset 1b [--rows bf16-eager,fp8-current-eager,...]
@@ -369,6 +371,10 @@ def measure(step: TrainStep | Callable, batches: list[torch.Tensor], warmup: int
     if host16_tokens is not None and getattr(step, "host16", False):
         result.update(_host16(step, host16_tokens, device))
     if cuda:  # last: nothing is timed after the profiler has run
+        if "host16_ms" in result:
+            # the 16-token forwards took the step's batched weight casts (no optimizer step
+            # followed them): one full step first, so the profiled one starts as a step does
+            step(batches[warmup + 2 * steps])
         result.update(kernels_per_step(step, batches[warmup + 2 * steps]))
     return result
 

@@ -16,7 +16,8 @@ single-tensor bytes). A shard is stale after any optimizer step (a global step p
 counts them: foreach and fused steps, CUDA's defaults, bump no version counter) and when the
 version counter of its parameter moved (load_state_dict and every other in-place op on the
 parameter bump it). A change through `.data`, or by a foreach op outside an optimizer step, is
-not seen: change sharded weights in place through the parameter itself.
+not seen (minifloat/optimizer_steps.py): change sharded weights in place through the parameter
+itself.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import kernels, numerics
+from .. import kernels, numerics, optimizer_steps
 from ..quantizers import Float8CurrentScalingQuantizer, Quantizer
 from ..quantizers.base import kernel_module
 
@@ -37,23 +38,6 @@ def batchable(quantizer: Quantizer) -> bool:
     return type(quantizer) is Float8CurrentScalingQuantizer
 
 
-_OPTIMIZER_STEPS = [0]  # optimizer steps taken in this process (any optimizer)
-_HOOK: list = []
-
-
-def _count_optimizer_step(*_: Any) -> None:
-    _OPTIMIZER_STEPS[0] += 1
-
-
-def _watch_optimizer_steps() -> None:
-    """Count optimizer steps (a global post-hook, registered once): foreach and fused optimizer
-    steps (CUDA's defaults) update parameters without bumping their version counters."""
-    if not _HOOK:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _HOOK.append(register_optimizer_step_post_hook(_count_optimizer_step))
-
-
 class WeightCastBatch:
     """The current-scaling weights of one model (module, parameter name) and the gather
     inputs last made for each: (the shard's version when made, the mesh, the inputs)."""
@@ -61,7 +45,7 @@ class WeightCastBatch:
     def __init__(self) -> None:
         self.members: list[tuple[nn.Module, str, Quantizer]] = []
         self.made: dict[int, tuple[tuple[int, int], Any, tuple]] = {}
-        _watch_optimizer_steps()
+        optimizer_steps.watch()
 
     def add(self, module: nn.Module, name: str, quantizer: Quantizer) -> int:
         output = quantizer.copy()  # what the gathered storage records, as a quantize call's
@@ -75,7 +59,7 @@ class WeightCastBatch:
         the version counter of its parameter (the FSDP2 DTensor; in-place ops on it bump it,
         the wrappers inside see none: tensor subclasses run below autograd)."""
         module, name, _ = self.members[index]
-        return _OPTIMIZER_STEPS[0], getattr(module, name)._version
+        return optimizer_steps.count(), getattr(module, name)._version
 
     def gather_inputs(self, index: int, mesh) -> tuple | None:
         """The (all-gather inputs, metadata) of member `index`, made with the whole batch when
@@ -103,7 +87,7 @@ class WeightCastBatch:
             shard = local._inner
             key = (shard.dtype, shard.device, quantizer.fp8_dtype, quantizer.amax_epsilon,
                    quantizer.power_2_scale)
-            version = (_OPTIMIZER_STEPS[0], parameter._version)  # what _version(index) reads
+            version = (optimizer_steps.count(), parameter._version)  # what _version(index) reads
             groups.setdefault(key, []).append((index, shard, quantizer, version))
         reduce = _all_reduce_max(mesh)
         for members in groups.values():

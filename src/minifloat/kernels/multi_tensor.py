@@ -292,16 +292,83 @@ def quantize_current_scaling_stacked(
     if not (rowwise or columnwise):
         raise ValueError("multi-tensor FP8 kernel: ask for the rowwise or the columnwise copy")
     _check_group(tensors)
+    device = tensors[0].device
+    shapes = [_matrix_shape(t) for t in tensors]
+    data_offsets, data_total = _aligned_offsets([m * k for m, k in shapes], ALIGN)
+    data = torch.empty(max(data_total, 1), dtype=torch.uint8, device=device) if rowwise else None
+    data_t = (torch.empty(max(data_total, 1), dtype=torch.uint8, device=device) if columnwise
+              else None)
+    scale_inv = _current_scaling_launches(
+        tensors, shapes, fp8_dtype, amax_epsilon, power_2_scale, reduce_amax,
+        (data, data_offsets), (data_t, data_offsets))
+    return StackedCast(None if data is None else data.view(fp8_dtype),
+                       None if data_t is None else data_t.view(fp8_dtype),
+                       scale_inv, data_offsets, shapes)
+
+
+def quantize_current_scaling_each(
+    tensors: Sequence[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    *,
+    amax_epsilon: float = 0.0,
+    power_2_scale: bool = False,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """quantize_current_scaling_multi with both copies, each in its own allocation.
+
+    Why: a view into a flat buffer keeps the whole buffer alive, so copies that are dropped one
+    by one (a weight's rowwise copy after its forward GEMM, its columnwise copy after its
+    dgrad: modules/weight_cast_batch.py) would free nothing until the last is dropped. The
+    kernels address each output by its offset from the first one's (the caching allocator's
+    blocks are 512-byte aligned; a tensor group that is not 16-byte aligned raises).
+    """
+    _check_group(tensors)
+    device = tensors[0].device
+    shapes = [_matrix_shape(t) for t in tensors]
+    data = [torch.empty((m, k), dtype=torch.uint8, device=device) for m, k in shapes]
+    data_t = [torch.empty((k, m), dtype=torch.uint8, device=device) for m, k in shapes]
+    data_offsets, data_t_offsets = _output_offsets(data), _output_offsets(data_t)
+    scale_inv = _current_scaling_launches(
+        tensors, shapes, fp8_dtype, amax_epsilon, power_2_scale, None,
+        (data[0], data_offsets), (data_t[0], data_t_offsets))
+    return [(d.view(fp8_dtype), d_t.view(fp8_dtype),
+             scale_inv[i * SCALE_SLOT:i * SCALE_SLOT + 1])
+            for i, (d, d_t) in enumerate(zip(data, data_t, strict=True))]
+
+
+def _output_offsets(buffers: Sequence[torch.Tensor]) -> list[int]:
+    """Each uint8 buffer's byte offset from the first one (multiples of ALIGN: the kernels'
+    hint), for outputs that are separate allocations."""
+    base = buffers[0].data_ptr()
+    offsets = [b.data_ptr() - base for b in buffers]
+    if any(offset % ALIGN for offset in offsets):
+        raise ValueError(f"multi-tensor FP8 kernel: output buffers must be {ALIGN}-byte aligned")
+    return offsets
+
+
+def _current_scaling_launches(
+    tensors: Sequence[torch.Tensor],
+    shapes: Sequence[tuple[int, int]],
+    fp8_dtype: torch.dtype,
+    amax_epsilon: float,
+    power_2_scale: bool,
+    reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None,
+    rows_out: tuple[torch.Tensor | None, Sequence[int]],
+    columns_out: tuple[torch.Tensor | None, Sequence[int]],
+) -> torch.Tensor:
+    """The amax launch, the optional reduction and the cast launch, writing each tensor's copies
+    at (base, byte offsets) of `rows_out` and `columns_out` (a None base: that copy is not
+    made). Returns the scale_inv buffer, one 16-byte slot per tensor."""
     e5m2 = is_e5m2(fp8_dtype)
     device, n = tensors[0].device, len(tensors)
-    shapes = [_matrix_shape(t) for t in tensors]
     sizes = [m * k for m, k in shapes]
     base, x_offsets = _input_offsets(tensors)
-    data_offsets, data_total = _aligned_offsets(sizes, ALIGN)
     chunk_counts = [cdiv(size, AMAX_BLOCK * AMAX_STEPS) for size in sizes]
     tile_counts = [max(1, cdiv(m, TILE_M) * cdiv(k, TILE_K)) for m, k in shapes]
-    rows = [(x_offsets[i], m, k, data_offsets[i], data_offsets[i]) for i, (m, k) in
-            enumerate(shapes)]
+    (data, data_offsets), (data_t, data_t_offsets) = rows_out, columns_out
+    zeros = [0] * n
+    rows = [(x_offsets[i], m, k, (data_offsets if data is not None else zeros)[i],
+             (data_t_offsets if data_t is not None else zeros)[i])
+            for i, (m, k) in enumerate(shapes)]
     table = _upload(rows, (_starts(chunk_counts), _starts(tile_counts)), device)
     meta = table[: n * FIELDS]
     chunk_starts = table[n * FIELDS: n * FIELDS + n]
@@ -318,9 +385,6 @@ def quantize_current_scaling_stacked(
     if reduce_amax is not None:
         amax = reduce_amax(amax)
 
-    data = torch.empty(max(data_total, 1), dtype=torch.uint8, device=device) if rowwise else None
-    data_t = (torch.empty(max(data_total, 1), dtype=torch.uint8, device=device) if columnwise
-              else None)
     # one 16-byte slot per scale: cuBLAS rejects (CUBLAS_STATUS_NOT_SUPPORTED) an FP8 GEMM whose
     # scale pointer is not 16-byte aligned, and each tensor's scale_inv is a view into this
     scale_inv = torch.empty(n * SCALE_SLOT, dtype=torch.float32, device=device)
@@ -340,8 +404,8 @@ def quantize_current_scaling_stacked(
         n,
         E5M2=e5m2,
         POW2=power_2_scale,
-        ROWWISE=rowwise,
-        COLUMNWISE=columnwise,
+        ROWWISE=data is not None,
+        COLUMNWISE=data_t is not None,
         STEPS=steps,
         FIELDS=FIELDS,
         BLOCK_M=TILE_M,
@@ -351,9 +415,7 @@ def quantize_current_scaling_stacked(
         **hints,
         num_warps=4,
     )
-    return StackedCast(None if data is None else data.view(fp8_dtype),
-                       None if data_t is None else data_t.view(fp8_dtype),
-                       scale_inv, data_offsets, shapes)
+    return scale_inv
 
 
 def quantize_current_scaling_multi(

@@ -50,6 +50,7 @@ from ..quantizers import (
     Quantizer,
 )
 from ..quantizers.base import kernel_module
+from . import weight_cast_batch
 from .linear_function import as_output, graph_kept
 
 ENABLED = os.environ.get("MINIFLOAT_LEAN_PATH", "1") != "0"
@@ -172,16 +173,20 @@ def shapes_apply(device_type: str, dtype: torch.dtype, m: int, k: int, n: int) -
 
 
 def forward_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 plan: LeanPlan, *, input_columnwise: bool, keep_weight: bool
-                 ) -> tuple[torch.Tensor, tuple, tuple, bool]:
+                 plan: LeanPlan, *, input_columnwise: bool, keep_weight: bool,
+                 weight_copies: tuple | None = None) -> tuple[torch.Tensor, tuple, tuple, bool]:
     """Fprop of one lean GEMM, shared by LeanFP8Gemm and the compiled ops (lean_ops.py):
     (y [M, N], (x_t, x_scale_inv), (w_t, w_scale_inv), whether the weight was already FP8).
     The input is cast (with its columnwise copy if asked), the weight's own bytes are read when
     it is FP8 already (the transpose derived onto it, as LinearGemms does, if kept), and cast
-    otherwise."""
+    otherwise, unless `weight_copies` (data, data_t, scale_inv) brings that cast made already
+    (weight_cast_batch.py)."""
     x_data, x_t, x_scale_inv = plan.input(x2d, rowwise=True, columnwise=input_columnwise)
     stored = fp8_weight_storage(weight)
-    if stored is not None:
+    if weight_copies is not None:
+        w_data, w_t, w_scale_inv = weight_copies
+        w_t = w_t if keep_weight else None
+    elif stored is not None:
         stored.update_usage(rowwise=True, columnwise=True if keep_weight else None)
         w_data, w_t, w_scale_inv = stored.data, stored.data_transpose, stored.scale_inv
     else:
@@ -220,9 +225,13 @@ class LeanFP8Gemm(torch.autograd.Function):
         x2d = x.reshape(-1, k)
         rebuild = rebuild and need_dgrad
         save_original = save_original and need_wgrad
+        # a training forward's weight cast comes from the step's one batched cast (current
+        # scaling; weight_cast_batch.take decides, None: cast here)
+        copies = (weight_cast_batch.take(weight, plan.weight)
+                  if need_wgrad and not rebuild and plan.weight.scale is None else None)
         y, (x_t, x_scale_inv), (w_t, w_scale_inv), quantized = forward_gemm(
             x2d, weight, bias, plan, input_columnwise=need_wgrad and not save_original,
-            keep_weight=need_dgrad and not rebuild)
+            keep_weight=need_dgrad and not rebuild, weight_copies=copies)
         # save_original_input: the input itself (backward casts it again, with forward's scale
         # under delayed scaling, the recipe state's slot being updated before backward runs)
         kept = (x,) if save_original else (x_t, x_scale_inv) if need_wgrad else ()

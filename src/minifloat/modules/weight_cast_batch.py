@@ -1,0 +1,149 @@
+"""Every FP8 current-scaling weight of an eager training step cast at once, in two launches.
+
+Why: an eager FP8 step is bound by host time. On the lean path (lean_fp8.py) each Linear
+forward casts its weight alone: a launch and three allocations, 45-120 us of host time a weight
+on the H100 hosts measured (benchmarks/gemm_host.py, host_profile.py), 80 weights a step at the
+1b preset. Here the first forward after the weights changed casts every member weight in one
+multi-tensor amax launch and one cast launch (kernels.multi_tensor.quantize_current_scaling_each:
+each weight's bytes are those of its own cast, the GPU tests compare them), and each Linear's
+forward takes its copies with a dictionary lookup. FSDP2's low-precision all-gather batches its
+shards the same way (distributed/batched_weight_casts.py).
+
+The rules:
+- Members are plain weights (not quantized, not a subclass) that require grad, met by the lean
+  path in a training forward (dgrad and wgrad wanted, no FSDP2 rebuild) under per-tensor current
+  scaling. A weight joins at its first such forward, which casts it alone; weak references, so a
+  deleted model leaves.
+- A weight's copies hold while its stamp does: the optimizer steps taken in this process
+  (optimizer_steps.py: fused and foreach steps bump no version counter), its version counter
+  and its data pointer.
+- Copies are taken once: forward hands them to its GEMM and to backward and keeps none, so each
+  lives as a single cast's would (the rowwise copy until its forward GEMM is done, the columnwise
+  one until dgrad has read it; each copy is its own allocation, not a view into a shared
+  buffer, which would keep them all alive until the last was dropped). They are only made
+  earlier, at the step's first forward, where memory is far from its peak.
+- A second forward of a weight that has not changed (micro-batches after the first, activation
+  recompute, a layer run twice) casts alone, as without the batch: the batch runs once per
+  change of the weights, and never in backward (a recompute there casts alone: copies made for
+  every layer at once would stay alive through backward).
+- Copies not taken (a member skipped by this step's forward) are dropped at the next batch.
+
+Eager only: the compiled ops (lean_ops.py) cast inside the graph. MINIFLOAT_WEIGHT_CAST_BATCH=0
+turns the batch off.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import kernels, optimizer_steps
+from ..quantizers.base import kernel_module
+
+if TYPE_CHECKING:
+    from .lean_fp8 import Cast
+
+ENABLED = os.environ.get("MINIFLOAT_WEIGHT_CAST_BATCH", "1") != "0"
+
+Copies = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (data [N, K], data_t [K, N], scale_inv)
+
+
+def _stamp(weight: torch.Tensor) -> tuple[int, int, int]:
+    return optimizer_steps.count(), weight._version, weight.data_ptr()
+
+
+class WeightCastBatch:
+    """The member weights of one (device, dtype, cast) and the copies last made for them."""
+
+    def __init__(self, cast: Cast) -> None:
+        self.cast = cast
+        self.members: dict[int, weakref.ref] = {}
+        self.batched: dict[int, tuple[int, int, int]] = {}  # stamp at the batch that cast it
+        self.copies: dict[int, tuple[tuple[int, int, int], Copies]] = {}
+        self.batches = 0  # batches run (tests and benchmarks read it)
+        optimizer_steps.watch()
+
+    def take(self, weight: torch.Tensor) -> Copies | None:
+        """`weight`'s copies from the batch (cast now with every changed member if they are
+        not made yet), or None: the caller casts it alone (first sight, or taken already)."""
+        key = id(weight)
+        stamp = _stamp(weight)
+        held = self.copies.pop(key, None)
+        if held is not None and held[0] == stamp:
+            return held[1]
+        member = self.members.get(key)
+        if member is None or member() is not weight:
+            self._join(key, weight, stamp)
+            return None
+        if self.batched.get(key) == stamp:
+            return None  # this state of the weight was cast by a batch and taken since
+        if torch._C._current_graph_task_id() != -1:
+            return None  # in backward (activation recompute): copies made there would live on
+        self._cast_changed()
+        held = self.copies.pop(key, None)
+        return held[1] if held is not None and held[0] == stamp else None
+
+    def _join(self, key: int, weight: torch.Tensor, stamp: tuple[int, int, int]) -> None:
+        """Make `weight` a member, its current state counted as cast (the caller casts it)."""
+        def leave(_: weakref.ref, key: int = key, batch: WeightCastBatch = self) -> None:
+            if batch.members.get(key) is reference:
+                del batch.members[key]
+                batch.batched.pop(key, None)
+                batch.copies.pop(key, None)
+
+        reference = weakref.ref(weight, leave)
+        self.members[key] = reference
+        self.batched[key] = stamp
+
+    def _cast_changed(self) -> None:
+        """Cast every member whose stamp moved since its last batch; drop stale copies."""
+        keys, weights, stamps = [], [], []
+        for key, reference in self.members.items():
+            weight = reference()
+            if weight is None:
+                continue
+            stamp = _stamp(weight)
+            if self.batched.get(key) != stamp:
+                keys.append(key)
+                weights.append(weight.detach())
+                stamps.append(stamp)
+        for key in keys:
+            self.copies.pop(key, None)
+        if not weights:
+            return
+        for key, stamp, copies in zip(keys, stamps, self._cast(weights), strict=True):
+            self.copies[key] = (stamp, copies)
+            self.batched[key] = stamp
+        self.batches += 1
+
+    def _cast(self, weights: list[torch.Tensor]) -> list[Copies]:
+        cast = self.cast
+        if kernels.available(weights[0]):
+            return kernel_module("multi_tensor").quantize_current_scaling_each(
+                weights, cast.fp8_dtype, amax_epsilon=cast.amax_epsilon,
+                power_2_scale=cast.power_2_scale)
+        # no kernels (the CPU tests): each weight's own cast, the same bytes
+        return [cast(w, rowwise=True, columnwise=True) for w in weights]
+
+
+_BATCHES: dict[tuple, WeightCastBatch] = {}
+
+
+def take(weight: torch.Tensor, cast: Cast) -> Copies | None:
+    """The batched copies of `weight` under current-scaling `cast` (rules: module docstring),
+    or None where it is cast alone."""
+    if not ENABLED or type(weight) is not torch.nn.Parameter or not weight.is_contiguous():
+        return None
+    key = (weight.device, weight.dtype, cast.fp8_dtype, cast.amax_epsilon, cast.power_2_scale)
+    batch = _BATCHES.get(key)
+    if batch is None:
+        batch = _BATCHES[key] = WeightCastBatch(cast)
+    return batch.take(weight)
+
+
+def batches_run() -> int:
+    """Batches run in this process, over every group."""
+    return sum(batch.batches for batch in _BATCHES.values())

@@ -1,0 +1,78 @@
+"""The eager batched weight cast on CUDA (modules/weight_cast_batch.py): the multi-tensor kernel
+with one allocation per copy against the single-tensor cast, bit for bit, and training with the
+batch against training without it, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minifloat as mf
+from minifloat.kernels import multi_tensor, per_tensor_fp8
+from minifloat.modules import weight_cast_batch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+SHAPES = [(2048, 2048), (48, 80), (1, 16), (100, 36), (8192, 2048), (16, 4096)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("epsilon,pow2", [(0.0, False), (1e-3, True)])
+def test_each_copy_in_its_own_allocation_has_the_single_cast_bytes(dtype, fp8_dtype, epsilon,
+                                                                   pow2):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [torch.randn(shape, device="cuda", generator=g, dtype=torch.float32).mul_(
+        10.0 ** (i - 2)).to(dtype) for i, shape in enumerate(SHAPES)]
+    tensors[1].zero_()  # an all-zero tensor: amax 0
+    results = multi_tensor.quantize_current_scaling_each(
+        tensors, fp8_dtype, amax_epsilon=epsilon, power_2_scale=pow2)
+    storages = set()
+    for x, (data, data_t, scale_inv) in zip(tensors, results, strict=True):
+        want_data, want_t, want_scale_inv = per_tensor_fp8.quantize_current_scaling(
+            x, fp8_dtype, amax_epsilon=epsilon, power_2_scale=pow2)
+        assert data.shape == want_data.shape and data_t.shape == want_t.shape
+        assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
+        assert torch.equal(data_t.view(torch.uint8), want_t.view(torch.uint8))
+        assert torch.equal(scale_inv, want_scale_inv)
+        assert scale_inv.data_ptr() % 16 == 0  # cuBLAS's FP8 GEMM wants it aligned
+        storages.update((data.untyped_storage().data_ptr(), data_t.untyped_storage().data_ptr()))
+    assert len(storages) == 2 * len(tensors), "each copy is its own allocation"
+
+
+def train(recipe, batched: bool, fused: bool, steps: int = 4):
+    weight_cast_batch.ENABLED = batched
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(mf.Linear(256, 512), torch.nn.GELU(), mf.Linear(512, 256),
+                                  mf.LayerNormMLP(256, 1024, normalization="RMSNorm")).cuda()
+        net = net.to(torch.bfloat16)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=fused)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        before = weight_cast_batch.batches_run()
+        losses = []
+        for _ in range(steps):
+            x = torch.randn(4, 64, 256, device="cuda", generator=g, dtype=torch.bfloat16)
+            with mf.autocast(recipe=recipe):
+                loss = net(x).float().square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        held = sum(len(batch.copies) for batch in weight_cast_batch._BATCHES.values())
+        return losses, [p.detach().clone() for p in net.parameters()], (
+            weight_cast_batch.batches_run() - before), held
+    finally:
+        weight_cast_batch.ENABLED = True
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("recipe", [mf.Float8CurrentScaling(),
+                                    mf.Float8CurrentScaling(fp8_format=mf.Format.E4M3)])
+def test_training_with_the_batch_equals_training_without(recipe, fused):
+    losses, params, batches, held = train(recipe, batched=True, fused=fused)
+    ref_losses, ref_params, ref_batches, _ = train(recipe, batched=False, fused=fused)
+    assert batches == 3 and ref_batches == 0  # steps 2-4: one batch each
+    for a, b in zip(losses + params, ref_losses + ref_params, strict=True):
+        assert torch.equal(a, b)
+    assert held == 0, "every copy was taken by its forward: the batch keeps none"

@@ -1,0 +1,203 @@
+"""The eager batched weight cast (modules/weight_cast_batch.py) against casting each weight alone.
+
+Without a GPU the lean path is widened to the CPU (lean_fp8.DEVICES) and the batch casts each
+weight with its own cast (no kernels): these tests check the bookkeeping (who joins, when copies
+are stale, that they are taken once and not held), and that training with the batch equals
+training without it bit for bit. tests/gpu/test_weight_cast_batch_cuda.py checks the
+multi-tensor kernel's bytes against the single casts and the same training equality on a GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import minifloat as mf
+from minifloat.modules import lean_fp8, weight_cast_batch
+from minifloat.modules.weight_cast_batch import WeightCastBatch
+
+CURRENT = mf.Float8CurrentScaling()
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """The lean path on the CPU, a fresh registry of batches, and the weights each batch cast."""
+    monkeypatch.setattr(lean_fp8, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(weight_cast_batch, "_BATCHES", {})
+    cast_sizes = []
+    original = WeightCastBatch._cast
+
+    def counting(self, weights):
+        cast_sizes.append(len(weights))
+        return original(self, weights)
+
+    monkeypatch.setattr(WeightCastBatch, "_cast", counting)
+    return cast_sizes
+
+
+def model(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(mf.Linear(64, 96), torch.nn.GELU(), mf.Linear(96, 64),
+                               mf.LayerNormMLP(64, 128, normalization="RMSNorm"))
+
+
+def batches(steps: int = 4, micro: int = 1, seed: int = 1) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(32, 64, generator=g) for _ in range(micro)] for _ in range(steps)]
+
+
+def train(net: torch.nn.Module, data: list[list[torch.Tensor]], recompute: bool = False
+          ) -> list[torch.Tensor]:
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    losses = []
+    for micro_batches in data:
+        for x in micro_batches:
+            with mf.autocast(recipe=CURRENT):
+                y = mf.checkpoint(net, x) if recompute else net(x)
+                loss = y.float().square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+def unbatched(monkeypatch, net_seed: int, data, **kwargs):
+    with monkeypatch.context() as patch:
+        patch.setattr(weight_cast_batch, "ENABLED", False)
+        net = model(net_seed)
+        return net, train(net, data, **kwargs)
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_one_batch_per_step_and_the_bytes_of_single_casts(on_cpu, monkeypatch):
+    data = batches(steps=4)
+    net = model()
+    losses = train(net, data)
+    # step 1: the four weights join (each cast alone); every later step: one batch of four
+    assert on_cpu == [4, 4, 4]
+    assert weight_cast_batch.batches_run() == 3
+    reference_net, reference = unbatched(monkeypatch, 0, data)
+    assert_same(losses, reference)
+    assert_same(list(net.parameters()), list(reference_net.parameters()))
+
+
+def test_copies_are_taken_once_and_not_held(on_cpu):
+    net = model()
+    train(net, batches(steps=2))
+    (batch,) = weight_cast_batch._BATCHES.values()
+    assert batch.copies == {}, "forward keeps no copy in the batch"
+    assert len(batch.members) == 4
+
+
+def test_micro_batches_and_recompute_cast_alone_after_the_first_forward(on_cpu, monkeypatch):
+    data = batches(steps=3, micro=3)
+    net = model()
+    losses = train(net, data, recompute=True)
+    assert on_cpu == [4, 4], "a batch only at each step's first forward"
+    _, reference = unbatched(monkeypatch, 0, data, recompute=True)
+    assert_same(losses, reference)
+
+
+def test_a_weight_changed_in_place_is_cast_again(on_cpu):
+    torch.manual_seed(0)
+    lin = mf.Linear(64, 48)
+    x = torch.randn(32, 64)
+
+    def forward() -> torch.Tensor:
+        with mf.autocast(recipe=CURRENT):
+            y = lin(x)
+        y.sum().backward()
+        return y.detach()
+
+    forward()  # joins
+    with torch.no_grad():
+        lin.weight.mul_(2)  # bumps the version counter
+    doubled = forward()
+    assert on_cpu == [1]
+    with torch.no_grad():
+        lin.weight.div_(2)
+    with mf.autocast(recipe=CURRENT, enabled=True):
+        halved = lin(x).detach()
+    assert not torch.equal(doubled, halved)
+
+
+class DataSGD(torch.optim.Optimizer):
+    """Changes parameters through .data: no version counter moves (as fused steps do)."""
+
+    def __init__(self, params, lr: float):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+def test_an_optimizer_step_that_bumps_no_version_makes_copies_stale(on_cpu, monkeypatch):
+    x = torch.randn(32, 64)
+
+    def run() -> list[torch.Tensor]:
+        net = model()
+        optimizer = DataSGD(net.parameters(), lr=0.5)
+        outputs = []
+        for _ in range(3):
+            with mf.autocast(recipe=CURRENT):
+                y = net(x)
+            y.float().square().mean().backward()
+            outputs.append(y.detach())
+            optimizer.step()
+            net.zero_grad(set_to_none=True)
+        return outputs
+
+    batched = run()
+    assert on_cpu == [4, 4]
+    monkeypatch.setattr(weight_cast_batch, "ENABLED", False)
+    assert_same(batched, run())
+
+
+def test_a_deleted_model_leaves_and_copies_not_taken_are_dropped(on_cpu):
+    net = model()
+    train(net, batches(steps=2))
+    (batch,) = weight_cast_batch._BATCHES.values()
+    first, second = net[0], net[2]
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    optimizer.step()  # every weight stale
+    x = torch.randn(32, 64)
+    with mf.autocast(recipe=CURRENT):
+        first(x).sum().backward()  # the batch casts all four; three are not taken
+    assert len(batch.copies) == 3
+    optimizer.step()
+    with mf.autocast(recipe=CURRENT):
+        second(torch.randn(32, 96)).sum().backward()  # the next batch drops the stale three
+    assert len(batch.copies) == 3 and on_cpu[-1] == 4
+    del net, first, second, optimizer
+    gc.collect()
+    assert batch.members == {} and batch.copies == {}
+
+
+def test_what_the_batch_leaves_alone(on_cpu):
+    x = torch.randn(32, 64)
+    lin = mf.Linear(64, 48)
+    for _ in range(3):  # inference: no batch
+        with torch.no_grad(), mf.autocast(recipe=CURRENT):
+            lin(x)
+    with mf.autocast(recipe=mf.DelayedScaling()):  # delayed scaling: the recipe state's slot
+        for _ in range(3):
+            lin(x).sum().backward()
+    frozen = mf.Linear(64, 48)
+    frozen.weight.requires_grad_(False)
+    for _ in range(3):
+        with mf.autocast(recipe=CURRENT):
+            frozen(x.clone().requires_grad_(True)).sum().backward()
+    assert on_cpu == []
+    assert all(len(batch.members) == 0 for batch in weight_cast_batch._BATCHES.values())
