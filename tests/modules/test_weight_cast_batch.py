@@ -106,27 +106,26 @@ def test_micro_batches_and_recompute_cast_alone_after_the_first_forward(on_cpu, 
     assert_same(losses, reference)
 
 
-def test_a_weight_changed_in_place_is_cast_again(on_cpu):
-    torch.manual_seed(0)
-    lin = mf.Linear(64, 48)
+def test_weights_changed_in_place_are_cast_again(on_cpu, monkeypatch):
     x = torch.randn(32, 64)
 
-    def forward() -> torch.Tensor:
-        with mf.autocast(recipe=CURRENT):
-            y = lin(x)
-        y.sum().backward()
-        return y.detach()
+    def run() -> list[torch.Tensor]:
+        net = model()
+        outputs = []
+        for scale in (1.0, 2.0, 0.5):
+            with torch.no_grad():
+                for layer in (net[0], net[2]):
+                    layer.weight.mul_(scale)  # bumps the version counters, no optimizer step
+            with mf.autocast(recipe=CURRENT):
+                y = net(x)
+            y.float().sum().backward()
+            outputs.append(y.detach())
+        return outputs
 
-    forward()  # joins
-    with torch.no_grad():
-        lin.weight.mul_(2)  # bumps the version counter
-    doubled = forward()
-    assert on_cpu == [1]
-    with torch.no_grad():
-        lin.weight.div_(2)
-    with mf.autocast(recipe=CURRENT, enabled=True):
-        halved = lin(x).detach()
-    assert not torch.equal(doubled, halved)
+    batched = run()
+    assert on_cpu == [2, 2], "the two changed weights, batched at each change"
+    monkeypatch.setattr(weight_cast_batch, "ENABLED", False)
+    assert_same(batched, run())
 
 
 class DataSGD(torch.optim.Optimizer):
@@ -201,3 +200,29 @@ def test_what_the_batch_leaves_alone(on_cpu):
             frozen(x.clone().requires_grad_(True)).sum().backward()
     assert on_cpu == []
     assert all(len(batch.members) == 0 for batch in weight_cast_batch._BATCHES.values())
+
+
+def test_fsdp2_layers_are_left_out_and_cast_alone(on_cpu, monkeypatch, one_rank_group):
+    """FSDP2 (high-precision gather) registers a layer's unsharded weight only from its
+    pre-forward on; before that its storage is freed (or being written by the all-gather), so a
+    batch must not read it: the layers are left out and each casts alone, as without the batch."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    data = batches(steps=3)
+
+    def sharded_run(enabled: bool):
+        with monkeypatch.context() as patch:
+            patch.setattr(weight_cast_batch, "ENABLED", enabled)
+            net = model()
+            mesh = DeviceMesh("cpu", [0])
+            for layer in (net[0], net[2], net[3]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(net, mesh=mesh)
+            return train(net, data)
+
+    losses = sharded_run(True)
+    assert on_cpu == [], "no batch over FSDP2's layers"
+    (batch,) = weight_cast_batch._BATCHES.values()
+    assert batch.members == {} or len(batch.members) == 1
+    assert_same(losses, sharded_run(False))

@@ -41,7 +41,7 @@ from .gemm_op import (
     note_compiled_delayed_use,
     register_plan,
 )
-from .lean_fp8 import LeanFP8Gemm, LeanPlan
+from .lean_fp8 import LeanFP8Gemm, LeanPlan, batched_weight_copies
 from .lean_fp8 import applies as lean_applies
 from .linear_function import (  # noqa: F401 - the slot names are part of base's API
     BACKWARD_SLOTS,
@@ -499,8 +499,11 @@ class QuantizedModule(nn.Module):
             lean = binding.lean_plans[gemms[0]]
             if lean is not None and lean_applies(x, weights[0]):
                 if binding.delayed_pair is None:
+                    copies = batched_weight_copies(self, weights[0], lean, need_wgrad,
+                                                   rebuild and need_dgrad)
                     return LeanFP8Gemm.apply(x, weights[0], biases[0], lean, need_dgrad,
-                                             need_wgrad, rebuild, self.save_original_input)
+                                             need_wgrad, rebuild, self.save_original_input,
+                                             copies)
                 if get_autocast_state().recompute_record is None:
                     note_delayed_use(binding.delayed_pair)
                     return LeanFP8Gemm.apply(x, weights[0], biases[0], lean, need_dgrad,

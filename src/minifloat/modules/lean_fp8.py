@@ -197,6 +197,15 @@ def forward_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y, (x_t, x_scale_inv), (w_t, w_scale_inv), stored is not None
 
 
+def batched_weight_copies(module: torch.nn.Module, weight: torch.Tensor, plan: LeanPlan,
+                          need_wgrad: bool, rebuild: bool) -> tuple | None:
+    """The weight's copies from the step's batched cast (weight_cast_batch.py) for a training
+    forward under current scaling, or None (LeanFP8Gemm casts the weight itself)."""
+    if not need_wgrad or rebuild or plan.weight.scale is not None:
+        return None
+    return weight_cast_batch.take(module, weight, plan.weight)
+
+
 def weight_transpose(weight: torch.Tensor, cast: Cast) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_t, w_scale_inv) for dgrad, made in backward when forward kept no copy: an FP8 weight's
     own bytes transposed, on a view (FSDP2's unsharded weight would otherwise keep every layer's
@@ -220,18 +229,16 @@ class LeanFP8Gemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 plan: LeanPlan, need_dgrad: bool, need_wgrad: bool,
-                rebuild: bool = False, save_original: bool = False) -> torch.Tensor:
+                rebuild: bool = False, save_original: bool = False,
+                weight_copies: tuple | None = None) -> torch.Tensor:
+        """weight_copies: the weight's cast made already (batched_weight_copies), or None."""
         n, k = weight.shape
         x2d = x.reshape(-1, k)
         rebuild = rebuild and need_dgrad
         save_original = save_original and need_wgrad
-        # a training forward's weight cast comes from the step's one batched cast (current
-        # scaling; weight_cast_batch.take decides, None: cast here)
-        copies = (weight_cast_batch.take(weight, plan.weight)
-                  if need_wgrad and not rebuild and plan.weight.scale is None else None)
         y, (x_t, x_scale_inv), (w_t, w_scale_inv), quantized = forward_gemm(
             x2d, weight, bias, plan, input_columnwise=need_wgrad and not save_original,
-            keep_weight=need_dgrad and not rebuild, weight_copies=copies)
+            keep_weight=need_dgrad and not rebuild, weight_copies=weight_copies)
         # save_original_input: the input itself (backward casts it again, with forward's scale
         # under delayed scaling, the recipe state's slot being updated before backward runs)
         kept = (x,) if save_original else (x_t, x_scale_inv) if need_wgrad else ()
@@ -263,7 +270,7 @@ class LeanFP8Gemm(torch.autograd.Function):
             dy2d = dy2d.contiguous()  # the kernels read it as is; the bytes do not change
         grad_x = grad_weight = None
         if not (ctx.need_dgrad or ctx.need_wgrad):  # only the bias needs a gradient
-            return grad_x, grad_weight, grad_bias, None, None, None, None, None
+            return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
         dy_data, dy_t, dy_scale_inv = ctx.plan.grad_output(
             dy2d, rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad)
         saved = ctx.saved_tensors
@@ -293,4 +300,4 @@ class LeanFP8Gemm(torch.autograd.Function):
             grad_weight = scaled_mm_bytes(dy_t, x_t, dy_scale_inv, x_scale_inv,
                                           out_dtype=ctx.weight_dtype, bias=None,
                                           fast_accumulation=False)
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None

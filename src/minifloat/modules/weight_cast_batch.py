@@ -11,9 +11,14 @@ shards the same way (distributed/batched_weight_casts.py).
 
 The rules:
 - Members are plain weights (not quantized, not a subclass) that require grad, met by the lean
-  path in a training forward (dgrad and wgrad wanted, no FSDP2 rebuild) under per-tensor current
-  scaling. A weight joins at its first such forward, which casts it alone; weak references, so a
-  deleted model leaves.
+  path in a training forward (wgrad wanted, no FSDP2 rebuild) under per-tensor current scaling,
+  registered on their module (module._parameters). A weight joins at its first such forward,
+  which casts it alone; weak references, so a deleted model leaves.
+- A batch casts only members that are their module's registered parameter at that moment, and
+  leaves out for good a member that is not: FSDP2 registers a layer's unsharded parameter only
+  from that layer's pre-forward on (its storage is freed, or being written by the all-gather,
+  before), so FSDP2's layers cast alone; reading them early read freed memory (an illegal
+  address on an H100, tests/gpu/test_distributed_nccl_single.py).
 - A weight's copies hold while its stamp does: the optimizer steps taken in this process
   (optimizer_steps.py: fused and foreach steps bump no version counter), its version counter
   and its data pointer.
@@ -60,13 +65,15 @@ class WeightCastBatch:
 
     def __init__(self, cast: Cast) -> None:
         self.cast = cast
-        self.members: dict[int, weakref.ref] = {}
+        # id(weight) -> (weight, its module, its name there), each weight and module weakly
+        self.members: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
+        self.left_out: dict[int, weakref.ref] = {}  # weights a batch found unregistered
         self.batched: dict[int, tuple[int, int, int]] = {}  # stamp at the batch that cast it
         self.copies: dict[int, tuple[tuple[int, int, int], Copies]] = {}
         self.batches = 0  # batches run (tests and benchmarks read it)
         optimizer_steps.watch()
 
-    def take(self, weight: torch.Tensor) -> Copies | None:
+    def take(self, module: torch.nn.Module, weight: torch.Tensor) -> Copies | None:
         """`weight`'s copies from the batch (cast now with every changed member if they are
         not made yet), or None: the caller casts it alone (first sight, or taken already)."""
         key = id(weight)
@@ -75,8 +82,10 @@ class WeightCastBatch:
         if held is not None and held[0] == stamp:
             return held[1]
         member = self.members.get(key)
-        if member is None or member() is not weight:
-            self._join(key, weight, stamp)
+        if member is None or member[0]() is not weight:
+            left_out = self.left_out.get(key)
+            if left_out is None or left_out() is not weight:
+                self._join(key, weight, module, stamp)
             return None
         if self.batched.get(key) == stamp:
             return None  # this state of the weight was cast by a batch and taken since
@@ -86,23 +95,44 @@ class WeightCastBatch:
         held = self.copies.pop(key, None)
         return held[1] if held is not None and held[0] == stamp else None
 
-    def _join(self, key: int, weight: torch.Tensor, stamp: tuple[int, int, int]) -> None:
+    def _join(self, key: int, weight: torch.Tensor, module: torch.nn.Module,
+              stamp: tuple[int, int, int]) -> None:
         """Make `weight` a member, its current state counted as cast (the caller casts it)."""
+        name = next((n for n, p in module._parameters.items() if p is weight), None)
+        if name is None:
+            return  # not a parameter of its module (a tied or computed weight): cast alone
+
         def leave(_: weakref.ref, key: int = key, batch: WeightCastBatch = self) -> None:
-            if batch.members.get(key) is reference:
+            if batch.members.get(key, (None,))[0] is reference:
                 del batch.members[key]
                 batch.batched.pop(key, None)
                 batch.copies.pop(key, None)
+            if batch.left_out.get(key) is reference:
+                del batch.left_out[key]
 
         reference = weakref.ref(weight, leave)
-        self.members[key] = reference
+        self.members[key] = (reference, weakref.ref(module), name)
         self.batched[key] = stamp
+
+    def _registered(self, key: int) -> torch.Tensor | None:
+        """Member `key`'s weight if it is its module's registered parameter now, else None
+        (and the member is left out for good when its weight lives on but is not)."""
+        reference, module_reference, name = self.members[key]
+        weight, module = reference(), module_reference()
+        if weight is None or module is None:
+            return None
+        if module._parameters.get(name) is not weight:
+            del self.members[key]
+            self.batched.pop(key, None)
+            self.left_out[key] = reference
+            return None
+        return weight
 
     def _cast_changed(self) -> None:
         """Cast every member whose stamp moved since its last batch; drop stale copies."""
         keys, weights, stamps = [], [], []
-        for key, reference in self.members.items():
-            weight = reference()
+        for key in list(self.members):
+            weight = self._registered(key)
             if weight is None:
                 continue
             stamp = _stamp(weight)
@@ -112,8 +142,8 @@ class WeightCastBatch:
                 stamps.append(stamp)
         for key in keys:
             self.copies.pop(key, None)
-        if not weights:
-            return
+        if len(weights) < 2:
+            return  # nothing to batch (e.g. FSDP2's layers, each cast alone): cast alone
         for key, stamp, copies in zip(keys, stamps, self._cast(weights), strict=True):
             self.copies[key] = (stamp, copies)
             self.batched[key] = stamp
@@ -132,16 +162,16 @@ class WeightCastBatch:
 _BATCHES: dict[tuple, WeightCastBatch] = {}
 
 
-def take(weight: torch.Tensor, cast: Cast) -> Copies | None:
-    """The batched copies of `weight` under current-scaling `cast` (rules: module docstring),
-    or None where it is cast alone."""
+def take(module: torch.nn.Module, weight: torch.Tensor, cast: Cast) -> Copies | None:
+    """The batched copies of `module`'s parameter `weight` under current-scaling `cast` (rules:
+    module docstring), or None where it is cast alone."""
     if not ENABLED or type(weight) is not torch.nn.Parameter or not weight.is_contiguous():
         return None
     key = (weight.device, weight.dtype, cast.fp8_dtype, cast.amax_epsilon, cast.power_2_scale)
     batch = _BATCHES.get(key)
     if batch is None:
         batch = _BATCHES[key] = WeightCastBatch(cast)
-    return batch.take(weight)
+    return batch.take(module, weight)
 
 
 def batches_run() -> int:
