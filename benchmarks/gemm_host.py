@@ -14,7 +14,9 @@ GPU queue drained before it, perf_counter around the call, no synchronisation in
 - torch._scaled_grouped_mm over 8 groups (the MoE experts' grouped GEMM; sm90 only);
 - minifloat's per-tensor current-scaling cast (one launch, both copies, its allocations
   included);
-- torch.empty of the cast's outputs (three allocations a cast).
+- torch.empty of the cast's outputs (three allocations a cast);
+- the same composed as a forward: the FP8 forward's three calls inline, minifloat.Linear's
+  forward (autocast entered per call, or once for all), nn.Linear's forward (`composed`).
 
 Usage: python benchmarks/gemm_host.py [--shape 16x2048x2048] [--repeats 300] [--out FILE]
 Skips (exit 0, a message) without a CUDA device.
@@ -83,7 +85,58 @@ def primitives(m: int, k: int, n: int) -> dict:
         calls["torch._scaled_grouped_mm, 8 groups"] = lambda: torch._scaled_grouped_mm(
             xg, wg.transpose(-2, -1), row_scales, column_scales, offs=offs,
             out_dtype=torch.bfloat16, use_fast_accum=True)
+    calls.update(composed(x, w))
     return calls
+
+
+def composed(x: torch.Tensor, w: torch.Tensor) -> dict:
+    """Rows that compose the primitives as a Linear forward does, so that the cost of
+    composition (calls run between other calls, not repeated alone) and of the module around
+    it show apart: the FP8 forward's three calls inline; the same through the lean autograd
+    Function; minifloat.Linear under autocast; and nn.Linear, all on the same operands.
+    (On the ninth session's H100 host a cast cost 44 us alone and about 117 us inside the
+    module's forward under cProfile.)"""
+    import minifloat as mf
+    from minifloat.gemm_paths import scaled_mm_bytes
+    from minifloat.kernels import per_tensor_fp8
+
+    def inline() -> torch.Tensor:
+        x_data, _, x_scale_inv = per_tensor_fp8.quantize_current_scaling(
+            x, torch.float8_e4m3fn, rowwise=True, columnwise=True)
+        w_data, _, w_scale_inv = per_tensor_fp8.quantize_current_scaling(
+            w, torch.float8_e4m3fn, rowwise=True, columnwise=True)
+        return scaled_mm_bytes(x_data, w_data, x_scale_inv, w_scale_inv, out_dtype=x.dtype,
+                               bias=None, fast_accumulation=True)
+
+    n, k = w.shape
+    recipe = mf.Float8CurrentScaling(fp8_format=mf.Format.E4M3)
+    linear = mf.Linear(k, n, bias=False, params_dtype=x.dtype, device=x.device)
+    plain = torch.nn.Linear(k, n, bias=False, dtype=x.dtype, device=x.device)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+        plain.weight.copy_(w)
+    x_grad = x.detach().clone().requires_grad_(True)
+
+    def module_forward() -> torch.Tensor:
+        with mf.autocast(recipe=recipe):
+            return linear(x_grad)
+
+    state = {}
+
+    def module_forward_in_autocast() -> torch.Tensor:
+        # one autocast for every repeat, as a step's forward enters it once; entered at this
+        # row's first call and left open (the last row measured)
+        if "context" not in state:
+            state["context"] = mf.autocast(recipe=recipe)
+            state["context"].__enter__()
+        return linear(x_grad)
+
+    return {
+        "FP8 forward inline: cast x, cast w, _scaled_mm": inline,
+        "minifloat.Linear forward, autocast entered per call": module_forward,
+        "nn.Linear forward, bf16": lambda: plain(x_grad),
+        "minifloat.Linear forward inside one autocast (last)": module_forward_in_autocast,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
