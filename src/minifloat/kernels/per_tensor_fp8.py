@@ -46,7 +46,7 @@ from .fp8_common import (
     tl,
     triton,
 )
-from .launch import _INTERPRET, launch, launch_planned
+from .launch import _INTERPRET, launch_planned
 
 # 64x128 tiles, 4 warps (64 elements a thread). Swept on an H100 with the hardware cast
 # (benchmarks/KERNEL_NOTES.md): 64x64, 32x128, 128x64 with 4 warps within 5%; 8 or 16 warps
@@ -223,6 +223,19 @@ def _words_view(buffer: torch.Tensor) -> torch.Tensor:
     return buffer.view(torch.int32) if buffer.dim() == 2 else buffer
 
 
+def _settings() -> tuple:
+    """The module settings a launch plan depends on, part of every plan key: tests switch them
+    (WORDS, tile sizes, EMULATE_PRODUCTS, needs_wide_offsets) and must get the kernel variant
+    they ask for, not a plan cached under other settings."""
+    return (WORDS, WORDS_TILE_M, WORDS_TILE_K, TILE_M, TILE_K, EMULATE_PRODUCTS,
+            needs_wide_offsets, ONE_LAUNCH_CAST_REVERSED, amax_kernels.AMAX_BF16_BITS)
+
+
+# plan key -> (kernel, grid, num_warps, words, constexprs): what a cast's shape, options and
+# pointer alignments decide, once (see _launch)
+_CAST_PLANS: dict[tuple, tuple] = {}
+
+
 def _launch(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -235,6 +248,14 @@ def _launch(
     rowwise: bool,
     columnwise: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """One cast launch (the words or the element kernel) with a given scale (delayed scaling)
+    or amax (current scaling: a reduced scalar, or per-program partial maxima).
+
+    Why planned: delayed scaling casts every operand of every GEMM here (three launches a
+    Linear), and building kernels.launch's key from every argument and the kernel choice
+    below cost tens of microseconds a call on the GPU hosts; the plan key holds every fact
+    launch's key would (dtypes, shapes, pointer alignments, flags, module settings), so
+    launch_planned can skip both after the first call."""
     if not kernel_input(x):
         raise ValueError(
             "per-tensor FP8 kernels need a non-empty contiguous float32/bfloat16/float16 tensor; "
@@ -242,39 +263,35 @@ def _launch(
         )
     if not (rowwise or columnwise):
         raise ValueError("per-tensor FP8 kernel: ask for the rowwise or the columnwise copy")
-    e5m2 = is_e5m2(fp8_dtype)
     m, k = _matrix_shape(x)
+    index = x.get_device()
+    current = scale is None
+    plan_key = ("cast", x.dtype, m, k, fp8_dtype, current, power_2_scale, rowwise, columnwise,
+                partials, amax.numel(), amax.dtype, x.data_ptr() % 16, x.storage_offset() % 4,
+                amax.data_ptr() % 16, None if current else (scale.dtype, scale.data_ptr() % 16),
+                index, _settings())
+    plan = _CAST_PLANS.get(plan_key)
+    if plan is None:
+        plan = _CAST_PLANS[plan_key] = _cast_plan(x, m, k, is_e5m2(fp8_dtype), current,
+                                                  power_2_scale, rowwise, columnwise,
+                                                  _partials_block(amax, partials), index)
+    kernel, grid, num_warps, words, constexprs = plan
     device = x.device
     data = torch.empty((m, k), dtype=torch.uint8, device=device) if rowwise else None
     data_t = torch.empty((k, m), dtype=torch.uint8, device=device) if columnwise else None
     scale_inv = torch.empty(1, dtype=torch.float32, device=device)
-    dummy = scale_inv  # stands in for absent outputs; the constexpr flags skip their stores
-    if _takes_words(x, m, k, columnwise):
-        hw = hw_cast(x)
-        scalars, flags = _shared_arguments(scale, amax, scale_inv, amax_epsilon, partials, e5m2,
-                                           power_2_scale, rowwise, columnwise, m, k)
-        launch(
-            words_kernels.per_tensor_words_kernel,
-            (cdiv(m, WORDS_TILE_M) * cdiv(k, WORDS_TILE_K),),
-            x.reshape(m, k).view(torch.int64),
-            _words_view(data if data is not None else dummy),
-            _words_view(data_t if data_t is not None else dummy),
-            *scalars,
-            **flags,
-            BLOCK_M=WORDS_TILE_M,
-            BLOCK_K=WORDS_TILE_K,
-            HW_CAST=hw,
-            PRODUCTS=hw or EMULATE_PRODUCTS,
-            MAX_U16X2=hw and _capability(device.index if device.index is not None else 0)
-            >= (9, 0),
-            MASK_M=m % WORDS_TILE_M != 0,
-            MASK_K=k % WORDS_TILE_K != 0,
-            PARTIALS_BLOCK=_partials_block(amax, partials),
-            num_warps=WORDS_NUM_WARPS,
-        )
+    rows_out = data if data is not None else scale_inv  # the dummy for an absent output: the
+    cols_out = data_t if data_t is not None else scale_inv  # constexpr flags skip its stores
+    if words:
+        x_arg = x.reshape(m, k).view(torch.int64)
+        rows_out, cols_out = _words_view(rows_out), _words_view(cols_out)
     else:
-        _launch_elements(x, data, data_t, scale, amax, scale_inv, amax_epsilon, partials,
-                         e5m2, power_2_scale, rowwise, columnwise, m, k)
+        x_arg = x
+    launch_planned(
+        plan_key, index, kernel, grid, x_arg, rows_out, cols_out,
+        scale_inv if current else scale, amax if current else amax.view(torch.int32),
+        scale_inv, float32_value(amax_epsilon), m, k, amax.numel() if partials else 1,
+        num_warps=num_warps, **constexprs)
     return (
         None if data is None else data.view(fp8_dtype),
         None if data_t is None else data_t.view(fp8_dtype),
@@ -282,47 +299,32 @@ def _launch(
     )
 
 
-def _shared_arguments(scale: torch.Tensor | None, amax: torch.Tensor, scale_inv: torch.Tensor,
-                      amax_epsilon: float, partials: bool, e5m2: bool, power_2_scale: bool,
-                      rowwise: bool, columnwise: bool, m: int, k: int) -> tuple[tuple, dict]:
-    """The runtime arguments after the three data pointers, and the flags, that the element
-    and the words kernels take alike (the same scale logic: see _cast_transpose_kernel)."""
-    current = scale is None
-    scalars = (scale_inv if current else scale, amax if current else amax.view(torch.int32),
-               scale_inv, float32_value(amax_epsilon), m, k, amax.numel() if partials else 1)
+def _cast_plan(x: torch.Tensor, m: int, k: int, e5m2: bool, current: bool, power_2_scale: bool,
+               rowwise: bool, columnwise: bool, partials_block: int, index: int) -> tuple:
+    """(kernel, grid, num_warps, words, constexprs) of one cast launch: the words kernel for
+    bf16 inputs it serves (_takes_words), the element kernel otherwise. The flags are those
+    both kernels take alike (the same scale logic: see _cast_transpose_kernel)."""
     flags = {"E5M2": e5m2, "CURRENT": current, "POW2": power_2_scale, "ROWWISE": rowwise,
              "COLUMNWISE": columnwise}
-    return scalars, flags
+    hw = hw_cast(x)
+    if _takes_words(x, m, k, columnwise):
+        constexprs = {
+            **flags, "BLOCK_M": WORDS_TILE_M, "BLOCK_K": WORDS_TILE_K, "HW_CAST": hw,
+            "PRODUCTS": hw or EMULATE_PRODUCTS, "MAX_U16X2": hw and _capability(index) >= (9, 0),
+            "MASK_M": m % WORDS_TILE_M != 0, "MASK_K": k % WORDS_TILE_K != 0,
+            "PARTIALS_BLOCK": partials_block}
+        grid = (cdiv(m, WORDS_TILE_M) * cdiv(k, WORDS_TILE_K),)
+        return words_kernels.per_tensor_words_kernel, grid, WORDS_NUM_WARPS, True, constexprs
+    constexprs = {
+        **flags, "BLOCK_M": TILE_M, "BLOCK_K": TILE_K,
+        "WIDE": needs_wide_offsets(m, k, max(TILE_M, TILE_K)), "HW_CAST": hw,
+        "PARTIALS_BLOCK": partials_block}
+    return _cast_transpose_kernel, (cdiv(m, TILE_M) * cdiv(k, TILE_K),), NUM_WARPS, False, \
+        constexprs
 
 
 def _partials_block(amax: torch.Tensor, partials: bool) -> int:
     return triton.next_power_of_2(amax.numel()) if partials else 0
-
-
-def _launch_elements(x: torch.Tensor, data: torch.Tensor | None, data_t: torch.Tensor | None,
-                     scale: torch.Tensor | None, amax: torch.Tensor, scale_inv: torch.Tensor,
-                     amax_epsilon: float, partials: bool, e5m2: bool, power_2_scale: bool,
-                     rowwise: bool, columnwise: bool, m: int, k: int) -> None:
-    """The element kernel (_cast_transpose_kernel): any kernel input dtype and shape."""
-    dummy = scale_inv
-    grid = (cdiv(m, TILE_M) * cdiv(k, TILE_K),)
-    scalars, flags = _shared_arguments(scale, amax, scale_inv, amax_epsilon, partials, e5m2,
-                                       power_2_scale, rowwise, columnwise, m, k)
-    launch(
-        _cast_transpose_kernel,
-        grid,
-        x,
-        data if data is not None else dummy,
-        data_t if data_t is not None else dummy,
-        *scalars,
-        **flags,
-        BLOCK_M=TILE_M,
-        BLOCK_K=TILE_K,
-        WIDE=needs_wide_offsets(m, k, max(TILE_M, TILE_K)),
-        HW_CAST=hw_cast(x),
-        PARTIALS_BLOCK=_partials_block(amax, partials),
-        num_warps=NUM_WARPS,
-    )
 
 
 # The one-launch kernel's barrier slots: per device one int32 pool of SYNC_SLOTS x 4 (arrive,
@@ -408,7 +410,7 @@ def _one_launch(x: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float,
     m, k = _matrix_shape(x)
     index = x.get_device()
     plan_key = (x.dtype, m, k, fp8_dtype, amax_epsilon, power_2_scale, rowwise, columnwise,
-                x.data_ptr() % 16, x.storage_offset() % 4, index, ONE_LAUNCH_CAST_REVERSED)
+                x.data_ptr() % 16, x.storage_offset() % 4, index, _settings())
     plan = _ONE_LAUNCH_PLANS.get(plan_key)
     if plan is None:
         plan = _ONE_LAUNCH_PLANS[plan_key] = _one_launch_plan(
