@@ -48,7 +48,9 @@ first_step_s):
   bf16-eager's (the issue's target: FP8 at 1b at most 1.3x). Compiled and graphed rows skip
   it: a new shape would recompile (or need a new capture). No optimizer step runs between
   these forwards, so under current scaling each casts its weights alone (the step's batched
-  weight cast runs once per change of the weights: modules/weight_cast_batch.py).
+  weight cast runs once per change of the weights: modules/weight_cast_batch.py);
+  host16_step_ms (and host16_step_cost_vs_bf16) is the same around whole training steps
+  (optimizer step and zero_grad included), where the batch runs once a step.
 
 Usage:
   python benchmarks/model_step.py --preset 1b [--rows bf16-eager,fp8-current-eager,...]
@@ -371,26 +373,25 @@ def measure(step: TrainStep | Callable, batches: list[torch.Tensor], warmup: int
     if host16_tokens is not None and getattr(step, "host16", False):
         result.update(_host16(step, host16_tokens, device))
     if cuda:  # last: nothing is timed after the profiler has run
-        if "host16_ms" in result:
-            # the 16-token forwards took the step's batched weight casts (no optimizer step
-            # followed them): one full step first, so the profiled one starts as a step does
-            step(batches[warmup + 2 * steps])
         result.update(kernels_per_step(step, batches[warmup + 2 * steps]))
     return result
 
 
 def _host16(step: TrainStep, tokens: torch.Tensor, device: str) -> dict:
-    """Host ms of forward+loss+backward on 16 tokens (gradients dropped after each)."""
+    """Host ms of forward+loss+backward on 16 tokens (gradients dropped after each), then of
+    whole training steps on them (last: the optimizer steps leave the weights changed, so the
+    profiled step after them starts as a step does, batched weight casts included)."""
     def drop() -> None:
         step.optimizer.zero_grad(set_to_none=True)
 
     try:
         host_times(step.forward_backward, [tokens] * 3, device, after=drop)  # warm-up
         values = host_times(step.forward_backward, [tokens] * HOST16_REPEATS, device, after=drop)
+        steps = host_times(step, [tokens] * HOST16_REPEATS, device)
     except Exception as error:  # noqa: BLE001 - e.g. a recipe whose blocks need 128 rows
         drop()
         return {"host16_error": _error_text(error)}
-    return {"host16_ms": _median(values)}
+    return {"host16_ms": _median(values), "host16_step_ms": _median(steps)}
 
 
 def _error_text(error: BaseException) -> str:
@@ -446,9 +447,10 @@ def add_ratios(rows: list[dict], baselines: dict[str, str]) -> None:
             base = same.get(base_name, {}).get("ms_per_step")
             ms = row.get("ms_per_step")
             row[f"speedup_vs_{key}"] = base / ms if base and ms else None
-        base16 = same.get("bf16-eager", {}).get("host16_ms")
-        if "host16_ms" in row:
-            row["host16_cost_vs_bf16"] = row["host16_ms"] / base16 if base16 else None
+        for key in ("host16", "host16_step"):
+            base16 = same.get("bf16-eager", {}).get(f"{key}_ms")
+            if f"{key}_ms" in row:
+                row[f"{key}_cost_vs_bf16"] = row[f"{key}_ms"] / base16 if base16 else None
 
 
 def environment(device: str) -> dict:

@@ -139,6 +139,7 @@ def test_model_step_cpu_smoke(tmp_path: Path) -> None:
     for row in rows.values():
         assert "error" not in row, row
         assert row["ms_per_step"] > 0 and row["host_ms"] > 0 and row["host16_ms"] > 0
+        assert row["host16_step_ms"] > 0
         assert "kernels_per_step" not in row and row["peak_gib"] is None  # CUDA-only: skipped
     assert rows["bf16-eager"]["speedup_vs_bf16_eager"] == pytest.approx(1.0)
     assert data["device_type"] == "cpu" and data["versions"]["torch"] == torch.__version__
