@@ -46,11 +46,11 @@ first_step_s):
 - host16_ms (eager rows only): host time, measured as host_ms is, of forward+loss+backward on
   16 tokens (batch 1 x 16), the shape where host cost dominates; host16_cost_vs_bf16 is it over
   bf16-eager's (the issue's target: FP8 at 1b at most 1.3x). Compiled and graphed rows skip
-  it: a new shape would recompile (or need a new capture). No optimizer step runs between
-  these forwards, so under current scaling each casts its weights alone (the step's batched
-  weight cast runs once per change of the weights: modules/weight_cast_batch.py);
-  host16_step_ms (and host16_step_cost_vs_bf16) is the same around whole training steps
-  (optimizer step and zero_grad included), where the batch runs once a step.
+  it: a new shape would recompile (or need a new capture). Each forward enters autocast, a
+  forward pass of its own, so under current scaling each runs the batched weight cast
+  (modules/weight_cast_batch.py), as a micro-batch does; host16_step_ms (and
+  host16_step_cost_vs_bf16) is the same around whole training steps (optimizer step and
+  zero_grad included).
 
 Usage:
   python benchmarks/model_step.py --preset 1b [--rows bf16-eager,fp8-current-eager,...]

@@ -88,6 +88,9 @@ _RECIPES: list[Recipe | None] = [None]  # token -> recipe (0: none)
 _DELAYED_STATES: dict[Recipe, list[weakref.ref]] = {}
 # The round whose backward slots the next outermost autocast entry updates.
 _BACKWARD_PENDING: DelayedScalingRound | None = None
+# outermost enabled autocasts entered so far (activation recompute's replays not counted): a
+# forward pass's number, for the eager weight-cast batch (modules/weight_cast_batch.py)
+_FORWARD_PASSES = [0]
 
 
 def default_recipe() -> Recipe:
@@ -154,6 +157,12 @@ def update_delayed_backward_scales() -> None:
         pending.update_backward()
 
 
+def forward_pass() -> int:
+    """The number of the current outermost autocast (0 before any): a new one per forward pass
+    when each forward enters autocast, as training loops and micro-batches do."""
+    return _FORWARD_PASSES[0]
+
+
 def get_autocast_state() -> AutocastState:
     return _STATE
 
@@ -211,6 +220,7 @@ def autocast(
         update_delayed_backward_scales()
         delayed_round = DelayedScalingRound(amax_reduction_group=amax_reduction_group)
         owns_round = True
+        _FORWARD_PASSES[0] += 1
     if enabled and delayed_round is not None and not getattr(record, "replaying", False):
         delayed_round.add(recipe)
     active_recipe = recipe if enabled else None

@@ -97,13 +97,36 @@ def test_copies_are_taken_once_and_not_held(on_cpu):
     assert len(batch.members) == 4
 
 
-def test_micro_batches_and_recompute_cast_alone_after_the_first_forward(on_cpu, monkeypatch):
+def test_every_micro_batch_gets_a_batch_and_recompute_casts_alone(on_cpu, monkeypatch):
+    """Each micro-batch enters autocast (a forward pass): one batch each, after the first
+    pass, where the weights join; activation recompute in backward casts alone."""
     data = batches(steps=3, micro=3)
     net = model()
     losses = train(net, data, recompute=True)
-    assert on_cpu == [4, 4], "a batch only at each step's first forward"
+    assert on_cpu == [4] * 8
     _, reference = unbatched(monkeypatch, 0, data, recompute=True)
     assert_same(losses, reference)
+
+
+def test_micro_batches_under_one_autocast_get_one_batch(on_cpu, monkeypatch):
+    def run() -> list[torch.Tensor]:
+        net = model()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        losses = []
+        for micro_batches in batches(steps=3, micro=3):
+            with mf.autocast(recipe=CURRENT):
+                for x in micro_batches:
+                    loss = net(x).float().square().mean()
+                    loss.backward()
+                    losses.append(loss.detach())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return losses
+
+    losses = run()
+    assert on_cpu == [4, 4], "steps 2 and 3: their first micro-batch only"
+    monkeypatch.setattr(weight_cast_batch, "ENABLED", False)
+    assert_same(losses, run())
 
 
 def test_weights_changed_in_place_are_cast_again(on_cpu, monkeypatch):
@@ -123,7 +146,7 @@ def test_weights_changed_in_place_are_cast_again(on_cpu, monkeypatch):
         return outputs
 
     batched = run()
-    assert on_cpu == [2, 2], "the two changed weights, batched at each change"
+    assert on_cpu == [4, 4], "a batch at each forward pass after the first"
     monkeypatch.setattr(weight_cast_batch, "ENABLED", False)
     assert_same(batched, run())
 
@@ -226,3 +249,32 @@ def test_fsdp2_layers_are_left_out_and_cast_alone(on_cpu, monkeypatch, one_rank_
     (batch,) = weight_cast_batch._BATCHES.values()
     assert batch.members == {} or len(batch.members) == 1
     assert_same(losses, sharded_run(False))
+
+
+def test_a_layer_run_twice_in_a_pass_casts_alone_the_second_time(on_cpu, monkeypatch):
+    class Twice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.inner, self.outer = mf.Linear(64, 64), mf.Linear(64, 64)
+
+        def forward(self, x):
+            return self.outer(self.inner(self.inner(x)))
+
+    def run() -> list[torch.Tensor]:
+        net = Twice()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        losses = []
+        for (x,) in batches(steps=3):
+            with mf.autocast(recipe=CURRENT):
+                loss = net(x).float().square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return losses
+
+    losses = run()
+    assert on_cpu == [2, 2], "one batch of the two weights a pass; the second use casts alone"
+    monkeypatch.setattr(weight_cast_batch, "ENABLED", False)
+    assert_same(losses, run())

@@ -3,7 +3,7 @@
 Why: an eager FP8 step is bound by host time. On the lean path (lean_fp8.py) each Linear
 forward casts its weight alone: a launch and three allocations, 45-120 us of host time a weight
 on the H100 hosts measured (benchmarks/gemm_host.py, host_profile.py), 80 weights a step at the
-1b preset. Here the first forward after the weights changed casts every member weight in one
+1b preset. Here the first forward of a forward pass casts every member weight in one
 multi-tensor amax launch and one cast launch (kernels.multi_tensor.quantize_current_scaling_each:
 each weight's bytes are those of its own cast, the GPU tests compare them), and each Linear's
 forward takes its copies with a dictionary lookup. FSDP2's low-precision all-gather batches its
@@ -26,11 +26,13 @@ The rules:
   lives as a single cast's would (the rowwise copy until its forward GEMM is done, the columnwise
   one until dgrad has read it; each copy is its own allocation, not a view into a shared
   buffer, which would keep them all alive until the last was dropped). They are only made
-  earlier, at the step's first forward, where memory is far from its peak.
-- A second forward of a weight that has not changed (micro-batches after the first, activation
-  recompute, a layer run twice) casts alone, as without the batch: the batch runs once per
-  change of the weights, and never in backward (a recompute there casts alone: copies made for
-  every layer at once would stay alive through backward).
+  earlier, at the pass's first forward, where memory is far from its peak.
+- A batch runs at most once per forward pass (an outermost `autocast`, autocast.forward_pass),
+  at the pass's first forward of a member: so every micro-batch that enters autocast gets one.
+  A second use of a weight within one pass (a layer run twice, a weight tied to another) casts
+  alone, and so does everything in backward (activation recompute: copies made there for every
+  layer at once would stay alive through backward). Micro-batches run under one autocast get
+  the batch at the first only.
 - Copies not taken (a member skipped by this step's forward) are dropped at the next batch.
 
 Eager only: the compiled ops (lean_ops.py) cast inside the graph. MINIFLOAT_WEIGHT_CAST_BATCH=0
@@ -46,6 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import kernels, optimizer_steps
+from ..autocast import forward_pass
 from ..quantizers.base import kernel_module
 
 if TYPE_CHECKING:
@@ -68,7 +71,8 @@ class WeightCastBatch:
         # id(weight) -> (weight, its module, its name there), each weight and module weakly
         self.members: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
         self.left_out: dict[int, weakref.ref] = {}  # weights a batch found unregistered
-        self.batched: dict[int, tuple[int, int, int]] = {}  # stamp at the batch that cast it
+        # (stamp, forward pass) when the member was last cast, by a batch or alone at joining
+        self.batched: dict[int, tuple[tuple[int, int, int], int]] = {}
         self.copies: dict[int, tuple[tuple[int, int, int], Copies]] = {}
         self.batches = 0  # batches run (tests and benchmarks read it)
         optimizer_steps.watch()
@@ -81,23 +85,24 @@ class WeightCastBatch:
         held = self.copies.pop(key, None)
         if held is not None and held[0] == stamp:
             return held[1]
+        state = (stamp, forward_pass())
         member = self.members.get(key)
         if member is None or member[0]() is not weight:
             left_out = self.left_out.get(key)
             if left_out is None or left_out() is not weight:
-                self._join(key, weight, module, stamp)
+                self._join(key, weight, module, state)
             return None
-        if self.batched.get(key) == stamp:
-            return None  # this state of the weight was cast by a batch and taken since
+        if self.batched.get(key) == state:
+            return None  # cast in this pass already (a second use): cast alone
         if torch._C._current_graph_task_id() != -1:
             return None  # in backward (activation recompute): copies made there would live on
-        self._cast_changed()
+        self._cast_changed(state[1])
         held = self.copies.pop(key, None)
         return held[1] if held is not None and held[0] == stamp else None
 
     def _join(self, key: int, weight: torch.Tensor, module: torch.nn.Module,
-              stamp: tuple[int, int, int]) -> None:
-        """Make `weight` a member, its current state counted as cast (the caller casts it)."""
+              state: tuple[tuple[int, int, int], int]) -> None:
+        """Make `weight` a member, cast in this pass (the caller casts it alone)."""
         name = next((n for n, p in module._parameters.items() if p is weight), None)
         if name is None:
             return  # not a parameter of its module (a tied or computed weight): cast alone
@@ -112,7 +117,7 @@ class WeightCastBatch:
 
         reference = weakref.ref(weight, leave)
         self.members[key] = (reference, weakref.ref(module), name)
-        self.batched[key] = stamp
+        self.batched[key] = state
 
     def _registered(self, key: int) -> torch.Tensor | None:
         """Member `key`'s weight if it is its module's registered parameter now, else None
@@ -128,15 +133,18 @@ class WeightCastBatch:
             return None
         return weight
 
-    def _cast_changed(self) -> None:
-        """Cast every member whose stamp moved since its last batch; drop stale copies."""
+    def _cast_changed(self, current_pass: int) -> None:
+        """Cast every member not cast in this pass whose copies are not held (or are stale);
+        drop the stale copies."""
         keys, weights, stamps = [], [], []
         for key in list(self.members):
             weight = self._registered(key)
             if weight is None:
                 continue
             stamp = _stamp(weight)
-            if self.batched.get(key) != stamp:
+            held = self.copies.get(key)
+            if self.batched.get(key) != (stamp, current_pass) and (
+                    held is None or held[0] != stamp):
                 keys.append(key)
                 weights.append(weight.detach())
                 stamps.append(stamp)
@@ -146,7 +154,7 @@ class WeightCastBatch:
             return  # nothing to batch (e.g. FSDP2's layers, each cast alone): cast alone
         for key, stamp, copies in zip(keys, stamps, self._cast(weights), strict=True):
             self.copies[key] = (stamp, copies)
-            self.batched[key] = stamp
+            self.batched[key] = (stamp, current_pass)
         self.batches += 1
 
     def _cast(self, weights: list[torch.Tensor]) -> list[Copies]:
