@@ -35,8 +35,8 @@ The rules:
   the batch at the first only.
 - Copies not taken (a member skipped by this step's forward) are dropped at the next batch.
 
-Eager only: the compiled ops (lean_ops.py) cast inside the graph. MINIFLOAT_WEIGHT_CAST_BATCH=0
-turns the batch off.
+Eager only: the compiled ops (lean_ops.py) cast inside the graph, and so does a CUDA graph
+capture (make_graphed_callables). MINIFLOAT_WEIGHT_CAST_BATCH=0 turns the batch off.
 """
 
 from __future__ import annotations
@@ -174,6 +174,11 @@ def take(module: torch.nn.Module, weight: torch.Tensor, cast: Cast) -> Copies | 
     """The batched copies of `module`'s parameter `weight` under current-scaling `cast` (rules:
     module docstring), or None where it is cast alone."""
     if not ENABLED or type(weight) is not torch.nn.Parameter or not weight.is_contiguous():
+        return None
+    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        # a CUDA graph capture (make_graphed_callables) casts alone, inside the graph: a batch
+        # there would capture its table upload, and a copy made before the capture and taken
+        # in it would be freed while the graph still reads it
         return None
     key = (weight.device, weight.dtype, cast.fp8_dtype, cast.amax_epsilon, cast.power_2_scale)
     batch = _BATCHES.get(key)
