@@ -261,20 +261,8 @@ def test_a_layer_run_twice_in_a_pass_casts_alone_the_second_time(on_cpu, monkeyp
         def forward(self, x):
             return self.outer(self.inner(self.inner(x)))
 
-    def run() -> list[torch.Tensor]:
-        net = Twice()
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-        losses = []
-        for (x,) in batches(steps=3):
-            with mf.autocast(recipe=CURRENT):
-                loss = net(x).float().square().mean()
-            loss.backward()
-            losses.append(loss.detach())
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        return losses
-
-    losses = run()
+    data = batches(steps=3)
+    losses = train(Twice(), data)
     assert on_cpu == [2, 2], "one batch of the two weights a pass; the second use casts alone"
     monkeypatch.setattr(weight_cast_batch, "ENABLED", False)
-    assert_same(losses, run())
+    assert_same(losses, train(Twice(), data))
