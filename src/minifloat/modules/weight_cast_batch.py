@@ -33,7 +33,9 @@ The rules:
   alone, and so does everything in backward (activation recompute: copies made there for every
   layer at once would stay alive through backward). Micro-batches run under one autocast get
   the batch at the first only.
-- Copies not taken (a member skipped by this step's forward) are dropped at the next batch.
+- Copies not taken (a member a pass skips, e.g. one of two models trained in turn) stay until
+  a later pass takes them or a batch finds them stale: at most both copies of such members'
+  weights, one byte a parameter each.
 
 Eager only: the compiled ops (lean_ops.py) cast inside the graph, and so does a CUDA graph
 capture (make_graphed_callables). MINIFLOAT_WEIGHT_CAST_BATCH=0 turns the batch off.
