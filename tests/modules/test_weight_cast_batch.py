@@ -266,3 +266,21 @@ def test_a_layer_run_twice_in_a_pass_casts_alone_the_second_time(on_cpu, monkeyp
     assert on_cpu == [2, 2], "one batch of the two weights a pass; the second use casts alone"
     monkeypatch.setattr(weight_cast_batch, "ENABLED", False)
     assert_same(losses, train(Twice(), data))
+
+
+def test_forward_passes_count_outermost_autocasts_only():
+    """autocast.forward_pass, which the batch keys on: nested autocasts, disabled ones and
+    activation recompute's replays in backward start no new pass."""
+    from minifloat.autocast import forward_pass
+
+    lin = mf.Linear(64, 64)
+    start = forward_pass()
+    with mf.autocast(recipe=CURRENT):
+        assert forward_pass() == start + 1
+        with mf.autocast(recipe=CURRENT):
+            y = mf.checkpoint(lin, torch.randn(32, 64, requires_grad=True))
+        assert forward_pass() == start + 1
+    with mf.autocast(enabled=False):
+        pass
+    y.sum().backward()  # the recompute replays the forward under its recorded autocast
+    assert forward_pass() == start + 1
