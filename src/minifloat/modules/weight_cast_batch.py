@@ -80,8 +80,9 @@ class WeightCastBatch:
         optimizer_steps.watch()
 
     def take(self, module: torch.nn.Module, weight: torch.Tensor) -> Copies | None:
-        """`weight`'s copies from the batch (cast now with every changed member if they are
-        not made yet), or None: the caller casts it alone (first sight, or taken already)."""
+        """`weight`'s copies from the batch (cast now, with every member this pass has not
+        cast, if they are not held), or None: the caller casts it alone (the weight's first
+        sight, a second use in this pass, backward)."""
         key = id(weight)
         stamp = _stamp(weight)
         held = self.copies.pop(key, None)
