@@ -16,7 +16,7 @@ import torch
 
 import minifloat as mf
 from minifloat.modules import lean_fp8, weight_cast_batch
-from minifloat.modules.weight_cast_batch import WeightCastBatch
+from minifloat.modules.weight_cast_batch import EagerWeightCastBatch
 
 CURRENT = mf.Float8CurrentScaling()
 
@@ -27,13 +27,13 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(lean_fp8, "DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(weight_cast_batch, "_BATCHES", {})
     cast_sizes = []
-    original = WeightCastBatch._cast
+    original = EagerWeightCastBatch._cast
 
     def counting(self, weights):
         cast_sizes.append(len(weights))
         return original(self, weights)
 
-    monkeypatch.setattr(WeightCastBatch, "_cast", counting)
+    monkeypatch.setattr(EagerWeightCastBatch, "_cast", counting)
     return cast_sizes
 
 

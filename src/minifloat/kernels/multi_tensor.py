@@ -357,7 +357,7 @@ def _current_scaling_launches(
 ) -> torch.Tensor:
     """The amax launch, the optional reduction and the cast launch, writing each tensor's copies
     at (base, byte offsets) of `rows_out` and `columns_out` (a None base: that copy is not
-    made). Returns the scale_inv buffer, one 16-byte slot per tensor."""
+    made, its offsets unread). Returns the scale_inv buffer, one 16-byte slot per tensor."""
     e5m2 = is_e5m2(fp8_dtype)
     device, n = tensors[0].device, len(tensors)
     sizes = [m * k for m, k in shapes]
@@ -365,9 +365,7 @@ def _current_scaling_launches(
     chunk_counts = [cdiv(size, AMAX_BLOCK * AMAX_STEPS) for size in sizes]
     tile_counts = [max(1, cdiv(m, TILE_M) * cdiv(k, TILE_K)) for m, k in shapes]
     (data, data_offsets), (data_t, data_t_offsets) = rows_out, columns_out
-    zeros = [0] * n
-    rows = [(x_offsets[i], m, k, (data_offsets if data is not None else zeros)[i],
-             (data_t_offsets if data_t is not None else zeros)[i])
+    rows = [(x_offsets[i], m, k, data_offsets[i], data_t_offsets[i])
             for i, (m, k) in enumerate(shapes)]
     table = _upload(rows, (_starts(chunk_counts), _starts(tile_counts)), device)
     meta = table[: n * FIELDS]

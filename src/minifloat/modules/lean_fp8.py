@@ -174,7 +174,8 @@ def shapes_apply(device_type: str, dtype: torch.dtype, m: int, k: int, n: int) -
 
 def forward_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  plan: LeanPlan, *, input_columnwise: bool, keep_weight: bool,
-                 weight_copies: tuple | None = None) -> tuple[torch.Tensor, tuple, tuple, bool]:
+                 weight_copies: weight_cast_batch.Copies | None = None
+                 ) -> tuple[torch.Tensor, tuple, tuple, bool]:
     """Fprop of one lean GEMM, shared by LeanFP8Gemm and the compiled ops (lean_ops.py):
     (y [M, N], (x_t, x_scale_inv), (w_t, w_scale_inv), whether the weight was already FP8).
     The input is cast (with its columnwise copy if asked), the weight's own bytes are read when
@@ -198,7 +199,7 @@ def forward_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def batched_weight_copies(module: torch.nn.Module, weight: torch.Tensor, plan: LeanPlan,
-                          need_wgrad: bool, rebuild: bool) -> tuple | None:
+                          need_wgrad: bool, rebuild: bool) -> weight_cast_batch.Copies | None:
     """The weight's copies from the step's batched cast (weight_cast_batch.py) for a training
     forward under current scaling, or None (LeanFP8Gemm casts the weight itself)."""
     if not need_wgrad or rebuild or plan.weight.scale is not None:
@@ -230,7 +231,7 @@ class LeanFP8Gemm(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 plan: LeanPlan, need_dgrad: bool, need_wgrad: bool,
                 rebuild: bool = False, save_original: bool = False,
-                weight_copies: tuple | None = None) -> torch.Tensor:
+                weight_copies: weight_cast_batch.Copies | None = None) -> torch.Tensor:
         """weight_copies: the weight's cast made already (batched_weight_copies), or None."""
         n, k = weight.shape
         x2d = x.reshape(-1, k)

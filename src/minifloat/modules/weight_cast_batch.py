@@ -65,8 +65,9 @@ def _stamp(weight: torch.Tensor) -> tuple[int, int, int]:
     return optimizer_steps.count(), weight._version, weight.data_ptr()
 
 
-class WeightCastBatch:
-    """The member weights of one (device, dtype, cast) and the copies last made for them."""
+class EagerWeightCastBatch:
+    """The member weights of one (device, dtype, cast) and the copies last made for them
+    (eager modules; FSDP2's shards batch in distributed/batched_weight_casts.WeightCastBatch)."""
 
     def __init__(self, cast: Cast) -> None:
         self.cast = cast
@@ -110,7 +111,7 @@ class WeightCastBatch:
         if name is None:
             return  # not a parameter of its module (a tied or computed weight): cast alone
 
-        def leave(_: weakref.ref, key: int = key, batch: WeightCastBatch = self) -> None:
+        def leave(_: weakref.ref, key: int = key, batch: EagerWeightCastBatch = self) -> None:
             if batch.members.get(key, (None,))[0] is reference:
                 del batch.members[key]
                 batch.batched.pop(key, None)
@@ -170,7 +171,7 @@ class WeightCastBatch:
         return [cast(w, rowwise=True, columnwise=True) for w in weights]
 
 
-_BATCHES: dict[tuple, WeightCastBatch] = {}
+_BATCHES: dict[tuple, EagerWeightCastBatch] = {}
 
 
 def take(module: torch.nn.Module, weight: torch.Tensor, cast: Cast) -> Copies | None:
@@ -186,7 +187,7 @@ def take(module: torch.nn.Module, weight: torch.Tensor, cast: Cast) -> Copies | 
     key = (weight.device, weight.dtype, cast.fp8_dtype, cast.amax_epsilon, cast.power_2_scale)
     batch = _BATCHES.get(key)
     if batch is None:
-        batch = _BATCHES[key] = WeightCastBatch(cast)
+        batch = _BATCHES[key] = EagerWeightCastBatch(cast)
     return batch.take(module, weight)
 
 
