@@ -1,6 +1,6 @@
-"""The eager batched weight cast on CUDA (modules/weight_cast_batch.py): the multi-tensor kernel
-with one allocation per copy against the single-tensor cast, bit for bit, and training with the
-batch against training without it, bit for bit."""
+"""The eager batched weight cast on CUDA (modules/weight_cast_batch.py): the multi-tensor kernels
+with one allocation per copy (current and delayed scaling) against the single-tensor casts, bit
+for bit, and training with the batch against training without it, bit for bit."""
 
 from __future__ import annotations
 
@@ -40,6 +40,35 @@ def test_each_copy_in_its_own_allocation_has_the_single_cast_bytes(dtype, fp8_dt
     assert len(storages) == 2 * len(tensors), "each copy is its own allocation"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_delayed_scaling_each_has_the_single_cast_bytes_and_amaxes(dtype, fp8_dtype):
+    """One launch, each tensor with its own scale and amax slot, the slots in two separate
+    state tensors (as two modules' recipe states): the bytes, scale_inv and folded amaxes of
+    per_tensor_fp8.quantize_delayed_scaling on each tensor."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [torch.randn(shape, device="cuda", generator=g, dtype=torch.float32).mul_(
+        10.0 ** (i - 2)).to(dtype) for i, shape in enumerate(SHAPES)]
+    tensors[1].zero_()
+    n = len(tensors)
+    scales = torch.rand(n, device="cuda", generator=g) * 100 + 0.5  # one state tensor
+    amaxes = torch.rand(3, n, device="cuda", generator=g)  # another: row 0 is folded into
+    want_amaxes, before = amaxes.clone(), amaxes.clone()
+    results = multi_tensor.quantize_delayed_scaling_each(
+        tensors, fp8_dtype, [scales[i:i + 1] for i in range(n)],
+        [amaxes[0, i:i + 1] for i in range(n)])
+    for i, (x, (data, data_t, scale_inv)) in enumerate(zip(tensors, results, strict=True)):
+        want_data, want_t, want_scale_inv = per_tensor_fp8.quantize_delayed_scaling(
+            x, scales[i:i + 1], want_amaxes[0, i:i + 1], fp8_dtype)
+        assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
+        assert torch.equal(data_t.view(torch.uint8), want_t.view(torch.uint8))
+        assert torch.equal(scale_inv, want_scale_inv)
+        assert scale_inv.data_ptr() % 16 == 0
+    assert torch.equal(amaxes, want_amaxes)
+    assert not torch.equal(amaxes[0], before[0]), "the amaxes were folded in"
+    assert torch.equal(amaxes[1:], before[1:]), "only the given slots are written"
+
+
 def train(recipe, batched: bool, fused: bool, steps: int = 4):
     weight_cast_batch.ENABLED = batched
     try:
@@ -68,7 +97,8 @@ def train(recipe, batched: bool, fused: bool, steps: int = 4):
 
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("recipe", [mf.Float8CurrentScaling(),
-                                    mf.Float8CurrentScaling(fp8_format=mf.Format.E4M3)])
+                                    mf.Float8CurrentScaling(fp8_format=mf.Format.E4M3),
+                                    mf.DelayedScaling(amax_history_len=4)])
 def test_training_with_the_batch_equals_training_without(recipe, fused):
     losses, params, batches, held = train(recipe, batched=True, fused=fused)
     ref_losses, ref_params, ref_batches, _ = train(recipe, batched=False, fused=fused)

@@ -16,6 +16,7 @@ import torch
 
 import minifloat as mf
 from minifloat.modules import lean_fp8, weight_cast_batch
+from minifloat.modules.base import QuantizedModule
 from minifloat.modules.weight_cast_batch import EagerWeightCastBatch
 
 CURRENT = mf.Float8CurrentScaling()
@@ -29,9 +30,9 @@ def on_cpu(monkeypatch):
     cast_sizes = []
     original = EagerWeightCastBatch._cast
 
-    def counting(self, weights):
+    def counting(self, weights, casts):
         cast_sizes.append(len(weights))
-        return original(self, weights)
+        return original(self, weights, casts)
 
     monkeypatch.setattr(EagerWeightCastBatch, "_cast", counting)
     return cast_sizes
@@ -48,13 +49,13 @@ def batches(steps: int = 4, micro: int = 1, seed: int = 1) -> list[list[torch.Te
     return [[torch.randn(32, 64, generator=g) for _ in range(micro)] for _ in range(steps)]
 
 
-def train(net: torch.nn.Module, data: list[list[torch.Tensor]], recompute: bool = False
-          ) -> list[torch.Tensor]:
+def train(net: torch.nn.Module, data: list[list[torch.Tensor]], recompute: bool = False,
+          recipe: mf.Recipe = CURRENT) -> list[torch.Tensor]:
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
     losses = []
     for micro_batches in data:
         for x in micro_batches:
-            with mf.autocast(recipe=CURRENT):
+            with mf.autocast(recipe=recipe):
                 y = mf.checkpoint(net, x) if recompute else net(x)
                 loss = y.float().square().mean()
             loss.backward()
@@ -187,7 +188,7 @@ def test_an_optimizer_step_that_bumps_no_version_makes_copies_stale(on_cpu, monk
     assert_same(batched, run())
 
 
-def test_a_deleted_model_leaves_and_copies_not_taken_are_dropped(on_cpu):
+def test_a_deleted_model_leaves_and_stale_copies_are_dropped(on_cpu):
     net = model()
     train(net, batches(steps=2))
     (batch,) = weight_cast_batch._BATCHES.values()
@@ -196,15 +197,43 @@ def test_a_deleted_model_leaves_and_copies_not_taken_are_dropped(on_cpu):
     optimizer.step()  # every weight stale
     x = torch.randn(32, 64)
     with mf.autocast(recipe=CURRENT):
-        first(x).sum().backward()  # the batch casts all four; three are not taken
-    assert len(batch.copies) == 3
+        first(x).sum().backward()  # the batch casts all four (the last pass used them)
+    assert len(batch.copies) == 3, "three not taken"
     optimizer.step()
     with mf.autocast(recipe=CURRENT):
-        second(torch.randn(32, 96)).sum().backward()  # the next batch drops the stale three
-    assert len(batch.copies) == 3 and on_cpu[-1] == 4
+        second(torch.randn(32, 96)).sum().backward()
+    # the stale copies are dropped; `second` was last used in the pass that used all but
+    # `first`: a batch of those three, two not taken
+    assert on_cpu[-1] == 3 and len(batch.copies) == 2
     del net, first, second, optimizer
     gc.collect()
     assert batch.members == {} and batch.copies == {}
+
+
+def test_a_model_trained_in_turn_with_another_is_not_cast_for_the_other(on_cpu, monkeypatch):
+    """Two models trained in turn (each pass one): each batch casts the weights its pass uses,
+    not the other model's, which the last pass did not use."""
+    data = batches(steps=4)
+
+    def run():
+        nets = model(0), model(1)
+        optimizers = [torch.optim.SGD(net.parameters(), lr=0.1) for net in nets]
+        losses = []
+        for (x,) in data:
+            for net, optimizer in zip(nets, optimizers, strict=True):
+                with mf.autocast(recipe=CURRENT):
+                    loss = net(x).float().square().mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(loss.detach())
+        return losses
+
+    losses = run()
+    # passes 1 and 2: each model's weights join; every later pass: a batch of its model's four
+    assert on_cpu == [4] * 6
+    monkeypatch.setattr(weight_cast_batch, "ENABLED", False)
+    assert_same(losses, run())
 
 
 def test_what_the_batch_leaves_alone(on_cpu):
@@ -213,9 +242,6 @@ def test_what_the_batch_leaves_alone(on_cpu):
     for _ in range(3):  # inference: no batch
         with torch.no_grad(), mf.autocast(recipe=CURRENT):
             lin(x)
-    with mf.autocast(recipe=mf.DelayedScaling()):  # delayed scaling: the recipe state's slot
-        for _ in range(3):
-            lin(x).sum().backward()
     frozen = mf.Linear(64, 48)
     frozen.weight.requires_grad_(False)
     for _ in range(3):
@@ -284,3 +310,30 @@ def test_forward_passes_count_outermost_autocasts_only():
         pass
     y.sum().backward()  # the recompute replays the forward under its recorded autocast
     assert forward_pass() == start + 1
+
+
+DELAYED = mf.DelayedScaling(amax_history_len=4)
+
+
+def recipe_states(net: torch.nn.Module) -> list[torch.Tensor]:
+    """Every delayed-scaling scale and amax history of net's modules (their extra state)."""
+    return [tensor for module in net.modules() if isinstance(module, QuantizedModule)
+            for forward, backward in module._recipe_states.values()
+            for tensor in (*forward.state_tensors(), *backward.state_tensors())]
+
+
+def test_delayed_scaling_batches_with_the_recipe_states_of_single_casts(on_cpu, monkeypatch):
+    """Delayed scaling: each weight cast with its module's scale, its amax folded into its
+    slot; losses, weights and every recipe state equal those of casting each alone."""
+    from minifloat.autocast import update_delayed_backward_scales
+
+    data = batches(steps=4, micro=2)
+    net = model()
+    losses = train(net, data, recipe=DELAYED)
+    update_delayed_backward_scales()  # the last backward's, before the next run's autocast
+    assert on_cpu == [4] * 7, "every pass after the first: copies live one pass only"
+    reference_net, reference = unbatched(monkeypatch, 0, data, recipe=DELAYED)
+    update_delayed_backward_scales()
+    assert_same(losses, reference)
+    assert_same(list(net.parameters()), list(reference_net.parameters()))
+    assert_same(recipe_states(net), recipe_states(reference_net))

@@ -498,16 +498,15 @@ class QuantizedModule(nn.Module):
               and output_scatter_group is None and not weights_quantized_once()):
             lean = binding.lean_plans[gemms[0]]
             if lean is not None and lean_applies(x, weights[0]):
-                if binding.delayed_pair is None:
+                delayed = binding.delayed_pair is not None
+                if not delayed or get_autocast_state().recompute_record is None:
+                    if delayed:
+                        note_delayed_use(binding.delayed_pair)
                     copies = batched_weight_copies(self, weights[0], lean, need_wgrad,
                                                    rebuild and need_dgrad)
                     return LeanFP8Gemm.apply(x, weights[0], biases[0], lean, need_dgrad,
                                              need_wgrad, rebuild, self.save_original_input,
                                              copies)
-                if get_autocast_state().recompute_record is None:
-                    note_delayed_use(binding.delayed_pair)
-                    return LeanFP8Gemm.apply(x, weights[0], biases[0], lean, need_dgrad,
-                                             need_wgrad, rebuild, self.save_original_input)
         if isinstance(x, DTensor) or isinstance(weights[0], DTensor):
             raise TypeError(
                 f"{self.name or type(self).__name__}: a DTensor operand (torch's "

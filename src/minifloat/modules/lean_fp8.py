@@ -200,9 +200,9 @@ def forward_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def batched_weight_copies(module: torch.nn.Module, weight: torch.Tensor, plan: LeanPlan,
                           need_wgrad: bool, rebuild: bool) -> weight_cast_batch.Copies | None:
-    """The weight's copies from the step's batched cast (weight_cast_batch.py) for a training
-    forward under current scaling, or None (LeanFP8Gemm casts the weight itself)."""
-    if not need_wgrad or rebuild or plan.weight.scale is not None:
+    """The weight's copies from the pass's batched cast (weight_cast_batch.py) for a training
+    forward, or None (LeanFP8Gemm casts the weight itself)."""
+    if not need_wgrad or rebuild:
         return None
     return weight_cast_batch.take(module, weight, plan.weight)
 
