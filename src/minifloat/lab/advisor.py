@@ -234,15 +234,16 @@ def record_operands(preset: str, batches: int, seed: int, data: str | None = Non
 
 def advise(preset: str, recipe_spec: str, budget: float = 0.1, batches: int = 2, seed: int = 0,
            data: str | None = None, checkpoint: str | None = None,
-           record: OperandRecord | None = None) -> Advice:
-    """Score every operand of the preset's model under the recipe and propose a spec."""
+           record: OperandRecord | None = None, device: str = "cpu") -> Advice:
+    """Score every operand of the preset's model under the recipe and propose a spec (on
+    `device`: the recorded operands stay where the model ran)."""
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"--budget is a share of GEMM FLOPs in [0, 1], got {budget}")
     recipe = parse_recipe(recipe_spec, PRESETS[preset].n_layers, head_in_high_precision=True)
     if recipe is None:
         raise ValueError("the advisor needs a quantized recipe; bf16 has nothing to advise")
     if record is None:
-        record = record_operands(preset, batches, seed, data, checkpoint)
+        record = record_operands(preset, batches, seed, data, checkpoint, device)
     scores = score_operands(recipe, record)
     chosen, share = propose(scores, budget)
     return Advice(recipe_spec, budget, scores, chosen, share)

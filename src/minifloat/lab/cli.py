@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a state dict of the lab GPT (or a compare checkpoint) to measure "
                              "instead of the freshly initialised model")
     advise.add_argument("--rows", type=int, default=20, help="table rows (worst first)")
+    advise.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the model runs and the operands are scored (default cpu)")
     return parser
 
 
@@ -122,7 +124,7 @@ def _advise(args: argparse.Namespace) -> int:
         return 2
     try:
         advice = advise(args.preset, args.recipe, args.budget, args.batches, args.seed,
-                        args.data, args.checkpoint)
+                        args.data, args.checkpoint, device=args.device)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
