@@ -105,3 +105,21 @@ def test_nvfp4_specs_that_keep_one_wgrad_operand_in_high_precision_train(tmp_pat
     for run in result.runs:
         assert len(run.train_loss) == 2 and all(map(torch.isfinite, map(torch.tensor,
                                                                        run.train_loss)))
+
+
+def test_stochastically_rounded_copies_are_scored_by_their_mean_over_draws():
+    """NVFP4's gradients are stochastically rounded: averaged over draws their noise shrinks
+    (the score rises), while round-to-nearest copies (inputs, weights) score the same."""
+    record = advisor.record_operands("tiny", batches=1, seed=0)
+    recipe = parse_recipes("nvfp4", PRESETS["tiny"].n_layers, head_in_high_precision=True)[0][1]
+    torch.manual_seed(0)
+    one = {s.pattern: s for s in advisor.score_operands(recipe, record, sr_draws=1)}
+    torch.manual_seed(0)
+    many = {s.pattern: s for s in advisor.score_operands(recipe, record, sr_draws=16)}
+    gradients = [p for p in one if p.endswith(":grad_output")]
+    forward = [p for p in one if not p.endswith(":grad_output")]
+    assert gradients and forward
+    for pattern in gradients:
+        assert many[pattern].sqnr_db["wgrad"] > one[pattern].sqnr_db["wgrad"] + 3.0
+    for pattern in forward:
+        assert many[pattern].sqnr_db == one[pattern].sqnr_db

@@ -111,20 +111,25 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a state dict of the lab GPT (or a compare checkpoint) to measure "
                              "instead of the freshly initialised model")
     advise.add_argument("--rows", type=int, default=20, help="table rows (worst first)")
+    advise.add_argument("--sr-draws", type=int, default=None,
+                        help="stochastically rounded copies are scored as the mean of this "
+                             "many draws (their noise averages out over steps; default "
+                             "advisor.SR_DRAWS, 8; 1: one draw)")
     advise.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where the model runs and the operands are scored (default cpu)")
     return parser
 
 
 def _advise(args: argparse.Namespace) -> int:
-    from .advisor import advise, format_advice
+    from .advisor import SR_DRAWS, advise, format_advice
 
     if args.batches < 1:
         print("error: --batches must be >= 1", file=sys.stderr)
         return 2
     try:
         advice = advise(args.preset, args.recipe, args.budget, args.batches, args.seed,
-                        args.data, args.checkpoint, device=args.device)
+                        args.data, args.checkpoint, device=args.device,
+                        sr_draws=SR_DRAWS if args.sr_draws is None else args.sr_draws)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
