@@ -315,10 +315,12 @@ def test_forward_passes_count_outermost_autocasts_only():
 DELAYED = mf.DelayedScaling(amax_history_len=4)
 
 
-def recipe_states(net: torch.nn.Module) -> list[torch.Tensor]:
-    """Every delayed-scaling scale and amax history of net's modules (their extra state)."""
+def recipe_states(net: torch.nn.Module, recipe: mf.Recipe | None = None) -> list[torch.Tensor]:
+    """Every delayed-scaling scale and amax history of net's modules (their extra state), of
+    every recipe or of `recipe`."""
     return [tensor for module in net.modules() if isinstance(module, QuantizedModule)
-            for forward, backward in module._recipe_states.values()
+            for key, (forward, backward) in module._recipe_states.items()
+            if recipe is None or key == recipe
             for tensor in (*forward.state_tensors(), *backward.state_tensors())]
 
 
@@ -337,3 +339,30 @@ def test_delayed_scaling_batches_with_the_recipe_states_of_single_casts(on_cpu, 
     assert_same(losses, reference)
     assert_same(list(net.parameters()), list(reference_net.parameters()))
     assert_same(recipe_states(net), recipe_states(reference_net))
+
+
+def test_a_switch_of_delayed_recipe_casts_with_the_new_states(on_cpu, monkeypatch):
+    """After a switch to another delayed recipe (new recipe states), the first pass's batch still
+    holds the old states' casts for the members not yet seen under the new one: their copies are
+    not taken (each casts alone with its new state; the old states' slots get their amaxes) and
+    every later batch uses the new states."""
+    from minifloat.autocast import update_delayed_backward_scales
+
+    second = mf.DelayedScaling(amax_history_len=8)
+
+    def run() -> tuple[torch.nn.Module, list[torch.Tensor]]:
+        net = model()
+        losses = train(net, batches(steps=2), recipe=DELAYED)
+        losses += train(net, batches(steps=3, seed=2), recipe=second)
+        update_delayed_backward_scales()
+        return net, losses
+
+    net, losses = run()
+    assert on_cpu[-2:] == [4, 4], "the last two passes batch under the new states"
+    monkeypatch.setattr(weight_cast_batch, "ENABLED", False)
+    reference_net, reference = run()
+    assert_same(losses, reference)
+    assert_same(list(net.parameters()), list(reference_net.parameters()))
+    new_states = recipe_states(net, second)
+    assert new_states and len(recipe_states(net)) == 2 * len(new_states)
+    assert_same(new_states, recipe_states(reference_net, second))

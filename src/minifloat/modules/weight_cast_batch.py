@@ -30,7 +30,9 @@ The rules:
 - A weight's copies hold while its stamp does: the optimizer steps taken in this process
   (optimizer_steps.py: fused and foreach steps bump no version counter), its version counter
   and its data pointer; under delayed scaling only within the pass that cast them (the scales
-  are updated at each pass's end), and only for the cast (recipe state) that made them.
+  are updated at each pass's end), and only for the cast (recipe state) that made them: after a
+  switch to another delayed recipe, the first batch casts the members not yet seen under it
+  with their old states (folding amaxes into those), and each of them casts alone.
 - Copies are taken once: forward hands them to its GEMM and to backward and keeps none, so each
   lives as a single cast's would (the rowwise copy until its forward GEMM is done, the columnwise
   one until dgrad has read it; each copy is its own allocation, not a view into a shared
@@ -108,14 +110,14 @@ class EagerWeightCastBatch:
             return held[2]
         if torch._C._current_graph_task_id() != -1:
             return None  # in backward (activation recompute): copies made there would live on
-        self.casts[key] = cast
         state = (stamp, current_pass)
         member = self.members.get(key)
         if member is None or member[0]() is not weight:
             left_out = self.left_out.get(key)
             if left_out is None or left_out() is not weight:
-                self._join(key, weight, module, state)
+                self._join(key, weight, module, cast, state)
             return None
+        self.casts[key] = cast
         last_use, self.used[key] = self.used.get(key), current_pass
         if self.batched.get(key) == state:
             return None  # cast in this pass already (a second use): cast alone
@@ -123,7 +125,7 @@ class EagerWeightCastBatch:
         held = self.copies.pop(key, None)
         return held[2] if held is not None and held[0] == stamp else None
 
-    def _join(self, key: int, weight: torch.Tensor, module: torch.nn.Module,
+    def _join(self, key: int, weight: torch.Tensor, module: torch.nn.Module, cast: Cast,
               state: tuple[Stamp, int]) -> None:
         """Make `weight` a member, cast in this pass (the caller casts it alone)."""
         name = next((n for n, p in module._parameters.items() if p is weight), None)
@@ -140,6 +142,7 @@ class EagerWeightCastBatch:
 
         reference = weakref.ref(weight, leave)
         self.members[key] = (reference, weakref.ref(module), name)
+        self.casts[key] = cast
         self.batched[key] = state
         self.used[key] = state[1]
 
@@ -152,7 +155,8 @@ class EagerWeightCastBatch:
             return None
         if module._parameters.get(name) is not weight:
             del self.members[key]
-            self.batched.pop(key, None)
+            for table in (self.batched, self.casts, self.used):
+                table.pop(key, None)
             self.left_out[key] = reference
             return None
         return weight
