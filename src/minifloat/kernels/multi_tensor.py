@@ -127,6 +127,23 @@ def _multi_amax_kernel(x_base, table_ptr, starts_ptr, amax_bits_ptr, n, STEPS: t
 
 
 @jit
+def _cast_program(table_ptr, starts_ptr, n, STEPS: tl.constexpr, FIELDS: tl.constexpr,
+                  BLOCK_K: tl.constexpr, WIDE: tl.constexpr, M_ALIGNED: tl.constexpr,
+                  K_ALIGNED: tl.constexpr):
+    """What a per-tensor cast program works on: its tensor i, that tensor's table row, M, K,
+    the program's index among the tensor's (local), its tile (row, column) and the tensor's
+    output offsets (multiples of ALIGN bytes: hinted)."""
+    i = _owner(starts_ptr, tl.program_id(0), n, STEPS)
+    row = table_ptr + i * FIELDS
+    M, K = _shape(row, WIDE, M_ALIGNED, K_ALIGNED)
+    local = (tl.program_id(0) - tl.load(starts_ptr + i)).to(tl.int32)  # < grid size < 2^31
+    tiles_k = tl.maximum(tl.cdiv(K, BLOCK_K), 1)  # an empty tensor still owns one program
+    data_offset = tl.multiple_of(tl.load(row + 3), DATA_ALIGN)
+    data_t_offset = tl.multiple_of(tl.load(row + 4), DATA_ALIGN)
+    return i, row, M, K, local, local // tiles_k, local % tiles_k, data_offset, data_t_offset
+
+
+@jit
 def _multi_cast_kernel(x_base, data_base, data_t_base, table_ptr, starts_ptr, amax_ptr,
                        scale_inv_ptr, eps, n, E5M2: tl.constexpr, POW2: tl.constexpr,
                        ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, STEPS: tl.constexpr,
@@ -135,19 +152,12 @@ def _multi_cast_kernel(x_base, data_base, data_t_base, table_ptr, starts_ptr, am
                        M_ALIGNED: tl.constexpr, K_ALIGNED: tl.constexpr):
     """Output offsets are always multiples of ALIGN bytes (_aligned_offsets), so they are hinted
     unconditionally; the input and M, K only as the host found (see _shape, _input_pointer)."""
-    pid = tl.program_id(0)
-    i = _owner(starts_ptr, pid, n, STEPS)
-    row = table_ptr + i * FIELDS
-    M, K = _shape(row, WIDE, M_ALIGNED, K_ALIGNED)
-    local = (pid - tl.load(starts_ptr + i)).to(tl.int32)  # < grid size < 2^31
-    tiles_k = tl.maximum(tl.cdiv(K, BLOCK_K), 1)  # an empty tensor still owns one program
+    i, row, M, K, local, tile_m, tile_k, data_offset, data_t_offset = _cast_program(
+        table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK_K, WIDE, M_ALIGNED, K_ALIGNED)
     scale = scale_from_amax(tl.load(amax_ptr + i), eps, E5M2, POW2, 0x7F7FFFFF)
-    data_offset = tl.multiple_of(tl.load(row + 3), DATA_ALIGN)
-    data_t_offset = tl.multiple_of(tl.load(row + 4), DATA_ALIGN)
     cast_transpose_tile(_input_pointer(x_base, row, X_DIVISOR), data_base + data_offset,
-                        data_t_base + data_t_offset, amax_ptr, scale, M, K, local // tiles_k,
-                        local % tiles_k, E5M2, ROWWISE, COLUMNWISE, False, BLOCK_M, BLOCK_K,
-                        WIDE, HW_CAST)
+                        data_t_base + data_t_offset, amax_ptr, scale, M, K, tile_m, tile_k,
+                        E5M2, ROWWISE, COLUMNWISE, False, BLOCK_M, BLOCK_K, WIDE, HW_CAST)
     if local == 0:
         tl.store(scale_inv_ptr + i * SCALE_ALIGN, reciprocal_rn(scale))  # 16-byte slots
 
@@ -163,19 +173,13 @@ def _multi_delayed_cast_kernel(x_base, data_base, data_t_base, table_ptr, starts
     """Delayed scaling: tensor i is cast with the fp32 scale at state_base + table[5] and folds
     its max|x| into the amax at state_bits_base + table[6] (the int32 view of the same base:
     each tensor's recipe-state slots, addressed by pointer difference). Both copies."""
-    pid = tl.program_id(0)
-    i = _owner(starts_ptr, pid, n, STEPS)
-    row = table_ptr + i * FIELDS
-    M, K = _shape(row, WIDE, M_ALIGNED, K_ALIGNED)
-    local = (pid - tl.load(starts_ptr + i)).to(tl.int32)  # < grid size < 2^31
-    tiles_k = tl.maximum(tl.cdiv(K, BLOCK_K), 1)  # an empty tensor still owns one program
+    i, row, M, K, local, tile_m, tile_k, data_offset, data_t_offset = _cast_program(
+        table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK_K, WIDE, M_ALIGNED, K_ALIGNED)
     scale = tl.load(state_base + tl.load(row + 5))
-    data_offset = tl.multiple_of(tl.load(row + 3), DATA_ALIGN)
-    data_t_offset = tl.multiple_of(tl.load(row + 4), DATA_ALIGN)
     cast_transpose_tile(_input_pointer(x_base, row, X_DIVISOR), data_base + data_offset,
                         data_t_base + data_t_offset, state_bits_base + tl.load(row + 6), scale,
-                        M, K, local // tiles_k, local % tiles_k, E5M2, True, True, True,
-                        BLOCK_M, BLOCK_K, WIDE, HW_CAST)
+                        M, K, tile_m, tile_k, E5M2, True, True, True, BLOCK_M, BLOCK_K, WIDE,
+                        HW_CAST)
     if local == 0:
         tl.store(scale_inv_ptr + i * SCALE_ALIGN, reciprocal_rn(scale))  # 16-byte slots
 
