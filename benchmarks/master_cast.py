@@ -25,9 +25,13 @@ Per recipe row (the model weights built under quantized_model_init with that rec
   maxima pass before the all-reduce, then the cast; once for delayed scaling, whose scale is
   known before it) and the quantized bytes written (MXFP8: both copies).
 
+--copies rowwise|columnwise keeps that one copy of each MXFP8 weight (update_usage before the
+casts, so the cast writes only it): which store bounds the MXFP8 cast kernel (an ablation; a
+trained MXFP8 weight keeps both). Other formats ignore it.
+
 Usage: python benchmarks/master_cast.py [--preset 1b] [--ranks 8] [--rank 0]
        [--recipes fp8-current,fp8-delayed,fp8-block,mxfp8,nvfp4] [--steps 10] [--device cuda]
-       [--host-profile]
+       [--host-profile] [--copies both|rowwise|columnwise]
        [--out FILE]
 """
 
@@ -118,11 +122,18 @@ def print_host_profile(cast, name: str) -> None:
 
 
 def measure_recipe(name: str, shapes: list[tuple[int, int]], ranges: list[tuple[int, int]],
-                   steps: int, device: str, profile: bool = False) -> dict:
+                   steps: int, device: str, profile: bool = False, copies: str = "both"
+                   ) -> dict:
     torch.manual_seed(0)
     with mf.quantized_model_init(recipe=minifloat_recipe(name)):
         layers = [mf.Linear(k, n, bias=False, device=device) for n, k in shapes]
     weights = [layer.weight for layer in layers]
+    written = WRITTEN_PER_ELEMENT[name]
+    if name == "mxfp8" and copies != "both":  # the ablation: one copy written
+        for weight in weights:
+            weight.quantized_storage.update_usage(rowwise=copies == "rowwise",
+                                                  columnwise=copies == "columnwise")
+        written = BYTES_PER_ELEMENT[name]
     generator = torch.Generator(device=device).manual_seed(1)
     masters = [torch.randn(count, generator=generator, device=device) * 0.02
                for _, count in ranges]
@@ -139,7 +150,8 @@ def measure_recipe(name: str, shapes: list[tuple[int, int]], ranges: list[tuple[
     if profile:
         print_host_profile(cast, name)
     launches, kernel_ms, per_kernel = kernels_of(cast, device)
-    row = {"row": name, "weights": len(weights), "rank_elements": elements, "bytes": moved,
+    row = {"row": name, "copies": copies if name == "mxfp8" else "both",
+           "weights": len(weights), "rank_elements": elements, "bytes": moved,
            "device_ms": device_time, "host_ms": host_us(cast, device, repeats=steps) / 1e3,
            "gbps": moved / (device_time * 1e-3) / 1e9, "launches": launches,
            "kernel_ms": kernel_ms, "kernel_ms_by_name": per_kernel}
@@ -149,8 +161,7 @@ def measure_recipe(name: str, shapes: list[tuple[int, int]], ranges: list[tuple[
         row["kernel_copy_fraction"] = moved / (kernel_ms * 1e-3) / 1e9 / row["copy_gbps"]
         # what the two passes must move (the maxima pass reads the masters too, before the
         # all-reduce; MXFP8 writes both copies): their bandwidth against the copy's
-        row["two_pass_bytes"] = int(elements * (MASTER_READS[name] * 4
-                                                + WRITTEN_PER_ELEMENT[name]))
+        row["two_pass_bytes"] = int(elements * (MASTER_READS[name] * 4 + written))
         row["two_pass_copy_fraction"] = (row["two_pass_bytes"] / (kernel_ms * 1e-3) / 1e9
                                          / row["copy_gbps"])
     return row
@@ -167,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--host-profile", action="store_true",
                         help="print a cProfile of one cast per recipe")
+    parser.add_argument("--copies", default="both", choices=("both", "rowwise", "columnwise"),
+                        help="MXFP8 weights keep this copy only (see the module docstring)")
     args = parser.parse_args(argv)
     recipes = [name for name in args.recipes.split(",") if name]
     unknown = [name for name in recipes if name not in BYTES_PER_ELEMENT]
@@ -190,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in recipes:
         try:
             row = measure_recipe(name, shapes, ranges, args.steps, args.device,
-                                 args.host_profile)
+                                 args.host_profile, args.copies)
         except Exception as error:  # noqa: BLE001 - recorded, the other recipes still run
             row = {"row": name, "error": f"{type(error).__name__}: {error}"[:500]}
         data["rows"].append(row)

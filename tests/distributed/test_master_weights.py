@@ -407,3 +407,8 @@ def test_master_cast_benchmark_cpu_smoke(tmp_path):
         assert "error" not in row and row["device_ms"] > 0 and row["host_ms"] > 0
         assert row["bytes"] == int(row["rank_elements"] * (4 + (0.5 if row["row"] == "nvfp4"
                                                                    else 1)))
+    # the MXFP8 ablation: the weights keep (and the cast writes) one copy only
+    assert bench.main(["--preset", "tiny", "--device", "cpu", "--steps", "1", "--recipes",
+                       "mxfp8", "--copies", "columnwise", "--ranks", "2", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "error" not in row and row["copies"] == "columnwise"
