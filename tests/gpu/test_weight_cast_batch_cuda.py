@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import minifloat as mf
-from minifloat.kernels import multi_tensor, per_tensor_fp8
+from minifloat.kernels import multi_tensor_each, per_tensor_fp8
 from minifloat.modules import weight_cast_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -25,7 +25,7 @@ def test_each_copy_in_its_own_allocation_has_the_single_cast_bytes(dtype, fp8_dt
     tensors = [torch.randn(shape, device="cuda", generator=g, dtype=torch.float32).mul_(
         10.0 ** (i - 2)).to(dtype) for i, shape in enumerate(SHAPES)]
     tensors[1].zero_()  # an all-zero tensor: amax 0
-    results = multi_tensor.quantize_current_scaling_each(
+    results = multi_tensor_each.quantize_current_scaling_each(
         tensors, fp8_dtype, amax_epsilon=epsilon, power_2_scale=pow2)
     storages = set()
     for x, (data, data_t, scale_inv) in zip(tensors, results, strict=True):
@@ -54,7 +54,7 @@ def test_delayed_scaling_each_has_the_single_cast_bytes_and_amaxes(dtype, fp8_dt
     scales = torch.rand(n, device="cuda", generator=g) * 100 + 0.5  # one state tensor
     amaxes = torch.rand(3, n, device="cuda", generator=g)  # another: row 0 is folded into
     want_amaxes, before = amaxes.clone(), amaxes.clone()
-    results = multi_tensor.quantize_delayed_scaling_each(
+    results = multi_tensor_each.quantize_delayed_scaling_each(
         tensors, fp8_dtype, [scales[i:i + 1] for i in range(n)],
         [amaxes[0, i:i + 1] for i in range(n)])
     for i, (x, (data, data_t, scale_inv)) in enumerate(zip(tensors, results, strict=True)):

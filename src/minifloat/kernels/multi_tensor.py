@@ -20,7 +20,9 @@ finds the tensor it works on in a device table:
 
 Per-tensor current scaling runs two launches (amax of every tensor, then every cast), with an
 optional amax reduction (e.g. an all-reduce over a group) in between, applied once to the
-stacked amaxes. Block FP8 1D needs no amax pass: one launch.
+stacked amaxes. Block FP8 1D needs no amax pass: one launch. multi_tensor_each.py makes each
+copy an allocation of its own (the eager weight-cast batch), delayed scaling included, with the
+same device code.
 """
 
 from __future__ import annotations
@@ -158,28 +160,6 @@ def _multi_cast_kernel(x_base, data_base, data_t_base, table_ptr, starts_ptr, am
     cast_transpose_tile(_input_pointer(x_base, row, X_DIVISOR), data_base + data_offset,
                         data_t_base + data_t_offset, amax_ptr, scale, M, K, tile_m, tile_k,
                         E5M2, ROWWISE, COLUMNWISE, False, BLOCK_M, BLOCK_K, WIDE, HW_CAST)
-    if local == 0:
-        tl.store(scale_inv_ptr + i * SCALE_ALIGN, reciprocal_rn(scale))  # 16-byte slots
-
-
-@jit
-def _multi_delayed_cast_kernel(x_base, data_base, data_t_base, table_ptr, starts_ptr,
-                               state_base, state_bits_base, scale_inv_ptr, n,
-                               E5M2: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                               WIDE: tl.constexpr, HW_CAST: tl.constexpr,
-                               X_DIVISOR: tl.constexpr, M_ALIGNED: tl.constexpr,
-                               K_ALIGNED: tl.constexpr):
-    """Delayed scaling: tensor i is cast with the fp32 scale at state_base + table[5] and folds
-    its max|x| into the amax at state_bits_base + table[6] (the int32 view of the same base:
-    each tensor's recipe-state slots, addressed by pointer difference). Both copies."""
-    i, row, M, K, local, tile_m, tile_k, data_offset, data_t_offset = _cast_program(
-        table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK_K, WIDE, M_ALIGNED, K_ALIGNED)
-    scale = tl.load(state_base + tl.load(row + 5))
-    cast_transpose_tile(_input_pointer(x_base, row, X_DIVISOR), data_base + data_offset,
-                        data_t_base + data_t_offset, state_bits_base + tl.load(row + 6), scale,
-                        M, K, tile_m, tile_k, E5M2, True, True, True, BLOCK_M, BLOCK_K, WIDE,
-                        HW_CAST)
     if local == 0:
         tl.store(scale_inv_ptr + i * SCALE_ALIGN, reciprocal_rn(scale))  # 16-byte slots
 
@@ -338,96 +318,18 @@ def quantize_current_scaling_stacked(
                        scale_inv, data_offsets, shapes)
 
 
-def quantize_current_scaling_each(
-    tensors: Sequence[torch.Tensor],
-    fp8_dtype: torch.dtype,
-    *,
-    amax_epsilon: float = 0.0,
-    power_2_scale: bool = False,
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """quantize_current_scaling_multi with both copies, each in its own allocation.
-
-    Why: a view into a flat buffer keeps the whole buffer alive, so copies that are dropped one
-    by one (a weight's rowwise copy after its forward GEMM, its columnwise copy after its
-    dgrad: modules/weight_cast_batch.py) would free nothing until the last is dropped. The
-    kernels address each output by its offset from the first one's (the caching allocator's
-    blocks are 512-byte aligned; a tensor group that is not 16-byte aligned raises).
-    """
-    _check_group(tensors)
-    device = tensors[0].device
-    shapes = [_matrix_shape(t) for t in tensors]
-    data = [torch.empty((m, k), dtype=torch.uint8, device=device) for m, k in shapes]
-    data_t = [torch.empty((k, m), dtype=torch.uint8, device=device) for m, k in shapes]
-    data_offsets, data_t_offsets = _output_offsets(data), _output_offsets(data_t)
-    scale_inv = _current_scaling_launches(
-        tensors, shapes, fp8_dtype, amax_epsilon, power_2_scale, None,
-        (data[0], data_offsets), (data_t[0], data_t_offsets))
-    return [(d.view(fp8_dtype), d_t.view(fp8_dtype),
-             scale_inv[i * SCALE_SLOT:i * SCALE_SLOT + 1])
-            for i, (d, d_t) in enumerate(zip(data, data_t, strict=True))]
+def _tile_counts(shapes: Sequence[tuple[int, int]]) -> list[int]:
+    """Programs of the per-tensor cast kernels per tensor: its tiles (an empty one owns one)."""
+    return [max(1, cdiv(m, TILE_M) * cdiv(k, TILE_K)) for m, k in shapes]
 
 
-def quantize_delayed_scaling_each(
-    tensors: Sequence[torch.Tensor],
-    fp8_dtype: torch.dtype,
-    scales: Sequence[torch.Tensor],
-    amaxes: Sequence[torch.Tensor],
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per-tensor delayed scaling of many tensors in one launch, both copies, each in its own
-    allocation (as quantize_current_scaling_each): tensor i is cast with scales[i] and its
-    max|x| folded into amaxes[i] in place, each a 1-element fp32 tensor on the tensors' device
-    (the recipe state's slots). The bytes, and the amaxes, of
-    per_tensor_fp8.quantize_delayed_scaling called on each tensor."""
-    _check_group(tensors)
-    if len(scales) != len(tensors) or len(amaxes) != len(tensors):
-        raise ValueError("quantize_delayed_scaling_each: one scale and one amax per tensor")
-    device = tensors[0].device
-    state_base, state_offsets = _state_offsets([*scales, *amaxes], device)
-    n = len(tensors)
-    shapes = [_matrix_shape(t) for t in tensors]
-    data = [torch.empty((m, k), dtype=torch.uint8, device=device) for m, k in shapes]
-    data_t = [torch.empty((k, m), dtype=torch.uint8, device=device) for m, k in shapes]
-    data_offsets, data_t_offsets = _output_offsets(data), _output_offsets(data_t)
-    base, x_offsets = _input_offsets(tensors)
-    tile_counts = [max(1, cdiv(m, TILE_M) * cdiv(k, TILE_K)) for m, k in shapes]
-    rows = [(x_offsets[i], m, k, data_offsets[i], data_t_offsets[i], state_offsets[i],
-             state_offsets[n + i]) for i, (m, k) in enumerate(shapes)]
-    table = _upload(rows, (_starts(tile_counts),), device)
-    scale_inv = torch.empty(n * SCALE_SLOT, dtype=torch.float32, device=device)
-    launch(_multi_delayed_cast_kernel, (sum(tile_counts),),
-           base, data[0], data_t[0], table[: n * FIELDS], table[n * FIELDS:], state_base,
-           state_base.view(torch.int32), scale_inv, n, E5M2=is_e5m2(fp8_dtype),
-           STEPS=_search_steps(n), FIELDS=FIELDS, BLOCK_M=TILE_M, BLOCK_K=TILE_K,
-           WIDE=any(needs_wide_offsets(m, k, max(TILE_M, TILE_K)) for m, k in shapes),
-           HW_CAST=hw_cast(base), **_hints(shapes, x_offsets, base.element_size()),
-           num_warps=4)
-    return [(d.view(fp8_dtype), d_t.view(fp8_dtype),
-             scale_inv[i * SCALE_SLOT:i * SCALE_SLOT + 1])
-            for i, (d, d_t) in enumerate(zip(data, data_t, strict=True))]
-
-
-def _state_offsets(slots: Sequence[torch.Tensor], device: torch.device
-                   ) -> tuple[torch.Tensor, list[int]]:
-    """The lowest-addressed of `slots` (1-element fp32 tensors on `device`, e.g. scales and
-    amaxes owned by several recipe states) and each slot's fp32-element offset from it."""
-    for slot in slots:
-        if slot.dtype != torch.float32 or slot.numel() != 1 or slot.device != device:
-            raise ValueError("delayed-scaling slots must be 1-element float32 tensors on the "
-                             f"tensors' device {device}; got {slot.dtype}, shape "
-                             f"{tuple(slot.shape)} on {slot.device}")
-    base = min(slots, key=lambda slot: slot.data_ptr())
-    offsets = [(slot.data_ptr() - base.data_ptr()) // 4 for slot in slots]
-    return base, offsets
-
-
-def _output_offsets(buffers: Sequence[torch.Tensor]) -> list[int]:
-    """Each uint8 buffer's byte offset from the first one (multiples of ALIGN: the kernels'
-    hint), for outputs that are separate allocations."""
-    base = buffers[0].data_ptr()
-    offsets = [b.data_ptr() - base for b in buffers]
-    if any(offset % ALIGN for offset in offsets):
-        raise ValueError(f"multi-tensor FP8 kernel: output buffers must be {ALIGN}-byte aligned")
-    return offsets
+def _tile_constexprs(shapes: Sequence[tuple[int, int]], base: torch.Tensor,
+                     hints: dict[str, int | bool]) -> dict[str, int | bool]:
+    """The tile constexprs of the per-tensor cast kernels: tile sizes, wide offsets, the
+    hardware cast and the group's divisibility `hints` (_hints)."""
+    return {"BLOCK_M": TILE_M, "BLOCK_K": TILE_K,
+            "WIDE": any(needs_wide_offsets(m, k, max(TILE_M, TILE_K)) for m, k in shapes),
+            "HW_CAST": hw_cast(base), **hints}
 
 
 def _current_scaling_launches(
@@ -448,7 +350,7 @@ def _current_scaling_launches(
     sizes = [m * k for m, k in shapes]
     base, x_offsets = _input_offsets(tensors)
     chunk_counts = [cdiv(size, AMAX_BLOCK * AMAX_STEPS) for size in sizes]
-    tile_counts = [max(1, cdiv(m, TILE_M) * cdiv(k, TILE_K)) for m, k in shapes]
+    tile_counts = _tile_counts(shapes)
     (data, data_offsets), (data_t, data_t_offsets) = rows_out, columns_out
     rows = [(x_offsets[i], m, k, data_offsets[i], data_t_offsets[i])
             for i, (m, k) in enumerate(shapes)]
@@ -491,11 +393,7 @@ def _current_scaling_launches(
         COLUMNWISE=data_t is not None,
         STEPS=steps,
         FIELDS=FIELDS,
-        BLOCK_M=TILE_M,
-        BLOCK_K=TILE_K,
-        WIDE=any(needs_wide_offsets(m, k, max(TILE_M, TILE_K)) for m, k in shapes),
-        HW_CAST=hw_cast(base),
-        **hints,
+        **_tile_constexprs(shapes, base, hints),
         num_warps=4,
     )
     return scale_inv

@@ -4,12 +4,12 @@ Why: an eager FP8 step is bound by host time. On the lean path (lean_fp8.py) eac
 forward casts its weight alone: a launch and three allocations, 45-120 us of host time a weight
 on the H100 hosts measured (benchmarks/gemm_host.py, host_profile.py), 80 weights a step at the
 1b preset. Here the first forward of a forward pass casts every member weight at once, and each
-Linear's forward takes its copies with a dictionary lookup. Per-tensor current scaling takes a
-multi-tensor amax launch and a cast launch (kernels.multi_tensor.quantize_current_scaling_each);
-delayed scaling one launch (quantize_delayed_scaling_each: each weight cast with its recipe
-state's scale, its amax folded into the state's slot, as its own cast would). Each weight's
-bytes are those of its own cast (the GPU tests compare them). FSDP2's low-precision all-gather
-batches its shards the same way (distributed/batched_weight_casts.py).
+Linear's forward takes its copies with a dictionary lookup (kernels/multi_tensor_each.py: each
+copy its own allocation). Per-tensor current scaling takes a multi-tensor amax launch and a cast
+launch; delayed scaling one launch, each weight cast with its recipe state's scale, its amax
+folded into the state's slot, as its own cast would. Each weight's bytes are those of its own
+cast (the GPU tests compare them). FSDP2's low-precision all-gather batches its shards the same
+way (distributed/batched_weight_casts.py).
 
 The rules:
 - Members are plain weights (not quantized, not a subclass) that require grad, met by the lean
@@ -192,12 +192,12 @@ class EagerWeightCastBatch:
 
     def _cast(self, weights: list[torch.Tensor], casts: list[Cast]) -> list[Copies]:
         if kernels.available(weights[0]):
-            multi_tensor = kernel_module("multi_tensor")
+            each = kernel_module("multi_tensor_each")
             if self.delayed:
-                return multi_tensor.quantize_delayed_scaling_each(
+                return each.quantize_delayed_scaling_each(
                     weights, self.cast.fp8_dtype, [cast.scale for cast in casts],
                     [cast.amax for cast in casts])
-            return multi_tensor.quantize_current_scaling_each(
+            return each.quantize_current_scaling_each(
                 weights, self.cast.fp8_dtype, amax_epsilon=self.cast.amax_epsilon,
                 power_2_scale=self.cast.power_2_scale)
         # no kernels (the CPU tests): each weight's own cast, the same bytes
