@@ -108,6 +108,39 @@ def _load_tile(master_base, row, origin, offsets, inside, BF16_BITS: tl.constexp
 
 
 @triton.jit
+def _interior(row, M, K, row0, col0, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    """Whether the tile of ROWS x COLUMNS at (row0, col0) lies inside the weight and inside the
+    rank's range. Such a tile (most of a rank's window) is cast without element masks: a mask
+    built from the range's bounds, which the compiler cannot prove aligned, made every load and
+    store one element wide (the fast path's loads and stores are vectors)."""
+    origin = row0 * K + col0
+    return ((tl.load(row + 1) <= origin) & (origin + (ROWS - 1) * K + COLUMNS <= tl.load(row + 2))
+            & (row0 + ROWS <= M) & (col0 + COLUMNS <= K))
+
+
+@triton.jit
+def _full_offsets(K, rows, cols, ALIGNED: tl.constexpr):
+    """int32 offsets rows x cols from a tile's origin, for a tile that needs no mask."""
+    columns = K.to(tl.int32)
+    if ALIGNED:
+        columns = tl.multiple_of(columns, 16)
+    return rows[:, None] * columns + cols[None, :]
+
+
+@triton.jit
+def _load_full_tile(master_base, row, origin, offsets, BF16_BITS: tl.constexpr,
+                    ALIGNED: tl.constexpr):
+    """_load_tile for a tile inside the range and the weight: no mask."""
+    start = tl.load(row) + origin - tl.load(row + 1)
+    if ALIGNED:
+        start = tl.multiple_of(start, 16)
+    if BF16_BITS:
+        bits = tl.load(master_base + start + offsets).to(tl.int32) << 16
+        return bits.to(tl.float32, bitcast=True)
+    return tl.load(master_base + start + offsets).to(tl.float32)
+
+
+@triton.jit
 def _aligned(offset, ALIGNED: tl.constexpr):
     """A destination's scalar offset, hinted a multiple of 16 where the host found it so."""
     if ALIGNED:
@@ -395,9 +428,29 @@ def _mxfp8_cast_kernel(master_base, bytes_base, exponents, table_ptr, starts_ptr
     column_grid = segment + M * (K // 32) + tile_row * K + tile_col * COLUMNS
     col_exponent = tl.load(column_grid + cols, mask=cols < (K - tile_col * COLUMNS).to(tl.int32),
                            other=0).to(tl.int32)  # [COLUMNS]
-    origin, offsets, inside = _tile_range(row, M, K, tile_row * 32, tile_col * COLUMNS, rows,
-                                          cols, ALIGNED)
-    x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)
+    if _interior(row, M, K, tile_row * 32, tile_col * COLUMNS, 32, COLUMNS):
+        origin = (tile_row * 32) * K + tile_col * COLUMNS
+        offsets = _full_offsets(K, rows, cols, ALIGNED)
+        x = _load_full_tile(master_base, row, origin, offsets, BF16_BITS, ALIGNED)
+        _mxfp8_store_copies(x, bytes_base, row, origin, offsets, None, row_exponent,
+                            col_exponent, COLUMNS, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE, E5M2,
+                            HW_CAST, ALIGNED)
+    else:
+        origin, offsets, inside = _tile_range(row, M, K, tile_row * 32, tile_col * COLUMNS,
+                                              rows, cols, ALIGNED)
+        x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)
+        _mxfp8_store_copies(x, bytes_base, row, origin, offsets, inside, row_exponent,
+                            col_exponent, COLUMNS, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE, E5M2,
+                            HW_CAST, ALIGNED)
+
+
+@triton.jit
+def _mxfp8_store_copies(x, bytes_base, row, origin, offsets, inside, row_exponent, col_exponent,
+                        COLUMNS: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+                        MIN_EXPONENT: tl.constexpr, MAX_CODE: tl.constexpr,
+                        E5M2: tl.constexpr, HW_CAST: tl.constexpr, ALIGNED: tl.constexpr):
+    """A tile's codes into the copies the weight keeps (inside: the element mask, or None for
+    a tile the range covers whole)."""
     row_data = tl.load(row + 8)
     if row_data >= 0:
         codes = _mxfp8_codes(x, row_exponent, 32, COLUMNS, True, MANTISSA_BITS, MIN_EXPONENT,
@@ -438,9 +491,9 @@ def _nvfp4_cast_kernel(master_base, bytes_base, maxima, table_ptr, starts_ptr, n
                        BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
                        COLUMNS: tl.constexpr, ALIGNED: tl.constexpr):
     """The rank's elements of one window tile, nibble by nibble, with the tiles' scales from
-    the reduced maxima. The even and the odd elements are loaded as two [16, COLUMNS / 2]
-    halves: byte j of a row takes element 2j (low nibble) and 2j + 1 (high), so the halves
-    pack without a reshape."""
+    the reduced maxima. Byte j of a row takes element 2j (low nibble) and 2j + 1 (high): a tile
+    inside the range loads its rows whole and splits the pairs; a tile the range cuts loads the
+    even and the odd elements as two masked [16, COLUMNS / 2] halves."""
     row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS,
                                           COLUMNS)
     blocks = tl.arange(0, COLUMNS // 16)
@@ -451,23 +504,44 @@ def _nvfp4_cast_kernel(master_base, bytes_base, maxima, table_ptr, starts_ptr, n
                         mask=blocks < (K // 16 - first_block).to(tl.int32), other=0.0)
     _, element_scale = _block_scales(tile_amax, factor, s_dec)  # [COLUMNS / 16]
     rows = tl.arange(0, 16)
-    pairs = tl.arange(0, COLUMNS // 2) * 2
-    origin, even, low_in = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS, rows,
-                                       pairs, ALIGNED)
-    _, odd, high_in = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS, rows, pairs + 1,
-                                  ALIGNED)
     scale = expand_blocks(tl.broadcast_to(element_scale[None, :], [16, COLUMNS // 16]), 16,
                           COLUMNS // 2, 8)
     keep = scale == scale  # NaN tiles encode as +0 (the reference)
-    x_even = _load_tile(master_base, row, origin, even, low_in, BF16_BITS, ALIGNED)
-    x_odd = _load_tile(master_base, row, origin, odd, high_in, BF16_BITS, ALIGNED)
-    low = _e2m1_nibbles(x_even, scale, 0.0, False)
-    high = _e2m1_nibbles(x_odd, scale, 0.0, False)
-    low = tl.where(keep, low, 0)
-    high = tl.where(keep, high, 0)
-    # origin and base are even (K is), so byte = (element - base) / 2
-    target = bytes_base + (tl.load(row + 8) + (origin - tl.load(row + 6)) // 2) + even // 2
-    # a byte the range covers half of keeps its other nibble
-    old = tl.load(target, mask=low_in != high_in, other=0).to(tl.int32)
-    byte = tl.where(low_in, low, old & 0xF) | (tl.where(high_in, high, old >> 4) << 4)
-    tl.store(target, byte.to(tl.uint8), mask=low_in | high_in)
+    if _interior(row, M, K, tile_row * 16, tile_col * COLUMNS, 16, COLUMNS):
+        origin = (tile_row * 16) * K + tile_col * COLUMNS
+        x = _load_full_tile(master_base, row, origin,
+                            _full_offsets(K, rows, tl.arange(0, COLUMNS), ALIGNED), BF16_BITS,
+                            ALIGNED)
+        x_even, x_odd = tl.split(tl.reshape(x, [16, COLUMNS // 2, 2]))
+        byte = _nvfp4_bytes(x_even, x_odd, scale, keep)
+        first_byte = tl.load(row + 8) + (origin - tl.load(row + 6)) // 2
+        columns = (K // 2).to(tl.int32)
+        if ALIGNED:  # the plan checked the bytes' offset and K (master_cast_plan._aligned)
+            first_byte = tl.multiple_of(first_byte, 8)
+            columns = tl.multiple_of(columns, 8)
+        tl.store(bytes_base + first_byte + rows[:, None] * columns
+                 + tl.arange(0, COLUMNS // 2)[None, :], byte.to(tl.uint8))
+    else:
+        pairs = tl.arange(0, COLUMNS // 2) * 2
+        origin, even, low_in = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS, rows,
+                                           pairs, ALIGNED)
+        _odd_origin, odd, high_in = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS,
+                                                rows, pairs + 1, ALIGNED)
+        x_even = _load_tile(master_base, row, origin, even, low_in, BF16_BITS, ALIGNED)
+        x_odd = _load_tile(master_base, row, origin, odd, high_in, BF16_BITS, ALIGNED)
+        packed = _nvfp4_bytes(x_even, x_odd, scale, keep)
+        # origin and base are even (K is), so byte = (element - base) / 2
+        target = bytes_base + (tl.load(row + 8) + (origin - tl.load(row + 6)) // 2) + even // 2
+        # a byte the range covers half of keeps its other nibble
+        old = tl.load(target, mask=low_in != high_in, other=0).to(tl.int32)
+        byte = tl.where(low_in, packed & 0xF, old & 0xF) | tl.where(high_in, packed, old) & 0xF0
+        tl.store(target, byte.to(tl.uint8), mask=low_in | high_in)
+
+
+@triton.jit
+def _nvfp4_bytes(x_even, x_odd, scale, keep):
+    """Packed bytes (int32) of element pairs: the even element's nibble low, the odd's high;
+    +0 where the tile's scale is NaN."""
+    low = tl.where(keep, _e2m1_nibbles(x_even, scale, 0.0, False), 0)
+    high = tl.where(keep, _e2m1_nibbles(x_odd, scale, 0.0, False), 0)
+    return low | (high << 4)

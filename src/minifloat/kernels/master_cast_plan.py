@@ -186,8 +186,11 @@ class PartialCastPlan:
                                              - entry[_BASE]) % 16 == 0
             return master and data
         master = not owned or (entry[_MASTER] - entry[_START]) % 16 == 0
-        data = all(entry[field] < 0 or (entry[field] - entry[_BASE]) % 16 == 0
-                   for field in (_ROW_DATA, _COL_DATA))
+        if self.kind == "nvfp4":  # packed bytes: each tile row's first byte 8-byte aligned
+            data = entry[_ROW_DATA] < 0 or (entry[_ROW_DATA] % 8 == 0 and entry[_BASE] % 16 == 0)
+        else:
+            data = all(entry[field] < 0 or (entry[field] - entry[_BASE]) % 16 == 0
+                       for field in (_ROW_DATA, _COL_DATA))
         return entry[_K] % 16 == 0 and master and data
 
     def _scale_programs(self, cast: PartialCast) -> int:
