@@ -227,8 +227,8 @@ def host_profile(step: ShardedStep, batches: list[torch.Tensor], device: str, na
                 step(batches[0])
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = [str(w.message).splitlines()[0] for w in caught
-                 if "synchroniz" in str(w.message)]
+        syncs = [f"{str(w.message).splitlines()[0]} at {w.filename}:{w.lineno}"
+                 for w in caught if "synchroniz" in str(w.message)]
     model_step._sync(device)
     profiler = cProfile.Profile()
     profiler.enable()

@@ -57,12 +57,18 @@ def kernel_view(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
 @triton.jit
 def load_as_float(ptr, offsets, mask, BF16_BITS: tl.constexpr):
     """Load fp32/fp16 values (converted exactly) or bf16 bit patterns (int16) as fp32; masked
-    elements read as 0."""
-    if BF16_BITS:
-        bits = tl.load(ptr + offsets, mask=mask, other=0).to(tl.int32) << 16
-        return bits.to(tl.float32, bitcast=True)
+    elements read as 0. mask=None (a compile-time case): every element, with no mask, so the
+    loads may be vectors (tl.load refuses `other` without a mask)."""
+    if mask is None:
+        values = tl.load(ptr + offsets)
+    elif BF16_BITS:
+        values = tl.load(ptr + offsets, mask=mask, other=0)
     else:
-        return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        values = tl.load(ptr + offsets, mask=mask, other=0.0)
+    if BF16_BITS:
+        bits = values.to(tl.int32) << 16
+        return bits.to(tl.float32, bitcast=True)
+    return values.to(tl.float32)
 
 
 @triton.jit

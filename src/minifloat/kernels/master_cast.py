@@ -99,8 +99,9 @@ def _tile_range(row, M, K, row0, col0, rows, cols, ALIGNED: tl.constexpr):
 def _load_tile(master_base, row, origin, offsets, inside, BF16_BITS: tl.constexpr,
                ALIGNED: tl.constexpr):
     """The tile's elements from the rank's master range, zero outside it (a zero never raises a
-    maximum). ALIGNED: the host found every master's element (0, 0) 16 elements aligned, so
-    16-byte loads may be used."""
+    maximum); inside=None for a tile the range and the weight cover whole (no mask, so the
+    loads are vectors). ALIGNED: the host found every master's element (0, 0) 16 elements
+    aligned, so 16-byte loads may be used."""
     start = tl.load(row) + origin - tl.load(row + 1)
     if ALIGNED:
         start = tl.multiple_of(start, 16)
@@ -128,24 +129,18 @@ def _full_offsets(K, rows, cols, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _load_full_tile(master_base, row, origin, offsets, BF16_BITS: tl.constexpr,
-                    ALIGNED: tl.constexpr):
-    """_load_tile for a tile inside the range and the weight: no mask."""
-    start = tl.load(row) + origin - tl.load(row + 1)
-    if ALIGNED:
-        start = tl.multiple_of(start, 16)
-    if BF16_BITS:
-        bits = tl.load(master_base + start + offsets).to(tl.int32) << 16
-        return bits.to(tl.float32, bitcast=True)
-    return tl.load(master_base + start + offsets).to(tl.float32)
-
-
-@triton.jit
-def _aligned(offset, ALIGNED: tl.constexpr):
-    """A destination's scalar offset, hinted a multiple of 16 where the host found it so."""
-    if ALIGNED:
-        offset = tl.multiple_of(offset, 16)
-    return offset
+def _at(base, offset, WHOLE: tl.constexpr, ALIGNED: tl.constexpr):
+    """base + offset, hinted 16-byte aligned where the host found it so and the access is
+    unmasked (WHOLE). The hint goes on the pointer made here: `tl.multiple_of` on a jit
+    function's scalar parameter is silently lost (it annotates the op that defines a value, and
+    a parameter has none), which had left every store of these kernels one byte wide (sm_90
+    PTX). No hint for a masked access: the hint makes each thread's elements contiguous, and
+    with a mask that is not constant over them the accesses stay scalar and no longer coalesce
+    (the flat FP8 casts ran at half speed that way on an H100)."""
+    pointer = base + offset
+    if WHOLE and ALIGNED:
+        pointer = tl.multiple_of(pointer, 16)
+    return pointer
 
 
 # ---- per-tensor FP8 (current and delayed scaling): flat runs of the range ----
@@ -171,7 +166,7 @@ def _per_tensor_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n
                               BF16_BITS: tl.constexpr, STEPS: tl.constexpr,
                               FIELDS: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     row, _, first, lanes, inside = _flat(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
-    x = load_as_float(master_base + _aligned(tl.load(row) + first, ALIGNED), lanes, inside,
+    x = load_as_float(master_base + tl.load(row) + first, lanes, inside,
                       BF16_BITS)
     tl.atomic_max(maxima_bits + tl.load(row + 5), tl.max(abs_bits(x), axis=0))
 
@@ -188,10 +183,10 @@ def _per_tensor_cast_kernel(master_base, bytes_base, floats_base, maxima, table_
     scale = scale_from_amax(tl.load(maxima + tl.load(row + 5)), eps, E5M2, POW2, 0x7F7FFFFF)
     if run == 0:
         tl.store(floats_base + tl.load(row + 10), reciprocal_rn(scale))
-    x = load_as_float(master_base + _aligned(tl.load(row) + first, ALIGNED), lanes, inside,
+    x = load_as_float(master_base + tl.load(row) + first, lanes, inside,
                       BF16_BITS)
     data = tl.load(row + 8)
-    target = bytes_base + _aligned(data + tl.load(row + 1) - tl.load(row + 6) + first, ALIGNED)
+    target = bytes_base + data + tl.load(row + 1) - tl.load(row + 6) + first
     tl.store(target + lanes, fp8_codes(x * scale, E5M2, HW_CAST), mask=inside & (data >= 0))
 
 
@@ -208,11 +203,11 @@ def _delayed_cast_kernel(master_base, bytes_base, floats_base, maxima_bits, tabl
     scale = tl.load(floats_base + tl.load(row + 15))
     if run == 0:
         tl.store(floats_base + tl.load(row + 10), reciprocal_rn(scale))
-    x = load_as_float(master_base + _aligned(tl.load(row) + first, ALIGNED), lanes, inside,
+    x = load_as_float(master_base + tl.load(row) + first, lanes, inside,
                       BF16_BITS)
     tl.atomic_max(maxima_bits + tl.load(row + 5), tl.max(abs_bits(x), axis=0))
     data = tl.load(row + 8)
-    target = bytes_base + _aligned(data + tl.load(row + 1) - tl.load(row + 6) + first, ALIGNED)
+    target = bytes_base + data + tl.load(row + 1) - tl.load(row + 6) + first
     tl.store(target + lanes, fp8_codes(x * scale, E5M2, HW_CAST), mask=inside & (data >= 0))
 
 
@@ -348,7 +343,7 @@ def _block_cast_kernel(master_base, bytes_base, maxima_bits, table_ptr, starts_p
         origin, offsets, inside = _tile_range(row, M, K, tile_row * 128 + step * CHUNK,
                                               tile_col * 128, tl.arange(0, CHUNK), cols, ALIGNED)
         x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)
-        tl.store(bytes_base + _aligned(data + origin, ALIGNED) + offsets,
+        tl.store(bytes_base + data + origin + offsets,
                  fp8_codes(x * scale, False, HW_CAST), mask=inside)
 
 
@@ -356,33 +351,61 @@ def _block_cast_kernel(master_base, bytes_base, maxima_bits, table_ptr, starts_p
 
 
 @triton.jit
-def _mxfp8_maxima_kernel(master_base, exponents, table_ptr, starts_ptr, n,
+def _mxfp8_maxima_kernel(master_base, exponents, bytes_base, table_ptr, starts_ptr, n,
                          BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
                          COLUMNS: tl.constexpr, RECIPROCAL_BITS: tl.constexpr,
+                         MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+                         MAX_CODE: tl.constexpr, E5M2: tl.constexpr, HW_CAST: tl.constexpr,
                          ALIGNED: tl.constexpr):
     """The E8M0 exponents of the blocks' partial maxima (uint8; master_weights reduces
-    exponents, not maxima: the rule is monotone)."""
+    exponents, not maxima: the rule is monotone), and the codes of every tile the rank's range
+    covers whole.
+
+    Why cast here: every block of such a tile (1x32 and 32x1, aligned to the tile) lies inside
+    this rank's range, so no other rank adds to its maximum, and the all-reduce (a MAX with the
+    other ranks' zeros) returns these exponents unchanged. Casting while the tile is in
+    registers reads most of the masters once instead of twice; _mxfp8_cast_kernel casts only
+    the tiles that a range boundary or the weight's edge cuts."""
     row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS,
                                           COLUMNS)
     rows = tl.arange(0, 32)
     cols = tl.arange(0, COLUMNS)
-    origin, offsets, inside = _tile_range(row, M, K, tile_row * 32, tile_col * COLUMNS, rows,
-                                          cols, ALIGNED)
-    magnitude = abs_bits(_load_tile(master_base, row, origin, offsets, inside, BF16_BITS,
-                                    ALIGNED))
     blocks = tl.arange(0, COLUMNS // 32)
     first_block = tile_col * (COLUMNS // 32)
     segment = exponents + tl.load(row + 5)
     row_grid = segment + (tile_row * 32) * (K // 32) + first_block  # [M, K/32] from the tile
-    row_max = tl.max(tl.reshape(magnitude, [32, COLUMNS // 32, 32]), axis=2)
-    tl.store(row_grid + rows[:, None] * (K // 32).to(tl.int32) + blocks[None, :],
-             e8m0_from_amax(row_max.to(tl.float32, bitcast=True), RECIPROCAL_BITS).to(tl.uint8),
-             mask=(rows[:, None] < (M - tile_row * 32).to(tl.int32))
-             & (blocks[None, :] < (K // 32 - first_block).to(tl.int32)))
+    row_cells = rows[:, None] * (K // 32).to(tl.int32) + blocks[None, :]
     column_grid = segment + M * (K // 32) + tile_row * K + tile_col * COLUMNS  # [M/32, K]
-    column_max = tl.max(magnitude, axis=0).to(tl.float32, bitcast=True)
-    tl.store(column_grid + cols, e8m0_from_amax(column_max, RECIPROCAL_BITS).to(tl.uint8),
-             mask=cols < (K - tile_col * COLUMNS).to(tl.int32))
+    if _interior(row, M, K, tile_row * 32, tile_col * COLUMNS, 32, COLUMNS):
+        origin = (tile_row * 32) * K + tile_col * COLUMNS
+        offsets = _full_offsets(K, rows, cols, ALIGNED)
+        x = _load_tile(master_base, row, origin, offsets, None, BF16_BITS, ALIGNED)
+        row_exponent, col_exponent = _mxfp8_exponents(abs_bits(x), COLUMNS, RECIPROCAL_BITS)
+        tl.store(row_grid + row_cells, row_exponent.to(tl.uint8))
+        tl.store(column_grid + cols, col_exponent.to(tl.uint8))
+        _mxfp8_store_copies(x, bytes_base, row, origin, offsets, None, row_exponent,
+                            col_exponent, COLUMNS, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE, E5M2,
+                            HW_CAST, ALIGNED)
+    else:
+        origin, offsets, inside = _tile_range(row, M, K, tile_row * 32, tile_col * COLUMNS,
+                                              rows, cols, ALIGNED)
+        x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)
+        row_exponent, col_exponent = _mxfp8_exponents(abs_bits(x), COLUMNS, RECIPROCAL_BITS)
+        tl.store(row_grid + row_cells, row_exponent.to(tl.uint8),
+                 mask=(rows[:, None] < (M - tile_row * 32).to(tl.int32))
+                 & (blocks[None, :] < (K // 32 - first_block).to(tl.int32)))
+        tl.store(column_grid + cols, col_exponent.to(tl.uint8),
+                 mask=cols < (K - tile_col * COLUMNS).to(tl.int32))
+
+
+@triton.jit
+def _mxfp8_exponents(magnitude, COLUMNS: tl.constexpr, RECIPROCAL_BITS: tl.constexpr):
+    """E8M0 exponents (int32) of a 32-row tile's 1x32 blocks [32, COLUMNS / 32] and 32x1
+    blocks [COLUMNS], from its magnitudes' bits."""
+    row_max = tl.max(tl.reshape(magnitude, [32, COLUMNS // 32, 32]), axis=2)
+    column_max = tl.max(magnitude, axis=0)
+    return (e8m0_from_amax(row_max.to(tl.float32, bitcast=True), RECIPROCAL_BITS),
+            e8m0_from_amax(column_max.to(tl.float32, bitcast=True), RECIPROCAL_BITS))
 
 
 @triton.jit
@@ -411,31 +434,25 @@ def _mxfp8_cast_kernel(master_base, bytes_base, exponents, table_ptr, starts_ptr
                        COLUMNS: tl.constexpr, MANTISSA_BITS: tl.constexpr,
                        MIN_EXPONENT: tl.constexpr, MAX_CODE: tl.constexpr,
                        E5M2: tl.constexpr, HW_CAST: tl.constexpr, ALIGNED: tl.constexpr):
-    """The rank's elements of one window tile, both copies, with the tile's reduced
-    exponents."""
+    """The rank's elements of one window tile that a range boundary or the weight's edge cuts,
+    both copies, with the tile's reduced exponents (_mxfp8_maxima_kernel cast the others)."""
     row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS,
                                           COLUMNS)
-    rows = tl.arange(0, 32)
-    cols = tl.arange(0, COLUMNS)
-    blocks = tl.arange(0, COLUMNS // 32)
-    first_block = tile_col * (COLUMNS // 32)
-    segment = exponents + tl.load(row + 5)
-    block_mask = ((rows[:, None] < (M - tile_row * 32).to(tl.int32))
-                  & (blocks[None, :] < (K // 32 - first_block).to(tl.int32)))
-    row_grid = segment + (tile_row * 32) * (K // 32) + first_block
-    row_exponent = tl.load(row_grid + rows[:, None] * (K // 32).to(tl.int32) + blocks[None, :],
-                           mask=block_mask, other=0).to(tl.int32)  # [32, COLUMNS / 32]
-    column_grid = segment + M * (K // 32) + tile_row * K + tile_col * COLUMNS
-    col_exponent = tl.load(column_grid + cols, mask=cols < (K - tile_col * COLUMNS).to(tl.int32),
-                           other=0).to(tl.int32)  # [COLUMNS]
-    if _interior(row, M, K, tile_row * 32, tile_col * COLUMNS, 32, COLUMNS):
-        origin = (tile_row * 32) * K + tile_col * COLUMNS
-        offsets = _full_offsets(K, rows, cols, ALIGNED)
-        x = _load_full_tile(master_base, row, origin, offsets, BF16_BITS, ALIGNED)
-        _mxfp8_store_copies(x, bytes_base, row, origin, offsets, None, row_exponent,
-                            col_exponent, COLUMNS, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE, E5M2,
-                            HW_CAST, ALIGNED)
-    else:
+    if not _interior(row, M, K, tile_row * 32, tile_col * COLUMNS, 32, COLUMNS):
+        rows = tl.arange(0, 32)
+        cols = tl.arange(0, COLUMNS)
+        blocks = tl.arange(0, COLUMNS // 32)
+        first_block = tile_col * (COLUMNS // 32)
+        segment = exponents + tl.load(row + 5)
+        block_mask = ((rows[:, None] < (M - tile_row * 32).to(tl.int32))
+                      & (blocks[None, :] < (K // 32 - first_block).to(tl.int32)))
+        row_grid = segment + (tile_row * 32) * (K // 32) + first_block
+        row_exponent = tl.load(row_grid + rows[:, None] * (K // 32).to(tl.int32)
+                               + blocks[None, :], mask=block_mask, other=0).to(tl.int32)
+        column_grid = segment + M * (K // 32) + tile_row * K + tile_col * COLUMNS
+        col_exponent = tl.load(column_grid + cols,
+                               mask=cols < (K - tile_col * COLUMNS).to(tl.int32),
+                               other=0).to(tl.int32)  # [COLUMNS]
         origin, offsets, inside = _tile_range(row, M, K, tile_row * 32, tile_col * COLUMNS,
                                               rows, cols, ALIGNED)
         x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)
@@ -455,13 +472,13 @@ def _mxfp8_store_copies(x, bytes_base, row, origin, offsets, inside, row_exponen
     if row_data >= 0:
         codes = _mxfp8_codes(x, row_exponent, 32, COLUMNS, True, MANTISSA_BITS, MIN_EXPONENT,
                              MAX_CODE, E5M2, HW_CAST)
-        tl.store(bytes_base + _aligned(row_data - tl.load(row + 6) + origin, ALIGNED)
+        tl.store(_at(bytes_base, row_data - tl.load(row + 6) + origin, inside is None, ALIGNED)
                  + offsets, codes, mask=inside)
     col_data = tl.load(row + 9)
     if col_data >= 0:
         codes = _mxfp8_codes(x, col_exponent[None, :], 32, COLUMNS, False, MANTISSA_BITS,
                              MIN_EXPONENT, MAX_CODE, E5M2, HW_CAST)
-        tl.store(bytes_base + _aligned(col_data - tl.load(row + 6) + origin, ALIGNED)
+        tl.store(_at(bytes_base, col_data - tl.load(row + 6) + origin, inside is None, ALIGNED)
                  + offsets, codes, mask=inside)
 
 
@@ -509,9 +526,9 @@ def _nvfp4_cast_kernel(master_base, bytes_base, maxima, table_ptr, starts_ptr, n
     keep = scale == scale  # NaN tiles encode as +0 (the reference)
     if _interior(row, M, K, tile_row * 16, tile_col * COLUMNS, 16, COLUMNS):
         origin = (tile_row * 16) * K + tile_col * COLUMNS
-        x = _load_full_tile(master_base, row, origin,
-                            _full_offsets(K, rows, tl.arange(0, COLUMNS), ALIGNED), BF16_BITS,
-                            ALIGNED)
+        x = _load_tile(master_base, row, origin,
+                       _full_offsets(K, rows, tl.arange(0, COLUMNS), ALIGNED), None, BF16_BITS,
+                       ALIGNED)
         x_even, x_odd = tl.split(tl.reshape(x, [16, COLUMNS // 2, 2]))
         byte = _nvfp4_bytes(x_even, x_odd, scale, keep)
         first_byte = tl.load(row + 8) + (origin - tl.load(row + 6)) // 2

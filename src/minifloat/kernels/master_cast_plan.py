@@ -211,7 +211,9 @@ class PartialCastPlan:
         block; per-tensor amaxes and NVFP4's global amax by atomic max: they start at zero;
         MXFP8: the uint8 vector of the blocks' E8M0 exponents).
         Delayed scaling casts in the same pass (its scale is the recipe state's, known before
-        the all-reduce): one read of the masters instead of two."""
+        the all-reduce): one read of the masters instead of two. So does MXFP8 for every tile
+        that the rank's range covers whole (its blocks' exponents are final before the
+        all-reduce); `cast` then casts only the tiles that a boundary cuts."""
         hw = hw_cast(maxima)
         if self.kind == "delayed":
             launch(_delayed_cast_kernel, (self.cast_programs,), self.master_base,
@@ -227,12 +229,20 @@ class PartialCastPlan:
         extra = ({"CHUNK": BLOCK_CHUNK} if self.kind == "block"
                  else {"BLOCK": FLAT_BLOCK} if self.kind in PER_TENSOR
                  else {"COLUMNS": TILE_COLUMNS[self.kind]})
-        if self.kind == "mxfp8":  # E8M0 exponents (uint8) of the maxima
-            extra["RECIPROCAL_BITS"] = _reciprocal_bits(fp8_format(self.fp8_dtype).max_value)
-        vector = maxima if self.kind == "mxfp8" else maxima.view(torch.int32)
-        launch(kernel, (self.window_programs,), self.master_base, vector, self.table,
-               self.window_starts, self.count, BF16_BITS=self.bf16_bits, STEPS=self.steps,
-               FIELDS=FIELDS, ALIGNED=self.aligned, num_warps=NUM_WARPS, **extra)
+        if self.kind == "mxfp8":  # E8M0 exponents (uint8) of the maxima, and interior codes
+            mantissa_bits, min_exponent, max_code = (
+                E4M3_CONSTANTS if self.fp8_dtype == torch.float8_e4m3fn else E5M2_CONSTANTS)
+            launch(kernel, (self.window_programs,), self.master_base, maxima, self.bytes_base,
+                   self.table, self.window_starts, self.count, BF16_BITS=self.bf16_bits,
+                   STEPS=self.steps, FIELDS=FIELDS, ALIGNED=self.aligned, num_warps=NUM_WARPS,
+                   RECIPROCAL_BITS=_reciprocal_bits(fp8_format(self.fp8_dtype).max_value),
+                   MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent, MAX_CODE=max_code,
+                   E5M2=self.fp8_dtype == torch.float8_e5m2, HW_CAST=hw, **extra)
+            return
+        launch(kernel, (self.window_programs,), self.master_base, maxima.view(torch.int32),
+               self.table, self.window_starts, self.count, BF16_BITS=self.bf16_bits,
+               STEPS=self.steps, FIELDS=FIELDS, ALIGNED=self.aligned, num_warps=NUM_WARPS,
+               **extra)
 
     def cast(self, reduced: torch.Tensor) -> None:
         """Every scale of every weight, and this rank's elements, from the reduced maxima:
