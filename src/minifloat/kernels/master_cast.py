@@ -313,19 +313,44 @@ def _nvfp4_scales_kernel(bytes_base, floats_base, maxima, table_ptr, starts_ptr,
 
 
 @triton.jit
-def _block_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
+def _block_maxima_kernel(master_base, maxima_bits, bytes_base, table_ptr, starts_ptr, n, eps,
                          BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
-                         CHUNK: tl.constexpr, ALIGNED: tl.constexpr):
+                         CHUNK: tl.constexpr, POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr,
+                         HW_CAST: tl.constexpr, ALIGNED: tl.constexpr):
+    """The partial maximum of one window tile, and the codes of a tile that the rank's range
+    covers whole: no other rank adds to its maximum, so the all-reduce (a MAX with the other
+    ranks' zeros) returns it unchanged and its scale is final here. Its chunks are read a second
+    time right after the first (from L2, a 128 x 128 tile is 64 KiB of fp32), so the masters
+    are read from memory once instead of twice; _block_cast_kernel casts only the tiles that a
+    range boundary or the weight's edge cuts."""
     row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS, 128)
     cols = tl.arange(0, 128)
+    chunk_rows = tl.arange(0, CHUNK)
+    slot = maxima_bits + tl.load(row + 5) + tile_row * tl.cdiv(K, 128) + tile_col
     running = tl.zeros([CHUNK, 128], dtype=tl.int32)
-    for step in range(128 // CHUNK):
-        origin, offsets, inside = _tile_range(row, M, K, tile_row * 128 + step * CHUNK,
-                                              tile_col * 128, tl.arange(0, CHUNK), cols, ALIGNED)
-        x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)
-        running = tl.maximum(running, abs_bits(x))
-    tl.store(maxima_bits + tl.load(row + 5) + tile_row * tl.cdiv(K, 128) + tile_col,
-             tl.max(tl.max(running, axis=1), axis=0))
+    if _interior(row, M, K, tile_row * 128, tile_col * 128, 128, 128):
+        origin = (tile_row * 128) * K + tile_col * 128
+        offsets = _full_offsets(K, chunk_rows, cols, ALIGNED)
+        for step in range(128 // CHUNK):
+            x = _load_tile(master_base, row, origin + (step * CHUNK) * K, offsets, None,
+                           BF16_BITS, ALIGNED)
+            running = tl.maximum(running, abs_bits(x))
+        tile_max = tl.max(tl.max(running, axis=1), axis=0)
+        tl.store(slot, tile_max)
+        scale = _scale(tile_max, eps, POW2, OVERFLOW_BITS)
+        data = tl.load(row + 8) - tl.load(row + 6)
+        for step in range(128 // CHUNK):
+            chunk = origin + (step * CHUNK) * K
+            x = _load_tile(master_base, row, chunk, offsets, None, BF16_BITS, ALIGNED)
+            tl.store(_at(bytes_base, data + chunk, True, ALIGNED) + offsets,
+                     fp8_codes(x * scale, False, HW_CAST))
+    else:
+        for step in range(128 // CHUNK):
+            origin, offsets, inside = _tile_range(row, M, K, tile_row * 128 + step * CHUNK,
+                                                  tile_col * 128, chunk_rows, cols, ALIGNED)
+            x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)
+            running = tl.maximum(running, abs_bits(x))
+        tl.store(slot, tl.max(tl.max(running, axis=1), axis=0))
 
 
 @triton.jit
@@ -333,18 +358,21 @@ def _block_cast_kernel(master_base, bytes_base, maxima_bits, table_ptr, starts_p
                        BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
                        CHUNK: tl.constexpr, POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr,
                        HW_CAST: tl.constexpr, ALIGNED: tl.constexpr):
-    """The rank's elements of one window tile, with the tile's scale from the reduced maximum."""
+    """The rank's elements of one window tile that a range boundary or the weight's edge cuts,
+    with the tile's scale from the reduced maximum (_block_maxima_kernel cast the others)."""
     row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS, 128)
-    scale = _scale(tl.load(maxima_bits + tl.load(row + 5) + tile_row * tl.cdiv(K, 128)
-                           + tile_col), eps, POW2, OVERFLOW_BITS)
-    data = tl.load(row + 8) - tl.load(row + 6)
-    cols = tl.arange(0, 128)
-    for step in range(128 // CHUNK):
-        origin, offsets, inside = _tile_range(row, M, K, tile_row * 128 + step * CHUNK,
-                                              tile_col * 128, tl.arange(0, CHUNK), cols, ALIGNED)
-        x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)
-        tl.store(bytes_base + data + origin + offsets,
-                 fp8_codes(x * scale, False, HW_CAST), mask=inside)
+    if not _interior(row, M, K, tile_row * 128, tile_col * 128, 128, 128):
+        scale = _scale(tl.load(maxima_bits + tl.load(row + 5) + tile_row * tl.cdiv(K, 128)
+                               + tile_col), eps, POW2, OVERFLOW_BITS)
+        data = tl.load(row + 8) - tl.load(row + 6)
+        cols = tl.arange(0, 128)
+        for step in range(128 // CHUNK):
+            origin, offsets, inside = _tile_range(row, M, K, tile_row * 128 + step * CHUNK,
+                                                  tile_col * 128, tl.arange(0, CHUNK), cols,
+                                                  ALIGNED)
+            x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)
+            tl.store(bytes_base + data + origin + offsets,
+                     fp8_codes(x * scale, False, HW_CAST), mask=inside)
 
 
 # ---- MXFP8: 1x32 and 32x1 blocks, tiles of 32 rows ----

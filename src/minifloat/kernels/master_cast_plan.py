@@ -211,8 +211,8 @@ class PartialCastPlan:
         block; per-tensor amaxes and NVFP4's global amax by atomic max: they start at zero;
         MXFP8: the uint8 vector of the blocks' E8M0 exponents).
         Delayed scaling casts in the same pass (its scale is the recipe state's, known before
-        the all-reduce): one read of the masters instead of two. So does MXFP8 for every tile
-        that the rank's range covers whole (its blocks' exponents are final before the
+        the all-reduce): one read of the masters instead of two. So do block FP8 and MXFP8
+        for every tile that the rank's range covers whole (its scales are final before the
         all-reduce); `cast` then casts only the tiles that a boundary cuts."""
         hw = hw_cast(maxima)
         if self.kind == "delayed":
@@ -229,6 +229,14 @@ class PartialCastPlan:
         extra = ({"CHUNK": BLOCK_CHUNK} if self.kind == "block"
                  else {"BLOCK": FLAT_BLOCK} if self.kind in PER_TENSOR
                  else {"COLUMNS": TILE_COLUMNS[self.kind]})
+        if self.kind == "block":  # tile maxima (int32 bits), and the codes of interior tiles
+            launch(kernel, (self.window_programs,), self.master_base, maxima.view(torch.int32),
+                   self.bytes_base, self.table, self.window_starts, self.count,
+                   self.amax_epsilon, BF16_BITS=self.bf16_bits, STEPS=self.steps,
+                   FIELDS=FIELDS, ALIGNED=self.aligned, num_warps=NUM_WARPS,
+                   POW2=self.power_2_scale, OVERFLOW_BITS=dtype_max_bits(torch.float32),
+                   HW_CAST=hw, **extra)
+            return
         if self.kind == "mxfp8":  # E8M0 exponents (uint8) of the maxima, and interior codes
             mantissa_bits, min_exponent, max_code = (
                 E4M3_CONSTANTS if self.fp8_dtype == torch.float8_e4m3fn else E5M2_CONSTANTS)
