@@ -38,9 +38,15 @@ appends, per rank, to DIR/host_rank<r>.txt: the synchronizing CUDA calls one ste
 (torch.cuda.set_sync_debug_mode's warnings, a sync inside the step turns GPU waits on other
 ranks into host time) and a cProfile of another step, top functions by own time.
 
+--blocks-per-unit N shards N consecutive blocks as one FSDP2 unit (fully_shard of a list). Why:
+at 1b every row is host-bound under FSDP2, and the twelfth session's profiles (4 x H100) found no
+synchronizing call and no Python that grows with the world size beyond FSDP2's own per-unit
+collectives and hooks; fewer units mean fewer of them a step, at the cost of larger gathers.
+
 Usage (one process per GPU):
   torchrun --standalone --nproc-per-node N benchmarks/scale_step.py [--preset 1b]
       [--rows bf16-eager,...] [--steps 10] [--warmup 3] [--out DIR] [--host-profile DIR]
+      [--blocks-per-unit N]
 Writes DIR/scale_step_<gpu>_<preset>_n<N>.json (default DIR benchmarks/results).
 """
 
@@ -106,8 +112,11 @@ class ShardedStep:
         return loss
 
 
-def build_row(name: str, config: TorchGPTConfig, device: str, mesh) -> ShardedStep:
-    """The row's model: converted, maybe compiled per block, sharded block by block."""
+def build_row(name: str, config: TorchGPTConfig, device: str, mesh,
+              blocks_per_unit: int = 1) -> ShardedStep:
+    """The row's model: converted, maybe compiled per block, sharded in units of
+    blocks_per_unit consecutive blocks (fully_shard of a list: one all-gather, one
+    reduce-scatter and one set of hooks per unit)."""
     from torch.distributed.fsdp import fully_shard
 
     kind, low_precision_gather, compiled = ROWS[name]
@@ -137,10 +146,13 @@ def build_row(name: str, config: TorchGPTConfig, device: str, mesh) -> ShardedSt
         mf.convert_model(model, recipe=recipe, filter_fn=not_head)
         if low_precision_gather:
             enable_low_precision_all_gather(model, recipe)
-    for block in model.blocks:
+    blocks = list(model.blocks)
+    for block in blocks:
         if compiled:
             block.compile()
-        fully_shard(block, mesh=mesh)
+    for first in range(0, len(blocks), blocks_per_unit):
+        unit = blocks[first:first + blocks_per_unit]
+        fully_shard(unit[0] if len(unit) == 1 else unit, mesh=mesh)
     # The root's hooks gather the embeddings, final norm and head: FSDP2 runs them around a
     # module call, so the loss (model.loss calls forward directly) is wrapped as one.
     root = fully_shard(model_step.LossOf(model), mesh=mesh)
@@ -248,7 +260,7 @@ def host_profile(step: ShardedStep, batches: list[torch.Tensor], device: str, na
 
 def run_row(name: str, config: TorchGPTConfig, batches: list[torch.Tensor], warmup: int,
             steps: int, mesh, device: str, profile_dir: Path | None = None,
-            host_profile_dir: Path | None = None) -> dict:
+            host_profile_dir: Path | None = None, blocks_per_unit: int = 1) -> dict:
     """One row on every rank; failures are recorded (the same on every rank, or the run hangs)."""
     row: dict = {"row": name}
     if device == "cuda":
@@ -256,7 +268,7 @@ def run_row(name: str, config: TorchGPTConfig, batches: list[torch.Tensor], warm
         torch.cuda.reset_peak_memory_stats()
     step = None
     try:
-        step = build_row(name, config, device, mesh)
+        step = build_row(name, config, device, mesh, blocks_per_unit)
         profile_file = None
         if profile_dir is not None and dist.get_rank() == 0:
             profile_dir.mkdir(parents=True, exist_ok=True)
@@ -352,9 +364,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="cpu: gloo, for smoke tests of the script (times mean nothing)")
     parser.add_argument("--profile-dir", type=Path, default=None,
                         help="write each row's top operators (host and GPU time) there")
+    parser.add_argument("--blocks-per-unit", type=int, default=1, metavar="N",
+                        help="shard N consecutive blocks as one FSDP2 unit (default 1: each "
+                             "block); fewer units, fewer hooks and collectives a step")
     parser.add_argument("--host-profile", type=Path, default=None, metavar="DIR",
                         help="per rank: synchronizing calls of a step and a cProfile of one")
     args = parser.parse_args(argv)
+    if args.blocks_per_unit < 1:
+        parser.error(f"--blocks-per-unit must be at least 1, got {args.blocks_per_unit}")
     names = [name for name in args.rows.split(",") if name]
     unknown = [name for name in names if name not in ROWS]
     if unknown:
@@ -383,12 +400,14 @@ def main(argv: list[str] | None = None) -> int:
     env = model_step.environment(device)
     data = {"benchmark": "scale_step", **env, "world_size": world, "preset": args.preset,
             "config": dataclasses.asdict(config), "steps": args.steps, "warmup": args.warmup,
+            "blocks_per_unit": args.blocks_per_unit,
             "rows": []}
     slug = model_step.device_slug(env)
-    out = args.out / f"scale_step_{slug}_{args.preset}_n{world}.json"
+    unit = f"_u{args.blocks_per_unit}" if args.blocks_per_unit > 1 else ""
+    out = args.out / f"scale_step_{slug}_{args.preset}_n{world}{unit}.json"
     for name in names:
         row = run_row(name, config, batches, args.warmup, args.steps, mesh, device,
-                      args.profile_dir, args.host_profile)
+                      args.profile_dir, args.host_profile, args.blocks_per_unit)
         across_ranks(row, device)
         if rank == 0:
             data["rows"].append(row)
