@@ -147,8 +147,8 @@ def build_row(name: str, config: TorchGPTConfig, device: str, mesh,
         if low_precision_gather:
             enable_low_precision_all_gather(model, recipe)
     blocks = list(model.blocks)
-    for block in blocks:
-        if compiled:
+    if compiled:
+        for block in blocks:
             block.compile()
     for first in range(0, len(blocks), blocks_per_unit):
         unit = blocks[first:first + blocks_per_unit]

@@ -86,10 +86,7 @@ def _tile_range(row, M, K, row0, col0, rows, cols, ALIGNED: tl.constexpr):
     origin = row0 * K + col0
     lo = tl.maximum(tl.minimum(tl.load(row + 1) - origin, _INT32_REACH), -1).to(tl.int32)
     hi = tl.maximum(tl.minimum(tl.load(row + 2) - origin, _INT32_REACH), -1).to(tl.int32)
-    columns = K.to(tl.int32)
-    if ALIGNED:  # the host found every K a multiple of 16 (rows of 16-element runs)
-        columns = tl.multiple_of(columns, 16)
-    offsets = rows[:, None] * columns + cols[None, :]
+    offsets = _full_offsets(K, rows, cols, ALIGNED)
     inside = ((rows[:, None] < (M - row0).to(tl.int32)) & (cols[None, :] < (K - col0).to(tl.int32))
               & (offsets >= lo) & (offsets < hi))
     return origin, offsets, inside
@@ -121,9 +118,9 @@ def _interior(row, M, K, row0, col0, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
 
 @triton.jit
 def _full_offsets(K, rows, cols, ALIGNED: tl.constexpr):
-    """int32 offsets rows x cols from a tile's origin, for a tile that needs no mask."""
+    """int32 offsets rows x cols from a tile's origin (rows of K elements)."""
     columns = K.to(tl.int32)
-    if ALIGNED:
+    if ALIGNED:  # the host found every K a multiple of 16 (rows of 16-element runs)
         columns = tl.multiple_of(columns, 16)
     return rows[:, None] * columns + cols[None, :]
 

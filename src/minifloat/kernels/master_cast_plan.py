@@ -229,28 +229,31 @@ class PartialCastPlan:
         extra = ({"CHUNK": BLOCK_CHUNK} if self.kind == "block"
                  else {"BLOCK": FLAT_BLOCK} if self.kind in PER_TENSOR
                  else {"COLUMNS": TILE_COLUMNS[self.kind]})
-        if self.kind == "block":  # tile maxima (int32 bits), and the codes of interior tiles
-            launch(kernel, (self.window_programs,), self.master_base, maxima.view(torch.int32),
-                   self.bytes_base, self.table, self.window_starts, self.count,
-                   self.amax_epsilon, BF16_BITS=self.bf16_bits, STEPS=self.steps,
-                   FIELDS=FIELDS, ALIGNED=self.aligned, num_warps=NUM_WARPS,
-                   POW2=self.power_2_scale, OVERFLOW_BITS=dtype_max_bits(torch.float32),
-                   HW_CAST=hw, **extra)
-            return
-        if self.kind == "mxfp8":  # E8M0 exponents (uint8) of the maxima, and interior codes
+        if self.kind == "mxfp8":  # E8M0 exponents (uint8) of the maxima
+            extra["RECIPROCAL_BITS"] = _reciprocal_bits(fp8_format(self.fp8_dtype).max_value)
+        vector = maxima if self.kind == "mxfp8" else maxima.view(torch.int32)
+        # block FP8 and MXFP8 also write the codes of the tiles inside the range
+        codes = (self.bytes_base,) if self.kind in ("block", "mxfp8") else ()
+        epsilon = (self.amax_epsilon,) if self.kind == "block" else ()
+        launch(kernel, (self.window_programs,), self.master_base, vector, *codes, self.table,
+               self.window_starts, self.count, *epsilon, BF16_BITS=self.bf16_bits,
+               STEPS=self.steps, FIELDS=FIELDS, ALIGNED=self.aligned, num_warps=NUM_WARPS,
+               **extra, **self._code_constexprs(hw))
+
+    def _code_constexprs(self, hw: bool) -> dict:
+        """The constexprs of the kernels that write a block format's codes: the maxima kernel
+        (tiles inside the range) and the cast kernel (the others) take the same ones, so they
+        write the same bytes. Empty for the other formats."""
+        if self.kind == "block":
+            return {"POW2": self.power_2_scale, "OVERFLOW_BITS": dtype_max_bits(torch.float32),
+                    "HW_CAST": hw}
+        if self.kind == "mxfp8":
             mantissa_bits, min_exponent, max_code = (
                 E4M3_CONSTANTS if self.fp8_dtype == torch.float8_e4m3fn else E5M2_CONSTANTS)
-            launch(kernel, (self.window_programs,), self.master_base, maxima, self.bytes_base,
-                   self.table, self.window_starts, self.count, BF16_BITS=self.bf16_bits,
-                   STEPS=self.steps, FIELDS=FIELDS, ALIGNED=self.aligned, num_warps=NUM_WARPS,
-                   RECIPROCAL_BITS=_reciprocal_bits(fp8_format(self.fp8_dtype).max_value),
-                   MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent, MAX_CODE=max_code,
-                   E5M2=self.fp8_dtype == torch.float8_e5m2, HW_CAST=hw, **extra)
-            return
-        launch(kernel, (self.window_programs,), self.master_base, maxima.view(torch.int32),
-               self.table, self.window_starts, self.count, BF16_BITS=self.bf16_bits,
-               STEPS=self.steps, FIELDS=FIELDS, ALIGNED=self.aligned, num_warps=NUM_WARPS,
-               **extra)
+            return {"MANTISSA_BITS": mantissa_bits, "MIN_EXPONENT": min_exponent,
+                    "MAX_CODE": max_code, "E5M2": self.fp8_dtype == torch.float8_e5m2,
+                    "HW_CAST": hw}
+        return {}
 
     def cast(self, reduced: torch.Tensor) -> None:
         """Every scale of every weight, and this rank's elements, from the reduced maxima:
@@ -275,28 +278,23 @@ class PartialCastPlan:
                    E5M2=fp8_dtype == torch.float8_e5m2, POW2=power_2_scale, HW_CAST=hw,
                    **rest)
         elif self.kind == "block":
-            overflow = dtype_max_bits(torch.float32)
+            codes = self._code_constexprs(hw)
             launch(_block_scales_kernel, (self.scale_programs,), self.floats_base,
                    reduced.view(torch.int32), *scales, amax_epsilon, STEPS=self.steps,
-                   FIELDS=FIELDS, BLOCK=SCALE_BLOCK, POW2=power_2_scale,
-                   OVERFLOW_BITS=overflow, num_warps=NUM_WARPS)
+                   FIELDS=FIELDS, BLOCK=SCALE_BLOCK, POW2=codes["POW2"],
+                   OVERFLOW_BITS=codes["OVERFLOW_BITS"], num_warps=NUM_WARPS)
             if self.window_programs:
                 launch(_block_cast_kernel, (self.window_programs,), self.master_base,
                        self.bytes_base, reduced.view(torch.int32), *window,
-                       amax_epsilon, CHUNK=BLOCK_CHUNK, POW2=power_2_scale,
-                       OVERFLOW_BITS=overflow, HW_CAST=hw, **rest)
+                       amax_epsilon, CHUNK=BLOCK_CHUNK, **codes, **rest)
         elif self.kind == "mxfp8":
-            mantissa_bits, min_exponent, max_code = (
-                E4M3_CONSTANTS if fp8_dtype == torch.float8_e4m3fn else E5M2_CONSTANTS)
             launch(_mxfp8_scales_kernel, (self.scale_programs,), self.bytes_base, reduced,
                    *scales, STEPS=self.steps, FIELDS=FIELDS, BLOCK=SCALE_BLOCK,
                    num_warps=NUM_WARPS)
             if self.window_programs:
                 launch(_mxfp8_cast_kernel, (self.window_programs,), self.master_base,
                        self.bytes_base, reduced, *window, COLUMNS=TILE_COLUMNS["mxfp8"],
-                       MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent,
-                       MAX_CODE=max_code, E5M2=fp8_dtype == torch.float8_e5m2, HW_CAST=hw,
-                       **rest)
+                       **self._code_constexprs(hw), **rest)
         else:
             launch(_nvfp4_scales_kernel, (self.scale_programs,), self.bytes_base,
                    self.floats_base, reduced, *scales, STEPS=self.steps, FIELDS=FIELDS,
