@@ -177,25 +177,23 @@ def main(argv=None) -> int:
               mxw(256, 4), mxw(256, 2), mxw(128, 1), mxw(64, 2), mxw(512, 8), mx(32, 128, 2),
           ])
 
-    # ---- block FP8
-    def blkw(w, dims="1D", integer=False, apart=False):  # words kernel (block_fp8_words.py)
-        values = {"WORDS": True, f"WORDS_NUM_WARPS_{dims}": w}
-        if dims == "1D":
-            values["WORDS_APART_1D"] = apart
+    # ---- block FP8 (the one kernel: bf16 read as words; fp32 read as elements)
+    def blk(w, dims="1D", integer=False):
+        values = {f"NUM_WARPS_{dims}": w}
         if integer:
             values["ENV:MINIFLOAT_INTEGER_CAST"] = "1"
-        return (f"words w{w}{' apart' if apart else ''}{' int' if integer else ''}", values)
+        return (f"w{w}{' int' if integer else ''}", values)
 
-    old_1d = ("old rows-first 32/64 w4", {"WORDS": False})
     group("blk/1x128", block_fp8, n * (2 + 2 + 8 / 128),
           lambda: block_fp8.quantize_block_1d(x), [
-              old_1d, blkw(4), blkw(8), blkw(2), blkw(4, apart=True), blkw(8, apart=True),
-              blkw(2, apart=True), blkw(4, integer=True), old_1d,
+              blk(4), blk(8), blk(2), blk(4, integer=True), blk(4),
           ])
     group("blk/128x128", block_fp8, n * 4, lambda: block_fp8.quantize_block_2d(x), [
-        ("old whole tile w8", {"WORDS": False}), blkw(4, "2D"), blkw(8, "2D"), blkw(2, "2D"),
-        blkw(4, "2D", integer=True),
+        blk(4, "2D"), blk(8, "2D"), blk(2, "2D"), blk(4, "2D", integer=True),
     ])
+    x32 = x.float()
+    group("blk/1x128 fp32 in", block_fp8, n * (4 + 2 + 8 / 128),
+          lambda: block_fp8.quantize_block_1d(x32), [blk(4), blk(8)])
 
     # ---- NVFP4 (amax read + cast read; 1 byte of data per element both copies + scales)
     def nv(bm, bk, w, ws):

@@ -2,10 +2,11 @@
 byte in every configuration they can be launched with, not only the default one:
 
 - block FP8: the division-free power-of-two scale and its reciprocal (pow2_scale,
-  pow2_reciprocal) on every class of amax bit pattern; the 1D orders (rows-first with its chunk
-  sizes, whole tile in registers, column chunks first); the 2D kernel's chunk sizes; shapes with
-  partial tiles in either direction, 3D inputs, and adversarial values (NaN, inf, subnormals,
-  +-max, zeros, ties);
+  pow2_reciprocal) on every class of amax bit pattern; the one kernel in each of its modes (bf16
+  read as words or any dtype read as elements; each copy stored as whole words or byte by byte)
+  over shapes with partial tiles in either direction, 3D inputs, unaligned views, forced 64-bit
+  offsets and other warp counts, and adversarial values (NaN, inf, subnormals, +-max, zeros,
+  ties);
 - MXFP8: the direct (reshape-free) columnwise path and the reshaped one over several tile
   shapes (K not a multiple of the tile, several 32-row blocks per tile), both directions alone
   and together.
@@ -156,18 +157,17 @@ def test_pow2_scale_and_reciprocal_match_reference(amax_epsilon, overflow):
 
 
 # ---------------------------------------------------------------------------------------------
-# block FP8 configurations
+# block FP8: the one kernel (block_fp8.block_tile) in each of its modes
 # ---------------------------------------------------------------------------------------------
 
-# (ROWS_FIRST_1D, CHUNK_1D, CAST_CHUNK_1D): rows-first, whole tile, column chunks first
-CONFIGS_1D = [(True, 32, 32), (True, 16, 64), (True, 64, 16), (False, 128, 128),
-              (False, 64, 64)]
-CONFIGS_2D = [128, 64, 16]  # CHUNK_2D
-# partial tiles in both directions, odd sizes, 3D, tiny
-BLOCK_SHAPES = [(132, 260), (6, 9), (129, 8), (2, 3, 132), (4, 1)]
+# (shape, what it exercises with a bf16 input): whole words both ways; M % 4 (transposed copy
+# byte by byte); K % 4 (elements read, rowwise bytes); both odd; 3D; tiny; one word of columns
+BLOCK_SHAPES = [(132, 260), (130, 132), (132, 258), (6, 9), (2, 3, 132), (4, 1), (1, 4), (4, 8)]
 if CUDA:
     BLOCK_SHAPES += [(516, 1000), (1000, 516), (3, 128, 384), (1024, 2048)]
 BLOCK_KINDS = ["nan", "inf", "max", "subnormal", "zeros", "ties"]
+BLOCK_USAGES = [(True, True), (True, False), (False, True)]
+MODES = ("HALVES", "ROW_WORDS", "COL_WORDS")
 
 
 def _expected_block(x, dim, options):
@@ -194,67 +194,95 @@ def _check_block(x, dim, usage, options, what):
             assert got is None, f"{what} {name} was not asked for"
 
 
-def _set_1d(monkeypatch, config):
-    for name, value in zip(("ROWS_FIRST_1D", "CHUNK_1D", "CAST_CHUNK_1D"), config, strict=True):
-        monkeypatch.setattr(block_fp8, name, value)
+def _block_input(shape, kind, dtype, seed):
+    """hard_input, plus an all-zero 128x128 tile (all-zero blocks of both directions) and a row
+    of the dtype's max (an overflowing row and column amax) where the shape has room."""
+    x = hard_input(shape, kind, dtype, seed=seed).reshape(-1, shape[-1])
+    if x.shape[0] >= 128 and x.shape[1] >= 256:
+        x[:128, 128:256] = 0.0
+    if kind == "random" and x.shape[0] > 3:
+        x[3, :] = torch.finfo(dtype).max
+    return x.reshape(shape)
 
 
-@pytest.mark.parametrize("config", CONFIGS_1D, ids=str)
-@pytest.mark.parametrize("shape", BLOCK_SHAPES, ids=str)
-def test_block_1d_configs_random(monkeypatch, config, shape):
-    _set_1d(monkeypatch, config)
-    for i, dtype in enumerate(IN_DTYPES):
-        x = hard_input(shape, "random", dtype, seed=sum(shape) + i)
-        usages = [(True, True), (True, False), (False, True)] if i == 0 else [(True, True)]
-        for usage in usages:
-            _check_block(x, 1, usage, {}, f"1D {config} {shape} {dtype} {usage}")
-        if dtype == torch.bfloat16:
-            _check_block(x, 1, (True, True), {"power_2_scale": False, "amax_epsilon": 1e-3},
-                         f"1D exact-scale {config} {shape} {dtype}")
+@pytest.fixture
+def block_modes(monkeypatch):
+    """The (HALVES, ROW_WORDS, COL_WORDS) of every launch, so a test knows which modes ran."""
+    seen = []
+    real = block_fp8.launch
+
+    def spy(kernel, grid, *args, **constexprs):
+        seen.append(tuple(constexprs[name] for name in MODES))
+        return real(kernel, grid, *args, **constexprs)
+
+    monkeypatch.setattr(block_fp8, "launch", spy)
+    return seen
 
 
-@pytest.mark.parametrize("config", CONFIGS_1D[:3], ids=str)
+@pytest.mark.parametrize("dim", [1, 2], ids=["1d", "2d"])
+@pytest.mark.parametrize("dtype", IN_DTYPES, ids=str)
+def test_block_modes_random(block_modes, dim, dtype):
+    """Every usage, power-of-two and exact scales, with and without epsilon, over shapes that
+    take each mode; a bf16 input covers all of them."""
+    for shape in BLOCK_SHAPES:
+        x = _block_input(shape, "random", dtype, seed=sum(shape) + dim)
+        for usage in BLOCK_USAGES:
+            _check_block(x, dim, usage, {}, f"{dim}D {shape} {dtype} {usage}")
+        _check_block(x, dim, (True, True), {"power_2_scale": False, "amax_epsilon": 1e-3},
+                     f"{dim}D exact-scale eps {shape} {dtype}")
+        _check_block(x, dim, (True, True), {"amax_epsilon": 2.0**-100},
+                     f"{dim}D pow2 eps {shape} {dtype}")
+    modes = set(block_modes)
+    if dtype == torch.bfloat16:
+        assert {(True, True, True), (True, True, False), (False, False, True),
+                (False, False, False)} <= modes, modes
+    else:
+        assert all(not halves for halves, _, _ in modes)
+
+
+@pytest.mark.parametrize("dim", [1, 2], ids=["1d", "2d"])
 @pytest.mark.parametrize("kind", BLOCK_KINDS)
-def test_block_1d_configs_adversarial(monkeypatch, config, kind):
-    _set_1d(monkeypatch, config)
+def test_block_modes_adversarial(dim, kind):
+    """NaN of both signs, infinities, the dtype's max (overflowing scales), subnormal and zero
+    blocks, rounding ties; power-of-two and exact scales; partial tiles in every mode."""
+    shapes = [(132, 260), (130, 129)] + ([(256, 516)] if CUDA else [])
     for dtype in IN_DTYPES:
-        for shape in [(256, 132), (130, 129)] if CUDA else [(130, 129)]:
-            x = hard_input(shape, kind, dtype)
-            _check_block(x, 1, (True, True), {}, f"1D {config} {kind} {shape} {dtype}")
+        for shape in shapes:
+            x = _block_input(shape, kind, dtype, seed=shape[1])
+            _check_block(x, dim, (True, True), {}, f"{dim}D {kind} {shape} {dtype}")
+            _check_block(x, dim, (True, True), {"power_2_scale": False},
+                         f"{dim}D exact {kind} {shape} {dtype}")
 
 
-@pytest.mark.parametrize("config", CONFIGS_2D, ids=str)
-@pytest.mark.parametrize("kind", ["random", *BLOCK_KINDS])
-def test_block_2d_configs(monkeypatch, config, kind):
-    monkeypatch.setattr(block_fp8, "CHUNK_2D", config)
-    shapes = BLOCK_SHAPES if kind == "random" else [(130, 129)]
-    for shape in shapes:
-        x = hard_input(shape, kind, torch.bfloat16, seed=len(shape))
-        for usage in [(True, True), (False, True)]:
-            _check_block(x, 2, usage, {"power_2_scale": kind != "max"},
-                         f"2D {config} {kind} {shape} {usage}")
+def test_block_unaligned_view(block_modes):
+    """A bf16 view that is 4-byte aligned but not 8 is read element by element (same bytes)."""
+    base = hard_input((12, 136), "nan", torch.bfloat16, seed=3).to(DEVICE)
+    view = base.reshape(-1)[2:2 + 8 * 132].view(8, 132)
+    assert view.data_ptr() % 8 != 0 and not block_fp8.reads_halves(view, 132)
+    for dim in (1, 2):
+        _check_block(view, dim, (True, True), {}, f"unaligned {dim}D")
+    assert all(mode == (False, True, True) for mode in block_modes), block_modes
 
 
-@pytest.mark.parametrize("cast_chunk", [16, 64])
-@pytest.mark.parametrize("kind", ["random", "nan", "ties", "subnormal"])
-def test_block_1d_words(monkeypatch, cast_chunk, kind):
-    """The transposed copy as int32 words (WORDS_1D; M % 4 == 0, hinted when M % 16 == 0),
-    with partial tiles in either direction."""
-    monkeypatch.setattr(block_fp8, "WORDS_1D", True)
-    _set_1d(monkeypatch, (True, 32, cast_chunk))
-    for shape in [(132, 260), (256, 132), (4, 9)]:
-        x = hard_input(shape, kind, torch.bfloat16, seed=shape[0])
-        _check_block(x, 1, (True, True), {}, f"words 1D {cast_chunk} {kind} {shape}")
-
-
-def test_wide_offsets(monkeypatch):
-    """64-bit in-tile offsets (forced) through each 1D order and the 2D kernel."""
+def test_block_wide_offsets(monkeypatch):
+    """64-bit in-tile offsets (forced; such tensors are too large to test directly) in the
+    words and the element modes."""
     monkeypatch.setattr(block_fp8, "needs_wide_offsets", lambda *args: True)
-    x = hard_input((132, 260), "nan", torch.bfloat16)
-    for config in CONFIGS_1D[::3]:
-        _set_1d(monkeypatch, config)
-        _check_block(x, 1, (True, True), {}, f"wide 1D {config}")
-    _check_block(x, 2, (True, True), {}, "wide 2D")
+    for shape in ((132, 260), (130, 129)):
+        x = hard_input(shape, "nan", torch.bfloat16)
+        for dim in (1, 2):
+            _check_block(x, dim, (True, True), {}, f"wide {dim}D {shape}")
+
+
+@pytest.mark.parametrize("warps", [2, 8])
+def test_block_warps(monkeypatch, warps):
+    """Other warp counts (the kernel's layouts change with them)."""
+    monkeypatch.setattr(block_fp8, "NUM_WARPS_1D", warps)
+    monkeypatch.setattr(block_fp8, "NUM_WARPS_2D", warps)
+    for shape in ((132, 260), (130, 129)):
+        x = _block_input(shape, "nan", torch.bfloat16, seed=warps)
+        for dim in (1, 2):
+            _check_block(x, dim, (True, True), {}, f"w{warps} {dim}D {shape}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,120 +347,3 @@ def test_mxfp8_configs_adversarial(monkeypatch, config, kind):
             _check_mx(x, (True, True), elem, f"{config} {kind} {dtype} {elem}")
 
 
-# ---------------------------------------------------------------------------------------------
-# block FP8 words kernel (bf16, M and K multiples of 4)
-# ---------------------------------------------------------------------------------------------
-
-from minifloat.kernels import block_fp8_words  # noqa: E402
-
-# partial tiles along either side, several tiles, a 3D view, one word of columns
-WORDS_SHAPES = [(132, 260), (256, 132), (4, 8), (2, 4, 132)]
-if CUDA:
-    WORDS_SHAPES += [(516, 1000), (1024, 2048)]
-WORDS_USAGES = [(True, True), (True, False), (False, True)]
-
-
-def _words_input(shape, kind, seed):
-    """hard_input in bf16, plus an all-zero 128x128 tile (all-zero blocks of both directions)
-    and a row of bf16 max (an overflowing row and column amax) where the shape has room."""
-    x = hard_input(shape, kind, torch.bfloat16, seed=seed).reshape(-1, shape[-1])
-    if x.shape[0] >= 128 and x.shape[1] >= 256:
-        x[:128, 128:256] = 0.0
-    if kind == "random" and x.shape[0] > 3:
-        x[3, :] = torch.finfo(torch.bfloat16).max
-    return x.reshape(shape)
-
-
-@pytest.fixture
-def words_calls(monkeypatch):
-    """Counts launches of the words kernel (so a test knows which kernel served it)."""
-    calls = []
-    real = block_fp8_words.launch_words
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["tile_2d"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(block_fp8_words, "launch_words", spy)
-    return calls
-
-
-@pytest.mark.parametrize("dim", [1, 2])
-@pytest.mark.parametrize("shape", WORDS_SHAPES, ids=str)
-def test_block_words_random(words_calls, dim, shape):
-    """Every usage, power-of-two and exact scales, with and without epsilon."""
-    x = _words_input(shape, "random", seed=sum(shape) + dim)
-    for usage in WORDS_USAGES:
-        _check_block(x, dim, usage, {}, f"words {dim}D {shape} {usage}")
-    _check_block(x, dim, (True, True), {"power_2_scale": False, "amax_epsilon": 1e-3},
-                 f"words {dim}D exact-scale eps {shape}")
-    _check_block(x, dim, (True, True), {"amax_epsilon": 2.0**-100},
-                 f"words {dim}D pow2 eps {shape}")
-    assert words_calls and all(tile_2d == (dim == 2) for tile_2d in words_calls)
-
-
-@pytest.mark.parametrize("dim", [1, 2])
-@pytest.mark.parametrize("kind", BLOCK_KINDS)
-def test_block_words_adversarial(words_calls, dim, kind):
-    """NaN of both signs, infinities, bf16 max (overflowing scales), subnormal and zero blocks,
-    rounding ties, with power-of-two scales (pairs of shapes with partial tiles) and exact
-    scales."""
-    for shape in [(132, 260)] if not CUDA else [(132, 260), (256, 516)]:
-        x = _words_input(shape, kind, seed=shape[1])
-        _check_block(x, dim, (True, True), {}, f"words {dim}D {kind} {shape}")
-        _check_block(x, dim, (True, True), {"power_2_scale": False},
-                     f"words {dim}D exact {kind} {shape}")
-    assert len(words_calls) == 2 * (2 if CUDA else 1)
-
-
-def test_block_words_fallbacks(monkeypatch, words_calls):
-    """The words kernel serves bf16 with M, K % 4 == 0 at 8-byte aligned addresses only; other
-    inputs, WORDS = False and wide offsets take the element kernels, with the same bytes."""
-    base = hard_input((12, 136), "nan", torch.bfloat16, seed=3).to(DEVICE)
-    cases = {
-        "K % 4": base[:, :134].contiguous(),
-        "M % 4": base[:10].contiguous(),
-        "fp16": base.to(torch.float16),
-        "fp32": base.float(),
-        "unaligned": base.reshape(-1)[2:2 + 8 * 132].view(8, 132),
-    }
-    for name, x in cases.items():
-        assert x.is_contiguous()
-        assert not block_fp8_words.takes_words(x.reshape(-1, x.shape[-1]), False), name
-        for dim in (1, 2):
-            _check_block(x, dim, (True, True), {}, f"fallback {name} {dim}D")
-    assert not words_calls
-    aligned = base[:, :132].contiguous()
-    assert block_fp8_words.takes_words(aligned, False)
-    assert not block_fp8_words.takes_words(aligned, True)
-    monkeypatch.setattr(block_fp8, "WORDS", False)
-    for dim in (1, 2):
-        _check_block(aligned.cpu(), dim, (True, True), {}, f"WORDS off {dim}D")
-    monkeypatch.setattr(block_fp8, "WORDS", True)
-    monkeypatch.setattr(block_fp8, "needs_wide_offsets", lambda *args: True)
-    _check_block(aligned.cpu(), 1, (True, True), {}, "wide offsets")
-    assert not words_calls
-
-
-@pytest.mark.parametrize("warps", [2, 8])
-def test_block_words_warps(monkeypatch, words_calls, warps):
-    """Other warp counts (the kernel's layouts change with them)."""
-    monkeypatch.setattr(block_fp8, "WORDS_NUM_WARPS_1D", warps)
-    monkeypatch.setattr(block_fp8, "WORDS_NUM_WARPS_2D", warps)
-    x = _words_input((132, 260), "nan", seed=warps)
-    for dim in (1, 2):
-        _check_block(x, dim, (True, True), {}, f"words w{warps} {dim}D")
-    assert len(words_calls) == 2
-
-
-@pytest.mark.parametrize("warps", [4, 8])
-def test_block_words_apart(monkeypatch, words_calls, warps):
-    """WORDS_APART_1D (the transposed copy unpacks the words again, CUDA only; the interpreter
-    runs the default path): same bytes, every usage, full and partial tiles, NaN blocks."""
-    monkeypatch.setattr(block_fp8, "WORDS_APART_1D", True)
-    monkeypatch.setattr(block_fp8, "WORDS_NUM_WARPS_1D", warps)
-    for shape in ((128, 256), (132, 260)):
-        x = _words_input(shape, "nan", seed=warps + shape[0])
-        for usage in ((True, True), (True, False), (False, True)):
-            _check_block(x, 1, usage, {}, f"words apart w{warps} {shape} {usage}")
-    assert len(words_calls) == 6

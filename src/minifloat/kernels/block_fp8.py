@@ -1,4 +1,4 @@
-"""FP8 block-scaling kernels, DeepSeek style (NUMERICS.md §4): E4M3 elements, 128-long blocks.
+"""FP8 block-scaling kernel, DeepSeek style (NUMERICS.md §4): E4M3 elements, 128-long blocks.
 
 Layouts follow numerics/block_fp8.py exactly (compact scale grids, partial edge blocks scaled by
 the amax of the elements that exist):
@@ -7,15 +7,35 @@ the amax of the elements that exist):
 - 2D: data [M, K], scale_inv [ceil(M/128), ceil(K/128)]; its columnwise copy is the exact
   transpose of both (data [K, M], scale_inv [ceil(K/128), ceil(M/128)]).
 
-Each program owns one aligned 128x128 tile of the [M, K] view, which holds whole blocks of both
-directions, so one program writes both copies and the input crosses HBM once: the 1D kernel
-takes row maxima (rowwise blocks) and column maxima (columnwise blocks) from the same loads; the
-2D kernel takes the tile maximum and stores data and transpose. The 1D tile is swept in 32-row
-chunks to bound registers: each chunk completes its rowwise blocks, and the columnwise copy,
-whose scales need the whole tile, comes from a second sweep that re-reads the tile from cache.
-The 2D kernel holds its whole tile in registers (8 warps). Scales follow numerics.scale_from_amax
-with the input dtype's max as the overflow value (power-of-2 scales by default, computed from
-exponent bits without a division; see pow2_scale).
+One kernel serves every input: `block_tile` quantizes one aligned 128x128 tile of the [M, K]
+view, which holds whole blocks of both directions, so one program writes both copies and the
+input crosses HBM once. The single-tensor launch (`_block_kernel`) and the multi-tensor launch
+(multi_tensor._multi_block_1d_kernel) both call it. Why it is built around words of four
+elements (benchmarks/KERNEL_NOTES.md, "block FP8 words"; the byte-per-register kernels it
+replaced ran at 0.64-0.67 of copy on an H200, issue-bound):
+- the tile is held as four row slices (slice j holds rows 4i + j of quad i), so a thread owns
+  4x4 blocks of elements: rows 4i..4i+3, columns 4w..4w+3 for each (i, w) it holds;
+- rowwise codes leave as int32 words of four columns, transposed codes as int32 words of four
+  rows: each word is assembled in registers by one conversion, only whole words cross shared
+  memory (Triton's layout conversion for the coalesced transposed store);
+- one fp32 product per element and direction (x * scale, exactly the reference's product; 2D
+  shares one product between both directions) and cvt.rn.satfinite.e4m3x2 into the word. No NaN
+  fix-up: a block holding a NaN has scale 1, its NaN product converts to a NaN code (low bits
+  0x7F), and the NaN sign is not part of the contract.
+
+What the input and shape decide (constexprs, chosen by the host):
+- HALVES (bf16, K % 4 == 0, 8-byte aligned): the input is read as int64 words of four bf16 and
+  the maxima are taken halfwise on int32 pairs of magnitudes (max.u16x2 on sm_90), two elements
+  per max; otherwise each of a word's four columns is loaded as its own element tensor (any
+  float dtype, any K) and the maxima are fp32 bit-pattern maxima;
+- ROW_WORDS (K % 4 == 0) / COL_WORDS (M % 4 == 0): whole int32 words can be stored into that
+  copy; otherwise its words are stored byte by byte (odd shapes, decode-sized inputs);
+- MASK_M / MASK_K: the tensor has partial tiles along M / K (masks compiled in only then).
+
+Under the interpreter the same algorithm runs with sat_rne_fp8 standing in for the cvt and plain
+integer maxima for max.u16x2 (both bit-exact), so the interpreter tests check the algorithm.
+Scales follow numerics.scale_from_amax with the input dtype's max as the overflow value
+(power-of-2 scales by default, computed from exponent bits without a division; see pow2_scale).
 """
 
 from __future__ import annotations
@@ -23,60 +43,41 @@ from __future__ import annotations
 import torch
 
 from .fp8_common import (
-    abs_bits,
+    _capability,
     cdiv,
     dtype_max_bits,
     float32_value,
-    fp8_codes,
     hw_cast,
     jit,
     kernel_input,
     needs_wide_offsets,
     reciprocal_rn,
+    sat_rne_fp8,
     scale_from_amax,
     tile_offsets,
     tl,
 )
 from .launch import launch
 
-BLOCK = 128
-# Launch constants, swept on an H100 with the hardware cast (benchmarks/KERNEL_NOTES.md, v2).
-# CHUNK: rows or columns per sweep step (bounds registers, see _tile_1d; CHUNK == BLOCK holds
-# the whole tile). The multi-tensor kernel sweeps block_1d_tile with CHUNK.
-CHUNK = 32
-# 1D tiles that write both copies: ROWS_FIRST_1D sweeps [CHUNK_1D, 128] row chunks (rowwise
-# blocks complete, cast and stored at once, column maxima kept elementwise), then the columnwise
-# copy from a second sweep of [CAST_CHUNK_1D, 128] chunks (from cache); otherwise the older
-# order (column chunks, then the rowwise copy from cache), or with CHUNK_1D = 128 the whole
-# tile in registers. 16384x8192 bf16: rows-first 32/32 w4 0.282 ms, 32/64 0.282, 64/64 0.287;
-# whole tile w8 0.295; column chunks 64 w4 0.341 (all with the division-free scales).
-# v3 (packed E4M3 conversion, _e4m3): 32/64 w4 predicted from SASS (KERNEL_NOTES.md, v3).
-# WORDS_1D (rows-first, M % 4 == 0): the transposed copy as int32 words from four row slices
-# (_columnwise_words) instead of a byte transpose; a variant to time, not the default (its
-# word stores compile to 4-byte STG, the byte path's to 16-byte).
-ROWS_FIRST_1D, CHUNK_1D, CAST_CHUNK_1D, NUM_WARPS_1D = True, 32, 64, 4
-WORDS_1D = False
-# 2D: whole tile in registers with 8 warps 0.201 ms; 64-row chunks 0.235; whole tile w4 0.254.
-CHUNK_2D, NUM_WARPS_2D = 128, 8
-# WORDS (v4): bf16 inputs with M, K % 4 == 0 take block_fp8_words._block_words_kernel (int64
-# words of four bf16 in, int32 words of four codes out in both directions, one load of the tile,
-# halfwise maxima; KERNEL_NOTES.md "block FP8 words"); WORDS_NUM_WARPS_1D / _2D its warps.
-# Other inputs (and WORDS = False) take the element kernels above.
-WORDS = True
-WORDS_NUM_WARPS_1D, WORDS_NUM_WARPS_2D = 4, 4
-# WORDS_APART_1D: the words kernel's 1x128 transposed copy unpacks the bf16 words again instead
-# of reusing the rowwise copy's fp32 (fewer live registers, more instructions; KERNEL_NOTES.md
-# "block FP8 words", 1x128 registers). A variant to time, not the default.
-WORDS_APART_1D = False
-# Four fp32 ($1..$4) to four E4M3 codes in one word ($0, $1's code in the low byte); see _e4m3.
-_E4M3_ASM = ("{ .reg .b16 lo, hi; .reg .b32 c, s, t; "
-             "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
-             "mov.b32 c, {lo, hi}; prmt.b32 s, $1, $2, 0x0073; prmt.b32 t, $3, $4, 0x7300; "
-             "prmt.b32 s, s, t, 0x7610; lop3.b32 $0, c, s, 0x80808080, 0xD8; }")
-_E4M3_ASM = _E4M3_ASM if tl is None else tl.constexpr(_E4M3_ASM)
+BLOCK = 128  # the block length: one tile holds whole blocks of both directions
+TILE = BLOCK if tl is None else tl.constexpr(BLOCK)  # BLOCK inside kernels
+QUADS = BLOCK // 4  # words of four along either side of the tile
+QUADS = QUADS if tl is None else tl.constexpr(QUADS)
+# Warps per program, swept on an H200 (KERNEL_NOTES.md, "block FP8 words").
+NUM_WARPS_1D, NUM_WARPS_2D = 4, 4
+
+# Four fp32 ($1..$4) to the E4M3 codes of one int32 word ($1's code in the low byte).
+_CVT_ASM = ("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }")
+_CVT_ASM = _CVT_ASM if tl is None else tl.constexpr(_CVT_ASM)
 ScaledCopies = tuple[
     torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# scales
+# ---------------------------------------------------------------------------------------------
 
 
 @jit
@@ -131,270 +132,405 @@ def _scale_inv(scale, POW2: tl.constexpr):
     return pow2_reciprocal(scale) if POW2 else reciprocal_rn(scale)
 
 
-@jit
-def _e4m3(y, HW_CAST: tl.constexpr):
-    """E4M3 codes of fp32 y, the sat_rne_fp8 contract (NaN -> 0x7F | sign of y).
-
-    The hardware path does the NaN fix-up inside the conversion's asm, on four packed codes at
-    a time: cvt.rn.satfinite gives every non-NaN y its code with the sign of y already, and a NaN
-    a code whose low seven bits are 0x7F (E4M3 has no other NaN), so copying each y's sign bit
-    into bit 7 of its byte gives exactly fp8_codes' bytes (three byte permutes and one bit
-    select per four codes, where the elementwise fix-up cost about six operations per code
-    and unpacked the four codes to bytes and back)."""
-    if HW_CAST:
-        codes = tl.inline_asm_elementwise(_E4M3_ASM, "=r,r,r,r,r", [y], dtype=tl.uint8,
-                                          is_pure=True, pack=4)
-    else:
-        codes = fp8_codes(y, False, False)
-    return codes
+# ---------------------------------------------------------------------------------------------
+# words: conversion, halfwise maxima, loads and stores
+# ---------------------------------------------------------------------------------------------
 
 
 @jit
 def _e4m3_word(y0, y1, y2, y3, HW_CAST: tl.constexpr):
-    """E4M3 codes of y0..y3 packed little-endian into one int32 (y0 in the low byte), the
-    contract of _e4m3: the same asm with the four values from four tensors."""
+    """int32 word of the E4M3 codes of four fp32 values (y0 in the low byte), the sat_rne_fp8
+    contract up to the NaN sign: two cvt.rn.satfinite in one asm block on CUDA, sat_rne_fp8 per
+    element under the interpreter."""
     if HW_CAST:
-        word = tl.inline_asm_elementwise(_E4M3_ASM, "=r,r,r,r,r", [y0, y1, y2, y3],
+        word = tl.inline_asm_elementwise(_CVT_ASM, "=r,r,r,r,r", [y0, y1, y2, y3],
                                          dtype=tl.int32, is_pure=True, pack=1)
     else:
-        word = (_e4m3(y0, False).to(tl.int32) | (_e4m3(y1, False).to(tl.int32) << 8)
-                | (_e4m3(y2, False).to(tl.int32) << 16) | (_e4m3(y3, False).to(tl.int32) << 24))
+        word = (sat_rne_fp8(y0, False).to(tl.int32)
+                | (sat_rne_fp8(y1, False).to(tl.int32) << 8)
+                | (sat_rne_fp8(y2, False).to(tl.int32) << 16)
+                | (sat_rne_fp8(y3, False).to(tl.int32) << 24))
     return word
 
 
 @jit
-def _columnwise_words(x_tile, col_data_ptr, scale, row0, col0, rows_left, cols_left, M, K,
-                      BLOCK: tl.constexpr, CAST_CHUNK: tl.constexpr, WIDE: tl.constexpr,
-                      HW_CAST: tl.constexpr, WORDS: tl.constexpr):
-    """The transposed copy of a tile as int32 words (M % 4 == 0): each chunk is loaded as four
-    row slices (slice j = rows 4i + j), so the four codes of rows 4i..4i+3 of a column sit in
-    one thread and one conversion packs them in the transposed byte order; only words cross
-    shared memory in Triton's layout conversion for the store, never single bytes. A partial
-    tile ends on a multiple of 4 rows, so words are whole. WORDS > 1: M % 16 == 0 (hints)."""
-    QUARTER: tl.constexpr = CAST_CHUNK // 4
-    tile = tl.arange(0, BLOCK)
-    quads = tl.arange(0, QUARTER)
-    stride = M // 4
-    if WORDS > 1:  # the host found M % 16 == 0: 16-byte aligned rows of words
-        stride = tl.multiple_of(stride, WORDS)
-    words_tile = col_data_ptr.to(tl.pointer_type(tl.int32)) + col0 * stride + row0 // 4
-    if WORDS > 1:  # the pointer cast drops the alignment Triton knew of col_data_ptr
-        words_tile = tl.multiple_of(words_tile, 16)
-    for r in range(BLOCK // CAST_CHUNK):
-        rows = r * CAST_CHUNK + 4 * quads
-        x0, _ = _load_chunk(x_tile, rows, tile, rows_left, cols_left, K, WIDE)
-        x1, _ = _load_chunk(x_tile, rows + 1, tile, rows_left, cols_left, K, WIDE)
-        x2, _ = _load_chunk(x_tile, rows + 2, tile, rows_left, cols_left, K, WIDE)
-        x3, _ = _load_chunk(x_tile, rows + 3, tile, rows_left, cols_left, K, WIDE)
-        s = scale[None, :]
-        words = _e4m3_word(x0 * s, x1 * s, x2 * s, x3 * s, HW_CAST)
-        wq = r * QUARTER + quads
-        mask_w = (4 * wq[:, None] < rows_left) & (tile[None, :] < cols_left)
-        if WIDE:
-            offsets = wq.to(tl.int64)[:, None] + tile.to(tl.int64)[None, :] * stride
-        else:
-            offsets = wq[:, None] + tile[None, :] * stride
-        # stored from its [quads, columns] shape; Triton converts the layout for the
-        # quads-contiguous store (on sm_90 it still emits 4-byte stores, see KERNEL_NOTES v3)
-        tl.store(words_tile + offsets, words, mask=mask_w)
+def _max16(a, b, MAX_U16X2: tl.constexpr):
+    """Halfwise unsigned max of int32 words whose bits 15 and 31 are clear (two magnitudes per
+    word): max.u16x2 on sm_90+, two masked maxima otherwise (interpreter, sm_89)."""
+    if MAX_U16X2:
+        m = tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        m = tl.maximum(a & 0xFFFF, b & 0xFFFF) | tl.maximum(a & 0x7FFF0000, b & 0x7FFF0000)
+    return m
 
 
 @jit
-def _load_chunk(x_tile, rows, cols, rows_left, cols_left, K, WIDE: tl.constexpr):
-    """Tile-local x[rows, cols] as fp32 (zeros past the tensor's edge) and its mask."""
-    mask = (rows[:, None] < rows_left) & (cols[None, :] < cols_left)
-    x = tl.load(x_tile + tile_offsets(rows, cols, K, WIDE), mask=mask, other=0.0)
-    return x.to(tl.float32), mask
+def _max16_hw(a, b):
+    """Combine function of a max.u16x2 reduction."""
+    return _max16(a, b, True)
 
 
 @jit
-def _store_columnwise(data_t_tile, codes, rows, cols, rows_left, cols_left, M,
-                      WIDE: tl.constexpr):
-    """codes[rows, cols] into the transposed [K, M] layout (a register transpose first, so the
-    store runs along M and stays coalesced)."""
-    mask_t = (cols[:, None] < cols_left) & (rows[None, :] < rows_left)
-    tl.store(data_t_tile + tile_offsets(cols, rows, M, WIDE), tl.trans(codes), mask=mask_t)
+def _max16_int(a, b):
+    """Combine function of the plain-integer halfwise reduction."""
+    return _max16(a, b, False)
 
 
 @jit
-def block_1d_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K, pid_m,
-                  pid_k, POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr, ROWWISE: tl.constexpr,
-                  COLUMNWISE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                  WIDE: tl.constexpr, HW_CAST: tl.constexpr):
-    """Quantize tile (pid_m, pid_k) of a row-major [M, K] tensor in 1x128 blocks along K
-    (ROWWISE) and along M into the transposed layout (COLUMNWISE): the multi-tensor kernel's
-    entry, the rows-first order (see _tile_1d) with CHUNK-row chunks in both sweeps."""
-    _tile_1d(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K, pid_m, pid_k,
-             POW2, OVERFLOW_BITS, ROWWISE, COLUMNWISE, BLOCK, CHUNK, CHUNK, True, WIDE, HW_CAST,
-             False)
+def _max16_hw_pairs(a0, a1, b0, b1):
+    """Combine function of a two-tensor max.u16x2 reduction (one shared-memory round)."""
+    return _max16(a0, b0, True), _max16(a1, b1, True)
 
 
 @jit
-def _tile_1d(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K, pid_m,
-             pid_k, POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr, ROWWISE: tl.constexpr,
-             COLUMNWISE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-             CAST_CHUNK: tl.constexpr, ROWS_FIRST: tl.constexpr, WIDE: tl.constexpr,
-             HW_CAST: tl.constexpr, WORDS: tl.constexpr):
-    """One 128x128 tile of the 1D quantization.
+def _max16_int_pairs(a0, a1, b0, b1):
+    """Combine function of a two-tensor plain-integer halfwise reduction."""
+    return _max16(a0, b0, False), _max16(a1, b1, False)
 
-    The tile is walked in chunks to bound register use (a whole 128x128 fp32 tile held across a
-    reduction spills). A [CHUNK, BLOCK] row chunk holds whole rowwise blocks, a [BLOCK, CHUNK]
-    column chunk whole columnwise blocks, so one direction alone is a single sweep. Both
-    directions need a second sweep over the same tile, read back from cache rather than HBM:
-    - ROWS_FIRST: row chunks write the rowwise copy at once and fold their magnitudes into an
-      elementwise running maximum (no cross-thread reduction per chunk); one reduction of it
-      gives the column scales, and a sweep of [CAST_CHUNK, BLOCK] row chunks writes the
-      transposed copy;
-    - otherwise: column chunks write the columnwise copy and gather row maxima, and a second
-      sweep writes the rowwise copy.
+
+@jit
+def _reduce16(pairs, axis: tl.constexpr, MAX_U16X2: tl.constexpr):
+    """Halfwise maxima of a word tensor along `axis`."""
+    return tl.reduce(pairs, axis, _max16_hw) if MAX_U16X2 else tl.reduce(pairs, axis, _max16_int)
+
+
+@jit
+def _halves_amax(pairs):
+    """fp32 bits of the larger bf16 magnitude of each word (both halves folded)."""
+    return tl.maximum(pairs & 0xFFFF, pairs >> 16) << 16
+
+
+@jit
+def _max4(a, b, c, d):
+    return tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+
+
+@jit
+def _mask(row_ok, col_ok, MASKED: tl.constexpr):
+    """The [quad, word] mask of one slice and column (None when the tile is whole)."""
+    mask = None
+    if MASKED:
+        mask = row_ok[:, None] & col_ok[None, :]
+    return mask
+
+
+@jit
+def _when(mask, ON: tl.constexpr):
+    """`mask` where ON (the tile may be partial along its axis), else None: an unmasked access
+    keeps its vector width."""
+    kept = None
+    if ON:
+        kept = mask
+    return kept
+
+
+@jit
+def _load(pointers, mask, MASKED: tl.constexpr):
+    """Values at `pointers`, zeros where masked: a zero cannot raise an amax."""
+    return tl.load(pointers, mask=mask, other=0) if MASKED else tl.load(pointers)
+
+
+@jit
+def _slice(x_tile, row, i, w, K, K_WORDS, cols_left, words_left, row_ok, MASKED: tl.constexpr,
+           HALVES: tl.constexpr, WIDE: tl.constexpr):
+    """Row slice `row` of the tile (rows 4i + row): its four columns 4w + c as fp32, and their
+    magnitudes: HALVES, two int32 words of two bf16 magnitudes (columns 0, 1 and 2, 3); else
+    four int32 fp32 bit patterns (the second pair repeats the first two, unused). Masks along
+    the word axis compare word indices (w < words_left), which Triton can prove constant over a
+    vector; 4 * w < cols_left would cost the 16-byte accesses."""
+    rows = 4 * i + row
+    if HALVES:
+        words = _load(x_tile + tile_offsets(rows, w, K_WORDS, WIDE),
+                      _mask(row_ok, w < words_left, MASKED), MASKED)
+        low = words.to(tl.int32)
+        high = (words >> 32).to(tl.int32)
+        f0 = (low << 16).to(tl.float32, bitcast=True)
+        f1 = (low & -65536).to(tl.float32, bitcast=True)
+        f2 = (high << 16).to(tl.float32, bitcast=True)
+        f3 = (high & -65536).to(tl.float32, bitcast=True)
+        m0 = low & 0x7FFF7FFF
+        m1 = high & 0x7FFF7FFF
+        m2 = m0
+        m3 = m1
+    else:
+        base = x_tile + tile_offsets(rows, 4 * w, K, WIDE)
+        f0 = _load(base, _mask(row_ok, 4 * w < cols_left, MASKED), MASKED).to(tl.float32)
+        f1 = _load(base + 1, _mask(row_ok, 4 * w + 1 < cols_left, MASKED), MASKED).to(tl.float32)
+        f2 = _load(base + 2, _mask(row_ok, 4 * w + 2 < cols_left, MASKED), MASKED).to(tl.float32)
+        f3 = _load(base + 3, _mask(row_ok, 4 * w + 3 < cols_left, MASKED), MASKED).to(tl.float32)
+        m0 = f0.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        m1 = f1.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        m2 = f2.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        m3 = f3.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return f0, f1, f2, f3, m0, m1, m2, m3
+
+
+@jit
+def _row_amax(m0, m1, m2, m3, HALVES: tl.constexpr, MAX_U16X2: tl.constexpr):
+    """fp32 bits of each row's amax in one slice ([QUADS]: along the tile's 128 columns)."""
+    if HALVES:
+        amax = _halves_amax(_reduce16(_max16(m0, m1, MAX_U16X2), 1, MAX_U16X2))
+    else:
+        amax = tl.max(_max4(m0, m1, m2, m3), axis=1)
+    return amax
+
+
+@jit
+def _store_rows(row_words, row_bytes, row, i, w, K, K_WORDS, cols_left, words_left, row_ok, word,
+                MASKED: tl.constexpr, ROW_WORDS: tl.constexpr, WIDE: tl.constexpr):
+    """Rowwise codes of slice `row` (rows 4i + row, columns 4w..4w+3 in each int32 word): whole
+    words (ROW_WORDS, K % 4 == 0), or byte by byte."""
+    rows = 4 * i + row
+    if ROW_WORDS:
+        tl.store(row_words + tile_offsets(rows, w, K_WORDS, WIDE), word,
+                 mask=_mask(row_ok, w < words_left, MASKED))
+    else:
+        base = row_bytes + tile_offsets(rows, 4 * w, K, WIDE)
+        for b in tl.static_range(4):
+            tl.store(base + b, ((word >> (8 * b)) & 0xFF).to(tl.uint8),
+                     mask=_mask(row_ok, 4 * w + b < cols_left, MASKED))
+
+
+@jit
+def _column_offsets(rows, cols, stride, WIDE: tl.constexpr):
+    """rows[:, None] + cols[None, :] * stride: the transposed copy's in-tile offsets."""
+    if WIDE:
+        offsets = rows.to(tl.int64)[:, None] + cols.to(tl.int64)[None, :] * stride
+    else:
+        offsets = rows[:, None] + cols[None, :] * stride
+    return offsets
+
+
+@jit
+def _store_columns(col_words, col_bytes, column, i, w, M, M_WORDS, rows_left, quads_left,
+                   cols_left, word, MASKED: tl.constexpr, COL_WORDS: tl.constexpr,
+                   WIDE: tl.constexpr):
+    """Columnwise codes of columns 4w + column (rows 4i..4i+3 in each int32 word): whole words
+    (COL_WORDS, M % 4 == 0), or byte by byte."""
+    cols = 4 * w + column
+    col_ok = cols < cols_left
+    if COL_WORDS:
+        tl.store(col_words + _column_offsets(i, cols, M_WORDS, WIDE), word,
+                 mask=_mask(i < quads_left, col_ok, MASKED))
+    else:
+        for b in tl.static_range(4):
+            tl.store(col_bytes + _column_offsets(4 * i + b, cols, M, WIDE),
+                     ((word >> (8 * b)) & 0xFF).to(tl.uint8),
+                     mask=_mask(4 * i + b < rows_left, col_ok, MASKED))
+
+
+@jit
+def block_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K, M_WORDS,
+               K_WORDS, pid_m, pid_k, POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr,
+               ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, TILE_2D: tl.constexpr,
+               HALVES: tl.constexpr, ROW_WORDS: tl.constexpr, COL_WORDS: tl.constexpr,
+               MASK_M: tl.constexpr, MASK_K: tl.constexpr, WIDE: tl.constexpr,
+               HW_CAST: tl.constexpr, MAX_U16X2: tl.constexpr):
+    """Quantize tile (pid_m, pid_k) of a row-major [M, K] tensor.
+
+    x_ptr: int64 words [M, K/4] (HALVES) or the elements [M, K]; row_data_ptr: int32 words
+    [M, K/4] (ROW_WORDS) or bytes [M, K]; col_data_ptr: int32 words [K, M/4] (COL_WORDS) or
+    bytes [K, M]. M_WORDS = M // 4 and K_WORDS = K // 4 (passed apart so Triton sees their
+    divisibility). TILE_2D: one scale per tile (quantize_block_2d, the columnwise copy being its
+    exact transpose), else 1x128 blocks along K (rowwise) and along M (columnwise).
     """
-    row0 = pid_m.to(tl.int64) * BLOCK
-    col0 = pid_k.to(tl.int64) * BLOCK
+    MASKED: tl.constexpr = MASK_M or MASK_K
+    tiles_k = tl.cdiv(K, TILE)
+    tiles_m = tl.cdiv(M, TILE)
+    row0 = pid_m.to(tl.int64) * TILE
+    col0 = pid_k.to(tl.int64) * TILE
     # clamped to the tile and narrowed: the masks compare in-tile indices in 32 bits
-    rows_left = tl.minimum(M - row0, BLOCK).to(tl.int32)
-    cols_left = tl.minimum(K - col0, BLOCK).to(tl.int32)
-    x_tile = x_ptr + row0 * K + col0
-    row_tile = row_data_ptr + row0 * K + col0
-    col_tile = col_data_ptr + col0 * M + row0
-    tile = tl.arange(0, BLOCK)
-    chunk = tl.arange(0, CHUNK)
-    k_blocks = tl.cdiv(K, BLOCK)
-    m_blocks = tl.cdiv(M, BLOCK)
-    if ROWWISE and COLUMNWISE and ROWS_FIRST:
-        running = tl.zeros([CHUNK, BLOCK], dtype=tl.int32)
-        for r in range(BLOCK // CHUNK):
-            rows = r * CHUNK + chunk
-            x, mask = _load_chunk(x_tile, rows, tile, rows_left, cols_left, K, WIDE)
-            magnitude = abs_bits(x)  # zero padding cannot raise an amax; NaN dominates
-            running = tl.maximum(running, magnitude)
-            scale = _scale(tl.max(magnitude, axis=1), eps, POW2, OVERFLOW_BITS)
-            tl.store(row_tile + tile_offsets(rows, tile, K, WIDE),
-                     _e4m3(x * scale[:, None], HW_CAST), mask=mask)
-            tl.store(row_si_ptr + (row0 + rows) * k_blocks + pid_k, _scale_inv(scale, POW2),
-                     mask=rows < rows_left)
-        scale = _scale(tl.max(running, axis=0), eps, POW2, OVERFLOW_BITS)
-        tl.store(col_si_ptr + (col0 + tile) * m_blocks + pid_m, _scale_inv(scale, POW2),
-                 mask=tile < cols_left)
-        if WORDS:
-            _columnwise_words(x_tile, col_data_ptr, scale, row0, col0, rows_left, cols_left, M,
-                              K, BLOCK, CAST_CHUNK, WIDE, HW_CAST, WORDS)
+    rows_left = tl.minimum(M - row0, TILE).to(tl.int32)
+    cols_left = tl.minimum(K - col0, TILE).to(tl.int32)
+    # the same in words (meaningful where K resp. M is a multiple of 4)
+    words_left = tl.minimum(K_WORDS - pid_k * QUADS, QUADS).to(tl.int32)
+    quads_left = tl.minimum(M_WORDS - pid_m * QUADS, QUADS).to(tl.int32)
+    i = tl.arange(0, QUADS)  # row quad: rows 4i..4i+3 of the tile
+    w = tl.arange(0, QUADS)  # word column: columns 4w..4w+3 of the tile
+    x_tile = x_ptr + row0 * K_WORDS + pid_k * QUADS if HALVES else x_ptr + row0 * K + col0
+    if COL_WORDS:  # M % 4 == 0: a row quad is whole or absent, one mask for its four rows
+        ok0 = i < quads_left
+        ok1 = ok0
+        ok2 = ok0
+        ok3 = ok0
+    else:
+        ok0 = 4 * i < rows_left
+        ok1 = 4 * i + 1 < rows_left
+        ok2 = 4 * i + 2 < rows_left
+        ok3 = 4 * i + 3 < rows_left
+    f00, f01, f02, f03, m00, m01, m02, m03 = _slice(
+        x_tile, 0, i, w, K, K_WORDS, cols_left, words_left, ok0, MASKED, HALVES, WIDE)
+    f10, f11, f12, f13, m10, m11, m12, m13 = _slice(
+        x_tile, 1, i, w, K, K_WORDS, cols_left, words_left, ok1, MASKED, HALVES, WIDE)
+    f20, f21, f22, f23, m20, m21, m22, m23 = _slice(
+        x_tile, 2, i, w, K, K_WORDS, cols_left, words_left, ok2, MASKED, HALVES, WIDE)
+    f30, f31, f32, f33, m30, m31, m32, m33 = _slice(
+        x_tile, 3, i, w, K, K_WORDS, cols_left, words_left, ok3, MASKED, HALVES, WIDE)
+
+    # scales: the tile's (2D); per row of each slice ([QUADS] each) and per column 4w + c
+    if TILE_2D:
+        if HALVES:
+            pairs = _max16(_max16(_max16(m00, m01, MAX_U16X2), _max16(m10, m11, MAX_U16X2),
+                                  MAX_U16X2),
+                           _max16(_max16(m20, m21, MAX_U16X2), _max16(m30, m31, MAX_U16X2),
+                                  MAX_U16X2), MAX_U16X2)
+            amax = _halves_amax(_reduce16(_reduce16(pairs, 1, MAX_U16X2), 0, MAX_U16X2))
         else:
-            for r in range(BLOCK // CAST_CHUNK):
-                rows = r * CAST_CHUNK + tl.arange(0, CAST_CHUNK)
-                x, mask = _load_chunk(x_tile, rows, tile, rows_left, cols_left, K, WIDE)
-                _store_columnwise(col_tile, _e4m3(x * scale[None, :], HW_CAST), rows,
-                                  tile, rows_left, cols_left, M, WIDE)
-    elif CHUNK == BLOCK:
-        # whole tile in registers: one load, both maxima, both casts (no re-read)
-        x, mask = _load_chunk(x_tile, tile, tile, rows_left, cols_left, K, WIDE)
-        magnitude = abs_bits(x)
-        if ROWWISE:
-            scale = _scale(tl.max(magnitude, axis=1), eps, POW2, OVERFLOW_BITS)
-            tl.store(row_tile + tile_offsets(tile, tile, K, WIDE),
-                     _e4m3(x * scale[:, None], HW_CAST), mask=mask)
-            tl.store(row_si_ptr + (row0 + tile) * k_blocks + pid_k, _scale_inv(scale, POW2),
-                     mask=tile < rows_left)
-        if COLUMNWISE:
-            scale = _scale(tl.max(magnitude, axis=0), eps, POW2, OVERFLOW_BITS)
-            _store_columnwise(col_tile, _e4m3(x * scale[None, :], HW_CAST), tile,
-                              tile, rows_left, cols_left, M, WIDE)
-            tl.store(col_si_ptr + (col0 + tile) * m_blocks + pid_m, _scale_inv(scale, POW2),
-                     mask=tile < cols_left)
-    elif COLUMNWISE:
-        row_amax = tl.zeros([BLOCK], dtype=tl.int32)
-        for c in range(BLOCK // CHUNK):
-            cols = c * CHUNK + chunk
-            x, mask = _load_chunk(x_tile, tile, cols, rows_left, cols_left, K, WIDE)
-            magnitude = abs_bits(x)
-            if ROWWISE:
-                row_amax = tl.maximum(row_amax, tl.max(magnitude, axis=1))
-            scale = _scale(tl.max(magnitude, axis=0), eps, POW2, OVERFLOW_BITS)
-            _store_columnwise(col_tile, _e4m3(x * scale[None, :], HW_CAST), tile, cols,
-                              rows_left, cols_left, M, WIDE)
-            tl.store(col_si_ptr + (col0 + cols) * m_blocks + pid_m, _scale_inv(scale, POW2),
-                     mask=cols < cols_left)
-        if ROWWISE:
-            scale = _scale(row_amax, eps, POW2, OVERFLOW_BITS)
-            for c in range(BLOCK // CHUNK):
-                cols = c * CHUNK + chunk
-                x, mask = _load_chunk(x_tile, tile, cols, rows_left, cols_left, K, WIDE)
-                tl.store(row_tile + tile_offsets(tile, cols, K, WIDE),
-                         _e4m3(x * scale[:, None], HW_CAST), mask=mask)
-            tl.store(row_si_ptr + (row0 + tile) * k_blocks + pid_k, _scale_inv(scale, POW2),
-                     mask=tile < rows_left)
-    else:
-        for r in range(BLOCK // CHUNK):
-            rows = r * CHUNK + chunk
-            x, mask = _load_chunk(x_tile, rows, tile, rows_left, cols_left, K, WIDE)
-            scale = _scale(tl.max(abs_bits(x), axis=1), eps, POW2, OVERFLOW_BITS)
-            tl.store(row_tile + tile_offsets(rows, tile, K, WIDE),
-                     _e4m3(x * scale[:, None], HW_CAST), mask=mask)
-            tl.store(row_si_ptr + (row0 + rows) * k_blocks + pid_k, _scale_inv(scale, POW2),
-                     mask=rows < rows_left)
-
-
-@jit
-def _block_1d_kernel(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K,
-                     POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr, ROWWISE: tl.constexpr,
-                     COLUMNWISE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                     CAST_CHUNK: tl.constexpr, ROWS_FIRST: tl.constexpr, WIDE: tl.constexpr,
-                     HW_CAST: tl.constexpr, WORDS: tl.constexpr):
-    pid = tl.program_id(0)
-    tiles_k = tl.cdiv(K, BLOCK)
-    _tile_1d(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K,
-             pid // tiles_k, pid % tiles_k, POW2, OVERFLOW_BITS, ROWWISE, COLUMNWISE, BLOCK,
-             CHUNK, CAST_CHUNK, ROWS_FIRST, WIDE, HW_CAST, WORDS)
-
-
-@jit
-def _block_2d_kernel(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K,
-                     POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr, ROWWISE: tl.constexpr,
-                     COLUMNWISE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                     WIDE: tl.constexpr, HW_CAST: tl.constexpr):
-    """One scale per 128x128 tile: a sweep for the tile amax, a second (from cache) to cast;
-    with CHUNK == BLOCK the whole tile is held in registers (one load)."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK)
-    tiles_k = tl.cdiv(K, BLOCK)
-    pid_m = pid // tiles_k
-    pid_k = pid % tiles_k
-    row0 = pid_m.to(tl.int64) * BLOCK
-    col0 = pid_k.to(tl.int64) * BLOCK
-    rows_left = M - row0
-    cols_left = K - col0
-    x_tile = x_ptr + row0 * K + col0
-    row_tile = row_data_ptr + row0 * K + col0
-    col_tile = col_data_ptr + col0 * M + row0
-    tile = tl.arange(0, BLOCK)
-    chunk = tl.arange(0, CHUNK)
-    if CHUNK == BLOCK:
-        x, mask = _load_chunk(x_tile, tile, tile, rows_left, cols_left, K, WIDE)
-        amax = tl.max(tl.max(abs_bits(x), axis=1), axis=0)
+            every = _max4(_max4(m00, m01, m02, m03), _max4(m10, m11, m12, m13),
+                          _max4(m20, m21, m22, m23), _max4(m30, m31, m32, m33))
+            amax = tl.max(tl.max(every, axis=1), axis=0)
         scale = _scale(amax, eps, POW2, OVERFLOW_BITS)
-        codes = fp8_codes(x * scale, False, HW_CAST)
-        if ROWWISE:
-            tl.store(row_tile + tile_offsets(tile, tile, K, WIDE), codes, mask=mask)
-        if COLUMNWISE:
-            _store_columnwise(col_tile, codes, tile, tile, rows_left, cols_left, M, WIDE)
+        r0 = scale
+        r1 = scale
+        r2 = scale
+        r3 = scale
+        c0 = scale
+        c1 = scale
+        c2 = scale
+        c3 = scale
     else:
-        running = tl.zeros([CHUNK, BLOCK], dtype=tl.int32)
-        for r in range(BLOCK // CHUNK):
-            x, mask = _load_chunk(x_tile, r * CHUNK + chunk, tile, rows_left, cols_left, K, WIDE)
-            running = tl.maximum(running, abs_bits(x))
-        scale = _scale(tl.max(tl.max(running, axis=1), axis=0), eps, POW2, OVERFLOW_BITS)
-        for r in range(BLOCK // CHUNK):
-            rows = r * CHUNK + chunk
-            x, mask = _load_chunk(x_tile, rows, tile, rows_left, cols_left, K, WIDE)
-            codes = fp8_codes(x * scale, False, HW_CAST)
-            if ROWWISE:
-                tl.store(row_tile + tile_offsets(rows, tile, K, WIDE), codes, mask=mask)
-            if COLUMNWISE:
-                _store_columnwise(col_tile, codes, rows, tile, rows_left, cols_left, M, WIDE)
-    scale_inv = _scale_inv(scale, POW2)
+        if ROWWISE:
+            row_scale0 = _scale(_row_amax(m00, m01, m02, m03, HALVES, MAX_U16X2), eps, POW2,
+                                OVERFLOW_BITS)
+            row_scale1 = _scale(_row_amax(m10, m11, m12, m13, HALVES, MAX_U16X2), eps, POW2,
+                                OVERFLOW_BITS)
+            row_scale2 = _scale(_row_amax(m20, m21, m22, m23, HALVES, MAX_U16X2), eps, POW2,
+                                OVERFLOW_BITS)
+            row_scale3 = _scale(_row_amax(m30, m31, m32, m33, HALVES, MAX_U16X2), eps, POW2,
+                                OVERFLOW_BITS)
+            r0 = row_scale0[:, None]
+            r1 = row_scale1[:, None]
+            r2 = row_scale2[:, None]
+            r3 = row_scale3[:, None]
+        if COLUMNWISE:
+            if HALVES:
+                # column 4w + c: the four slices elementwise, then down the tile (both words of
+                # a pair in one reduction)
+                low = _max16(_max16(m00, m10, MAX_U16X2), _max16(m20, m30, MAX_U16X2),
+                             MAX_U16X2)
+                high = _max16(_max16(m01, m11, MAX_U16X2), _max16(m21, m31, MAX_U16X2),
+                              MAX_U16X2)
+                if MAX_U16X2:
+                    low, high = tl.reduce((low, high), 0, _max16_hw_pairs)
+                else:
+                    low, high = tl.reduce((low, high), 0, _max16_int_pairs)
+                a0 = low << 16
+                a1 = low & -65536
+                a2 = high << 16
+                a3 = high & -65536
+            else:
+                a0 = tl.max(_max4(m00, m10, m20, m30), axis=0)
+                a1 = tl.max(_max4(m01, m11, m21, m31), axis=0)
+                a2 = tl.max(_max4(m02, m12, m22, m32), axis=0)
+                a3 = tl.max(_max4(m03, m13, m23, m33), axis=0)
+            col_scale0 = _scale(a0, eps, POW2, OVERFLOW_BITS)
+            col_scale1 = _scale(a1, eps, POW2, OVERFLOW_BITS)
+            col_scale2 = _scale(a2, eps, POW2, OVERFLOW_BITS)
+            col_scale3 = _scale(a3, eps, POW2, OVERFLOW_BITS)
+            c0 = col_scale0[None, :]
+            c1 = col_scale1[None, :]
+            c2 = col_scale2[None, :]
+            c3 = col_scale3[None, :]
+
     if ROWWISE:
-        tl.store(row_si_ptr + pid_m * tiles_k + pid_k, scale_inv)
+        row_words = row_data_ptr + row0 * K_WORDS + pid_k * QUADS
+        row_bytes = row_data_ptr + row0 * K + col0
+        _store_rows(row_words, row_bytes, 0, i, w, K, K_WORDS, cols_left, words_left, ok0,
+                    _e4m3_word(f00 * r0, f01 * r0, f02 * r0, f03 * r0, HW_CAST), MASKED,
+                    ROW_WORDS, WIDE)
+        _store_rows(row_words, row_bytes, 1, i, w, K, K_WORDS, cols_left, words_left, ok1,
+                    _e4m3_word(f10 * r1, f11 * r1, f12 * r1, f13 * r1, HW_CAST), MASKED,
+                    ROW_WORDS, WIDE)
+        _store_rows(row_words, row_bytes, 2, i, w, K, K_WORDS, cols_left, words_left, ok2,
+                    _e4m3_word(f20 * r2, f21 * r2, f22 * r2, f23 * r2, HW_CAST), MASKED,
+                    ROW_WORDS, WIDE)
+        _store_rows(row_words, row_bytes, 3, i, w, K, K_WORDS, cols_left, words_left, ok3,
+                    _e4m3_word(f30 * r3, f31 * r3, f32 * r3, f33 * r3, HW_CAST), MASKED,
+                    ROW_WORDS, WIDE)
+        if TILE_2D:
+            tl.store(row_si_ptr + pid_m * tiles_k + pid_k, _scale_inv(scale, POW2))
+        else:
+            si_rows = (row0 + 4 * i) * tiles_k + pid_k
+            tl.store(row_si_ptr + si_rows, _scale_inv(row_scale0, POW2),
+                     mask=_when(ok0, MASK_M))
+            tl.store(row_si_ptr + si_rows + tiles_k, _scale_inv(row_scale1, POW2),
+                     mask=_when(ok1, MASK_M))
+            tl.store(row_si_ptr + si_rows + 2 * tiles_k, _scale_inv(row_scale2, POW2),
+                     mask=_when(ok2, MASK_M))
+            tl.store(row_si_ptr + si_rows + 3 * tiles_k, _scale_inv(row_scale3, POW2),
+                     mask=_when(ok3, MASK_M))
     if COLUMNWISE:
-        tl.store(col_si_ptr + pid_k * tiles_m + pid_m, scale_inv)
+        col_words = col_data_ptr + col0 * M_WORDS + pid_m * QUADS
+        col_bytes = col_data_ptr + col0 * M + row0
+        _store_columns(col_words, col_bytes, 0, i, w, M, M_WORDS, rows_left, quads_left,
+                       cols_left,
+                       _e4m3_word(f00 * c0, f10 * c0, f20 * c0, f30 * c0, HW_CAST), MASKED,
+                       COL_WORDS, WIDE)
+        _store_columns(col_words, col_bytes, 1, i, w, M, M_WORDS, rows_left, quads_left,
+                       cols_left,
+                       _e4m3_word(f01 * c1, f11 * c1, f21 * c1, f31 * c1, HW_CAST), MASKED,
+                       COL_WORDS, WIDE)
+        _store_columns(col_words, col_bytes, 2, i, w, M, M_WORDS, rows_left, quads_left,
+                       cols_left,
+                       _e4m3_word(f02 * c2, f12 * c2, f22 * c2, f32 * c2, HW_CAST), MASKED,
+                       COL_WORDS, WIDE)
+        _store_columns(col_words, col_bytes, 3, i, w, M, M_WORDS, rows_left, quads_left,
+                       cols_left,
+                       _e4m3_word(f03 * c3, f13 * c3, f23 * c3, f33 * c3, HW_CAST), MASKED,
+                       COL_WORDS, WIDE)
+        if TILE_2D:
+            tl.store(col_si_ptr + pid_k * tiles_m + pid_m, _scale_inv(scale, POW2))
+        else:
+            si_cols = (col0 + 4 * w) * tiles_m + pid_m
+            tl.store(col_si_ptr + si_cols, _scale_inv(col_scale0, POW2),
+                     mask=_when(4 * w < cols_left, MASK_K))
+            tl.store(col_si_ptr + si_cols + tiles_m, _scale_inv(col_scale1, POW2),
+                     mask=_when(4 * w + 1 < cols_left, MASK_K))
+            tl.store(col_si_ptr + si_cols + 2 * tiles_m, _scale_inv(col_scale2, POW2),
+                     mask=_when(4 * w + 2 < cols_left, MASK_K))
+            tl.store(col_si_ptr + si_cols + 3 * tiles_m, _scale_inv(col_scale3, POW2),
+                     mask=_when(4 * w + 3 < cols_left, MASK_K))
+
+
+@jit
+def _block_kernel(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K,
+                  M_WORDS, K_WORDS, POW2: tl.constexpr, OVERFLOW_BITS: tl.constexpr,
+                  ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, TILE_2D: tl.constexpr,
+                  HALVES: tl.constexpr, ROW_WORDS: tl.constexpr, COL_WORDS: tl.constexpr,
+                  MASK_M: tl.constexpr, MASK_K: tl.constexpr, WIDE: tl.constexpr,
+                  HW_CAST: tl.constexpr, MAX_U16X2: tl.constexpr):
+    """One 128x128 tile per program (grid: tiles, K fastest); see block_tile."""
+    pid = tl.program_id(0)
+    tiles_k = tl.cdiv(K, TILE)
+    block_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M, K, M_WORDS,
+               K_WORDS, pid // tiles_k, pid % tiles_k, POW2, OVERFLOW_BITS, ROWWISE,
+               COLUMNWISE, TILE_2D, HALVES, ROW_WORDS, COL_WORDS, MASK_M, MASK_K, WIDE,
+               HW_CAST, MAX_U16X2)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------
+
+
+def reads_halves(x: torch.Tensor, k: int) -> bool:
+    """Whether block_tile may read x as int64 words of four bf16 (HALVES): bf16, K % 4 == 0
+    (rows start on words) and 8-byte aligned."""
+    return x.dtype == torch.bfloat16 and k % 4 == 0 and x.data_ptr() % 8 == 0
+
+
+def max_u16x2(x: torch.Tensor) -> bool:
+    """Whether the halfwise maxima may use max.u16x2 (sm_90+, hardware path)."""
+    return hw_cast(x) and _capability(x.device.index or 0) >= (9, 0)
+
+
+def word_view(buffer: torch.Tensor | None, words: bool, stand_in: torch.Tensor) -> torch.Tensor:
+    """A uint8 [rows, cols] output buffer as int32 words [rows, cols / 4] where `words`; a copy
+    not asked for passes `stand_in` (any buffer: the kernel never touches it)."""
+    if buffer is None:
+        return stand_in
+    return buffer.view(torch.int32) if words else buffer
 
 
 def _check(x: torch.Tensor, rowwise: bool, columnwise: bool) -> tuple[int, int]:
@@ -411,9 +547,9 @@ def _check(x: torch.Tensor, rowwise: bool, columnwise: bool) -> tuple[int, int]:
     return x.numel() // k, k
 
 
-def _launch(kernel, x: torch.Tensor, row_grid: tuple[int, int], col_grid: tuple[int, int], *,
-            rowwise: bool, columnwise: bool, power_2_scale: bool, amax_epsilon: float,
-            chunk: int, num_warps: int, words_warps: int, **constexprs) -> ScaledCopies:
+def _launch(x: torch.Tensor, row_grid: tuple[int, int], col_grid: tuple[int, int], *,
+            tile_2d: bool, rowwise: bool, columnwise: bool, power_2_scale: bool,
+            amax_epsilon: float, num_warps: int) -> ScaledCopies:
     m, k = _check(x, rowwise, columnwise)
     device = x.device
 
@@ -427,50 +563,24 @@ def _launch(kernel, x: torch.Tensor, row_grid: tuple[int, int], col_grid: tuple[
     col_data, col_si = buffers(columnwise, (k, m), col_grid)
     present = next(t for t in (row_data, col_data) if t is not None)
     present_si = row_si if row_si is not None else col_si
-    wide = needs_wide_offsets(m, k, BLOCK)
     x2d = x.view(m, k)
-    if WORDS:
-        from . import block_fp8_words  # imports this module: loaded on first use
-
-        if block_fp8_words.takes_words(x2d, wide):
-            block_fp8_words.launch_words(
-                x2d, row_data if row_data is not None else present,
-                row_si if row_si is not None else present_si,
-                col_data if col_data is not None else present,
-                col_si if col_si is not None else present_si, float32_value(amax_epsilon),
-                tile_2d=kernel is _block_2d_kernel, rowwise=rowwise, columnwise=columnwise,
-                power_2_scale=power_2_scale, overflow_bits=dtype_max_bits(x.dtype),
-                num_warps=words_warps)
-            return _views(row_data, row_si, col_data, col_si)
-    grid = (cdiv(m, BLOCK) * cdiv(k, BLOCK),)
+    halves = reads_halves(x2d, k)
+    row_words, col_words = k % 4 == 0, m % 4 == 0
+    hw = hw_cast(x)
     launch(
-        kernel,
-        grid,
-        x,
-        row_data if row_data is not None else present,
+        _block_kernel, (cdiv(m, BLOCK) * cdiv(k, BLOCK),),
+        x2d.view(torch.int64) if halves else x2d,
+        word_view(row_data, row_words, present),
         row_si if row_si is not None else present_si,
-        col_data if col_data is not None else present,
+        word_view(col_data, col_words, present),
         col_si if col_si is not None else present_si,
-        float32_value(amax_epsilon),
-        m,
-        k,
-        POW2=power_2_scale,
-        OVERFLOW_BITS=dtype_max_bits(x.dtype),
-        ROWWISE=rowwise,
-        COLUMNWISE=columnwise,
-        BLOCK=BLOCK,
-        CHUNK=chunk,
-        WIDE=wide,
-        HW_CAST=hw_cast(x),
+        float32_value(amax_epsilon), m, k, m // 4, k // 4,
+        POW2=power_2_scale, OVERFLOW_BITS=dtype_max_bits(x.dtype), ROWWISE=rowwise,
+        COLUMNWISE=columnwise, TILE_2D=tile_2d, HALVES=halves, ROW_WORDS=row_words,
+        COL_WORDS=col_words, MASK_M=m % BLOCK != 0, MASK_K=k % BLOCK != 0,
+        WIDE=needs_wide_offsets(m, k, BLOCK), HW_CAST=hw, MAX_U16X2=max_u16x2(x),
         num_warps=num_warps,
-        **constexprs,
     )
-    return _views(row_data, row_si, col_data, col_si)
-
-
-def _views(row_data: torch.Tensor | None, row_si: torch.Tensor | None,
-           col_data: torch.Tensor | None, col_si: torch.Tensor | None) -> ScaledCopies:
-    """The uint8 data buffers as E4M3 tensors, with their scale grids."""
     e4m3 = torch.float8_e4m3fn
     return (None if row_data is None else row_data.view(e4m3), row_si,
             None if col_data is None else col_data.view(e4m3), col_si)
@@ -491,12 +601,9 @@ def quantize_block_1d(
     numerics.quantize_block_1d and numerics.quantize_block_1d_columnwise.
     """
     m, k = _check(x, rowwise, columnwise)
-    return _launch(_block_1d_kernel, x, (m, cdiv(k, BLOCK)), (k, cdiv(m, BLOCK)),
+    return _launch(x, (m, cdiv(k, BLOCK)), (k, cdiv(m, BLOCK)), tile_2d=False,
                    rowwise=rowwise, columnwise=columnwise, power_2_scale=power_2_scale,
-                   amax_epsilon=amax_epsilon, chunk=CHUNK_1D, num_warps=NUM_WARPS_1D,
-                   words_warps=WORDS_NUM_WARPS_1D,
-                   CAST_CHUNK=CAST_CHUNK_1D, ROWS_FIRST=ROWS_FIRST_1D,
-                   WORDS=(4 if m % 16 == 0 else 1) if WORDS_1D and m % 4 == 0 else 0)
+                   amax_epsilon=amax_epsilon, num_warps=NUM_WARPS_1D)
 
 
 def quantize_block_2d(
@@ -515,7 +622,6 @@ def quantize_block_2d(
     """
     m, k = _check(x, rowwise, columnwise)
     tiles_m, tiles_k = cdiv(m, BLOCK), cdiv(k, BLOCK)
-    return _launch(_block_2d_kernel, x, (tiles_m, tiles_k), (tiles_k, tiles_m),
-                   rowwise=rowwise, columnwise=columnwise, power_2_scale=power_2_scale,
-                   amax_epsilon=amax_epsilon, chunk=CHUNK_2D, num_warps=NUM_WARPS_2D,
-                   words_warps=WORDS_NUM_WARPS_2D)
+    return _launch(x, (tiles_m, tiles_k), (tiles_k, tiles_m), tile_2d=True, rowwise=rowwise,
+                   columnwise=columnwise, power_2_scale=power_2_scale,
+                   amax_epsilon=amax_epsilon, num_warps=NUM_WARPS_2D)

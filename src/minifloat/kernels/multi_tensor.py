@@ -10,7 +10,7 @@ finds the tensor it works on in a device table:
   then the running count of programs owned by the tensors before it;
 - a program finds its tensor by binary search over those running counts, then runs the same
   tile code as the single-tensor kernels (per_tensor_fp8.cast_transpose_tile,
-  block_fp8.block_1d_tile), so the bytes are the single-tensor bytes;
+  block_fp8.block_tile), so the bytes are the single-tensor bytes;
 - outputs live in one flat buffer per kind (data, transpose, scales); each tensor's results are
   views into it (16-byte aligned), which keeps the buffer alive while any view is;
 - offsets and shapes read from the table carry none of the facts Triton specialises a single
@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .block_fp8 import BLOCK, block_1d_tile
+from .block_fp8 import BLOCK, NUM_WARPS_1D, TILE, block_tile, max_u16x2, word_view
 from .fp8_common import (
     abs_bits,
     cdiv,
@@ -61,7 +61,6 @@ SCALE_ALIGN = tl.constexpr(ALIGN // 4) if tl is not None else ALIGN // 4
 # cast tiles: small tensors favour small tiles (more programs); 4 warps keep registers low
 TILE_M = 64
 TILE_K = 64
-CHUNK = 32  # block FP8 1D: tile swept in 32-wide chunks (see block_fp8.block_1d_tile)
 
 
 @jit
@@ -169,25 +168,45 @@ def _multi_block_1d_kernel(x_base, row_data_base, row_si_base, col_data_base, co
                            table_ptr, starts_ptr, eps, n, POW2: tl.constexpr,
                            OVERFLOW_BITS: tl.constexpr, ROWWISE: tl.constexpr,
                            COLUMNWISE: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
-                           BLOCK: tl.constexpr, CHUNK: tl.constexpr, WIDE: tl.constexpr,
-                           HW_CAST: tl.constexpr, X_DIVISOR: tl.constexpr,
+                           HALVES: tl.constexpr, ROW_WORDS: tl.constexpr,
+                           COL_WORDS: tl.constexpr, MASK_M: tl.constexpr,
+                           MASK_K: tl.constexpr, WIDE: tl.constexpr, HW_CAST: tl.constexpr,
+                           MAX_U16X2: tl.constexpr, X_DIVISOR: tl.constexpr,
                            M_ALIGNED: tl.constexpr, K_ALIGNED: tl.constexpr):
-    """Data offsets are multiples of ALIGN bytes and scale offsets of ALIGN // 4 floats
-    (_aligned_offsets): hinted unconditionally; the input and M, K as the host found."""
+    """block_fp8.block_tile on each tensor's tiles. HALVES, ROW_WORDS, COL_WORDS and the masks
+    hold for the whole group (the host decides them as quantize_block_1d would for each tensor
+    alone, over all of them). Data offsets are multiples of ALIGN bytes and scale offsets of
+    ALIGN // 4 floats (_aligned_offsets): hinted unconditionally; the input and M, K as the
+    host found. With HALVES the input offsets are counted in int64 words, with ROW_WORDS /
+    COL_WORDS the data offsets in int32 words."""
     pid = tl.program_id(0)
     i = _owner(starts_ptr, pid, n, STEPS)
     row = table_ptr + i * FIELDS
     M, K = _shape(row, WIDE, M_ALIGNED, K_ALIGNED)
+    M_WORDS = M // 4
+    K_WORDS = K // 4
+    if M_ALIGNED:
+        M_WORDS = tl.multiple_of(M_WORDS, 4)
+    if K_ALIGNED:
+        K_WORDS = tl.multiple_of(K_WORDS, 4)
     local = (pid - tl.load(starts_ptr + i)).to(tl.int32)  # < grid size < 2^31
-    tiles_k = tl.cdiv(K, BLOCK)
-    row_data_offset = tl.multiple_of(tl.load(row + 3), DATA_ALIGN)
-    col_data_offset = tl.multiple_of(tl.load(row + 4), DATA_ALIGN)
+    tiles_k = tl.cdiv(K, TILE)
+    x_offset = tl.load(row)
+    if HALVES:
+        x_offset = x_offset // 4
+    if X_DIVISOR > 1:
+        x_offset = tl.multiple_of(x_offset, X_DIVISOR // 4 if HALVES else X_DIVISOR)
+    row_data_offset = tl.load(row + 3) // 4 if ROW_WORDS else tl.load(row + 3)
+    col_data_offset = tl.load(row + 4) // 4 if COL_WORDS else tl.load(row + 4)
+    row_data_offset = tl.multiple_of(row_data_offset, DATA_ALIGN // 4 if ROW_WORDS else DATA_ALIGN)
+    col_data_offset = tl.multiple_of(col_data_offset, DATA_ALIGN // 4 if COL_WORDS else DATA_ALIGN)
     row_si_offset = tl.multiple_of(tl.load(row + 5), SCALE_ALIGN)
     col_si_offset = tl.multiple_of(tl.load(row + 6), SCALE_ALIGN)
-    block_1d_tile(_input_pointer(x_base, row, X_DIVISOR), row_data_base + row_data_offset,
-                  row_si_base + row_si_offset, col_data_base + col_data_offset,
-                  col_si_base + col_si_offset, eps, M, K, local // tiles_k, local % tiles_k,
-                  POW2, OVERFLOW_BITS, ROWWISE, COLUMNWISE, BLOCK, CHUNK, WIDE, HW_CAST)
+    block_tile(x_base + x_offset, row_data_base + row_data_offset, row_si_base + row_si_offset,
+               col_data_base + col_data_offset, col_si_base + col_si_offset, eps, M, K,
+               M_WORDS, K_WORDS, local // tiles_k, local % tiles_k, POW2, OVERFLOW_BITS,
+               ROWWISE, COLUMNWISE, False, HALVES, ROW_WORDS, COL_WORDS, MASK_M, MASK_K, WIDE,
+               HW_CAST, MAX_U16X2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,7 +475,7 @@ def quantize_block_1d_multi(
     table = _upload(rows, (_starts(tile_counts),), device)
 
     def buffer(wanted: bool, total: int, dtype: torch.dtype) -> torch.Tensor | None:
-        return torch.empty(max(total, 1), dtype=dtype, device=device) if wanted else None
+        return torch.empty(max(total, ALIGN), dtype=dtype, device=device) if wanted else None
 
     row_data = buffer(rowwise, data_total, torch.uint8)
     row_si = buffer(rowwise, row_si_total, torch.float32)
@@ -465,11 +484,17 @@ def quantize_block_1d_multi(
     some_data = row_data if row_data is not None else col_data
     some_si = row_si if row_si is not None else col_si
     if sum(tile_counts):
+        # the choices block_fp8.quantize_block_1d makes per tensor, made for the whole group
+        halves = (base.dtype == torch.bfloat16 and base.data_ptr() % 8 == 0
+                  and all(k % 4 == 0 for _, k in shapes)
+                  and all(offset % 4 == 0 for offset in x_offsets))
+        row_words = all(k % 4 == 0 for _, k in shapes)
+        col_words = all(m % 4 == 0 for m, _ in shapes)
         _multi_block_1d_kernel[(sum(tile_counts),)](
-            base,
-            row_data if row_data is not None else some_data,
+            base.view(-1).view(torch.int64) if halves else base,
+            word_view(row_data, row_words, some_data),
             row_si if row_si is not None else some_si,
-            col_data if col_data is not None else some_data,
+            word_view(col_data, col_words, some_data),
             col_si if col_si is not None else some_si,
             table[: n * FIELDS],
             table[n * FIELDS:],
@@ -481,12 +506,16 @@ def quantize_block_1d_multi(
             COLUMNWISE=columnwise,
             STEPS=_search_steps(n),
             FIELDS=FIELDS,
-            BLOCK=BLOCK,
-            CHUNK=CHUNK,
+            HALVES=halves,
+            ROW_WORDS=row_words,
+            COL_WORDS=col_words,
+            MASK_M=any(m % BLOCK for m, _ in shapes),
+            MASK_K=any(k % BLOCK for _, k in shapes),
             WIDE=any(needs_wide_offsets(m, k, BLOCK) for m, k in shapes),
             HW_CAST=hw_cast(tensors[0]),
+            MAX_U16X2=max_u16x2(tensors[0]),
             **_hints(shapes, x_offsets, base.element_size()),
-            num_warps=8,
+            num_warps=NUM_WARPS_1D,
         )
     e4m3 = torch.float8_e4m3fn
     results = []
