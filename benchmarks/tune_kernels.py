@@ -158,21 +158,24 @@ def main(argv=None) -> int:
     group("pt/current", per_tensor_fp8, n * 6,
           lambda: per_tensor_fp8.quantize_current_scaling(x, e4m3), pt_variants)
 
-    # ---- MXFP8 (one read; both copies in [M, K] plus scales; bf16 read as words)
-    def mx(bk, w, ENV_INT=None):
-        values = {"BLOCK_K": bk, "NUM_WARPS": w}
+    # ---- MXFP8 (one read; both copies in [M, K] plus scales)
+    def mx(bm, bk, w, ENV_INT=None):  # v2 element kernel (WORDS off)
+        values = {"BLOCK_M": bm, "BLOCK_K": bk, "NUM_WARPS": w, "WORDS": False}
         if ENV_INT:
             values["ENV:MINIFLOAT_INTEGER_CAST"] = "1"
-        return (f"32x{bk} w{w}{' int' if ENV_INT else ''}", values)
+        return (f"v2 {bm}x{bk} w{w}{' int' if ENV_INT else ''}", values)
+
+    def mxw(bk, w, ENV_INT=None):  # v3 words kernel (bf16; 32-row tiles)
+        values = {"WORDS": True, "WORDS_BLOCK_K": bk, "WORDS_NUM_WARPS": w}
+        if ENV_INT:
+            values["ENV:MINIFLOAT_INTEGER_CAST"] = "1"
+        return (f"words 32x{bk} w{w}{' int' if ENV_INT else ''}", values)
 
     group("mx", mxfp8, n * (2 + 2 + 2 / 32),
           lambda: mxfp8.quantize_mxfp8(x, rowwise=True, columnwise=True), [
-              mx(256, 4), mx(128, 2), mx(128, 2, ENV_INT="1"), mx(64, 1), mx(128, 4),
-              mx(256, 2), mx(128, 1), mx(64, 2), mx(512, 8), mx(256, 4),
+              mx(32, 128, 2), mxw(128, 2), mxw(128, 2, ENV_INT="1"), mxw(64, 1), mxw(128, 4),
+              mxw(256, 4), mxw(256, 2), mxw(128, 1), mxw(64, 2), mxw(512, 8), mx(32, 128, 2),
           ])
-    group("mx/fp32 in", mxfp8, n * (4 + 2 + 2 / 32),
-          lambda: mxfp8.quantize_mxfp8(x.float(), rowwise=True, columnwise=True),
-          [mx(256, 4), mx(128, 2)])
 
     # ---- block FP8 (the one kernel: bf16 read as words; fp32 read as elements)
     def blk(w, dims="1D", integer=False):

@@ -7,9 +7,9 @@ byte in every configuration they can be launched with, not only the default one:
   over shapes with partial tiles in either direction, 3D inputs, unaligned views, forced 64-bit
   offsets and other warp counts, and adversarial values (NaN, inf, subnormals, +-max, zeros,
   ties);
-- MXFP8: the one kernel over several tile widths and warp counts (K not a multiple of the
-  tile), every input dtype (bf16 read as words, fp32 and fp16 as elements), both directions
-  alone and together.
+- MXFP8: the direct (reshape-free) columnwise path and the reshaped one over several tile
+  shapes (K not a multiple of the tile, several 32-row blocks per tile), both directions alone
+  and together.
 
 Runs on CUDA, or on CPU through Triton's interpreter (TRITON_INTERPRET=1); skipped elsewhere.
 """
@@ -289,8 +289,8 @@ def test_block_warps(monkeypatch, warps):
 # MXFP8 configurations
 # ---------------------------------------------------------------------------------------------
 
-# (BLOCK_K, NUM_WARPS): tile widths (K masked where it is not a multiple) and warp counts
-CONFIGS_MX = [(256, 4), (128, 2), (64, 2), (512, 8)]
+# (DIRECT_COLUMNS, BLOCK_M, BLOCK_K); BLOCK_M = 64 takes the reshaped columnwise path
+CONFIGS_MX = [(True, 32, 128), (False, 32, 128), (True, 64, 64), (True, 32, 256)]
 MX_SHAPES = [(32, 32), (96, 160), (64, 288), (2, 32, 96)]
 if CUDA:
     MX_SHAPES += [(1024, 2080), (4, 384, 1024)]
@@ -321,7 +321,7 @@ def _check_mx(x, usage, elem, what):
 
 
 def _set_mx(monkeypatch, config):
-    for name, value in zip(("BLOCK_K", "NUM_WARPS"), config, strict=True):
+    for name, value in zip(("DIRECT_COLUMNS", "BLOCK_M", "BLOCK_K"), config, strict=True):
         monkeypatch.setattr(mxfp8_kernels, name, value)
 
 

@@ -38,7 +38,7 @@ ELEMS = {"e4m3": E4M3, "e5m2": E5M2}
 INPUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 USAGES = {"both": (True, True), "rowwise": (True, False), "columnwise": (False, True)}
 FLT_MAX = torch.finfo(torch.float32).max
-# uneven: K below and past the 256-wide tile, a 3-D tensor, an empty one
+# uneven: K below, at and past the 128-wide tile, a 3-D tensor, an empty one
 SHAPES = [(32, 32), (64, 160), (2, 16, 64), (0, 32), (96, 128), (32, 288)]
 
 
@@ -140,8 +140,7 @@ def test_uneven_tensors_random(dtype, elem, usage, launches):
     xs = [random_tensor(shape, seed=i, dtype=dtype).to(DEVICE) for i, shape in enumerate(SHAPES)]
     rowwise, columnwise = USAGES[usage]
     outs = quantize_mxfp8_multi(xs, dtype=ELEMS[elem], rowwise=rowwise, columnwise=columnwise)
-    # tiles are 32 rows by mxfp8.BLOCK_K (256) columns: one program each
-    assert launches == [1 + 2 + 1 + 0 + 3 + 2], "one launch: one program per tile"
+    assert launches == [1 + 4 + 1 + 0 + 3 + 3], "one launch: one program per tile"
     assert_matches_single_and_reference(xs, outs, ELEMS[elem], rowwise, columnwise)
 
 
@@ -180,7 +179,7 @@ def test_forty_tensors_one_launch(elem, launches):
     whole = random_tensor((sum(splits), 64), seed=99, dtype=torch.bfloat16).to(DEVICE)
     xs += list(torch.split(whole, splits))
     outs = quantize_mxfp8_multi(xs, dtype=ELEMS[elem])
-    tiles = [(m // 32) * -(-k // 256) for m, k in shapes] + [rows // 32 for rows in splits]
+    tiles = [(m // 32) * -(-k // 128) for m, k in shapes] + [rows // 32 for rows in splits]
     assert launches == [sum(tiles)]
     assert_matches_single_and_reference(xs, outs, ELEMS[elem], True, True)
 

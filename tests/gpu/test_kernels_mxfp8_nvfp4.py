@@ -315,40 +315,38 @@ def _words_input(shape, seed):
     return x.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("in_dtype", INPUT_DTYPES, ids=str)
 @pytest.mark.parametrize("words_k", [128, 64, 256])
 @pytest.mark.parametrize("shape", [(32, 32), (64, 160), (64, 288)], ids=str)
-def test_mxfp8_words_kernel_products(monkeypatch, shape, words_k, in_dtype):
-    """Every tile width, masked and unmasked K, each usage and element format, each input dtype
-    (bf16 read as words, fp32 and fp16 as elements), through the CUDA algorithm (fp32 products
-    with exact power-of-two factors, the subnormal 2^-127 included; NaN blocks overwritten per
-    word): under the interpreter EMULATE_PRODUCTS runs it with the integer cast standing in for
-    cvt.rn.satfinite. (The interpreter's own integer path serves the tests above.)"""
-    monkeypatch.setattr(mxfp8_kernels, "BLOCK_K", words_k)
+def test_mxfp8_words_kernel_products(monkeypatch, shape, words_k):
+    """Every tile width, masked and unmasked K, each usage and element format, through the CUDA
+    algorithm (fp32 products with exact power-of-two factors, the subnormal 2^-127 included;
+    NaN blocks overwritten per word; halfwise maxima): under the interpreter EMULATE_PRODUCTS
+    runs it with the integer cast standing in for cvt.rn.satfinite. (The interpreter's own
+    integer path of the words kernel serves every bf16 case of the tests above.)"""
+    monkeypatch.setattr(mxfp8_kernels, "WORDS_BLOCK_K", words_k)
     monkeypatch.setattr(mxfp8_kernels, "EMULATE_PRODUCTS", True)
-    x = _words_input(shape, seed=sum(shape) + words_k).to(in_dtype)
-    assert mxfp8_kernels.reads_halves(x.to(DEVICE)) == (in_dtype == torch.bfloat16)
+    x = _words_input(shape, seed=sum(shape) + words_k)
+    assert mxfp8_kernels._takes_words(x.to(DEVICE))
     for elem, usage in [(E4M3, (True, True)), (E4M3, (True, False)), (E4M3, (False, True)),
                         (E5M2, (True, True))]:
         out, ref = _mxfp8_both(x, elem, *usage)
-        assert_same_buffers(out, ref, f"{shape}/{words_k}/{in_dtype}/{elem}/{usage}.")
+        assert_same_buffers(out, ref, f"{shape}/{words_k}/{elem}/{usage}.")
 
 
-def test_mxfp8_element_mode(monkeypatch):
-    """bf16 is read as words only at 8-byte aligned addresses; an unaligned view (and other
-    dtypes) is read element by element, with the same bytes; and the element mode forced on an
-    aligned bf16 input gives the words mode's bytes."""
+def test_mxfp8_words_fallbacks(monkeypatch):
+    """The words kernel takes bf16 at 8-byte aligned addresses only; other inputs (and WORDS
+    off) take the element kernel, with the same bytes."""
     base = _words_input((64, 160 + 2), seed=5).to(DEVICE)
     shifted = base.flatten()[2:2 + 64 * 160].view(64, 160)  # 4-byte aligned, not 8
     aligned = shifted.clone()
-    assert not mxfp8_kernels.reads_halves(shifted)
-    assert mxfp8_kernels.reads_halves(aligned)
-    assert not mxfp8_kernels.reads_halves(aligned.float())
-    out = mxfp8_kernels.quantize_mxfp8(shifted, rowwise=True, columnwise=True)
-    ref = numerics.quantize_mxfp8(shifted.cpu(), rowwise=True, columnwise=True)
+    assert not mxfp8_kernels._takes_words(shifted)
+    assert mxfp8_kernels._takes_words(aligned)
+    assert not mxfp8_kernels._takes_words(aligned.float())
+    out, ref = _mxfp8_both(shifted.cpu(), E4M3)
     assert_same_buffers(out, ref, "shifted.")
     words = mxfp8_kernels.quantize_mxfp8(aligned, rowwise=True, columnwise=True)
-    monkeypatch.setattr(mxfp8_kernels, "reads_halves", lambda x2d: False)
+    monkeypatch.setattr(mxfp8_kernels, "WORDS", False)
+    assert not mxfp8_kernels._takes_words(aligned)
     elements = mxfp8_kernels.quantize_mxfp8(aligned, rowwise=True, columnwise=True)
     for name in words:
         assert torch.equal(raw(words[name]), raw(elements[name])), name

@@ -8,13 +8,10 @@ Scales are compact (no padding), as numerics stores them. Elements are rounded w
 casts of element_cast (Triton's float8 conversions do not match the contract everywhere) under
 the interpreter, and with cvt.rn.satfinite on CUDA.
 
-One kernel: `mxfp8_tile` quantizes a 32 x BLOCK_K tile, writing four codes per int32 word end
-to end (v3: ~14 SASS instructions an element where the byte-per-register kernel it replaced
-took ~35). The single-tensor launch (_mxfp8_kernel) and the multi-tensor one
-(kernels.mxfp8_multi) both call it. bf16 inputs at 8-byte aligned addresses (the training case)
-are read as int64 words of four elements with halfwise maxima (HALVES); other dtypes and
-unaligned views load each word's four columns as element tensors and take fp32 bit-pattern
-maxima. M and K are multiples of 32, so every copy is stored as whole words.
+Two kernels: bf16 inputs (the training case) take _mxfp8_words_kernel, which moves four
+elements per int64 / int32 word end to end (v3: ~14 SASS instructions an element instead of
+~35); other dtypes and unaligned views take _mxfp8_kernel (mxfp8_tile, shared with the
+multi-tensor kernel).
 
 Imported lazily by the MXFP8 quantizer once `minifloat.kernels.available(x)` holds.
 """
@@ -34,25 +31,43 @@ from .element_cast import (
     FP8_NAN_CODE,
     FP32_INF_BITS,
     expand_blocks,
+    kernel_view,
+    load_as_float,
     magnitude_bits,
     round_to_code,
     sign_bit,
     split_magnitude,
 )
-from .fp8_common import _capability, hw_cast, sat_rne_fp8
+from .element_cast import e8m0_exponent as e8m0_from_amax
+from .fp8_common import _capability, cvt_sat_rne_fp8, hw_cast, sat_rne_fp8
 from .launch import launch
 
-# Tile width and warps (its tile is one 32-row block high). Swept on an H200 (tune_kernels.py
-# --only mx, copy 4168 GB/s): 32x256 w4 0.153 ms (0.853 of copy), 32x256 w2 0.154, 32x128 w2
-# 0.162, 32x128 w4 0.162, 32x64 w2 0.181; the byte-per-register kernel of before 0.235
-# (benchmarks/KERNEL_NOTES.md, "MXFP8 v3").
-BLOCK_K = 256
-NUM_WARPS = 4
+# Tile shape: 32 x 128 elements, 2 warps (64 elements a thread). Swept on an H100 with the
+# hardware cast (benchmarks/KERNEL_NOTES.md): fewer warps per tile won at every tile size
+# (32x128: 0.249 ms with 2 warps, 0.292 with 4, 0.531 with 8); each tile row is 256 bytes of
+# bf16 input.
+BLOCK_M = 32
+BLOCK_K = 128
+NUM_WARPS = 2
+# DIRECT_COLUMNS: with BLOCK_M == 32 a tile holds one columnwise block per column, so its amax is
+# a plain axis-0 max and its scale broadcasts back along axis 0 (no [1, 32, BLOCK_K] reshape):
+# 0.245 ms against 0.248 reshaped (32x128, 2 warps; 1 warp 0.29, 4 warps 0.29, 32x64 w1 0.267).
+# A 4-D [BLOCK_M/32, 32, BLOCK_K/32, 32] view with no reshape at all was 1.4-5x slower.
+DIRECT_COLUMNS = True
+# WORDS (v3): bf16 inputs with BLOCK_M == 32 take _mxfp8_words_kernel, which reads int64 words of
+# four bf16 and writes int32 words of four FP8 codes, so no value is ever a lone byte: the v2
+# kernel spent ~35 SASS instructions an element, most of them unpacking and repacking bytes
+# around the cvt and a per-element NaN fix-up (benchmarks/KERNEL_NOTES.md, "MXFP8 v3").
+# WORDS_BLOCK_K / WORDS_NUM_WARPS are that kernel's tile width and warps (its tile is 32 rows).
+# Swept on an H200 (tune_kernels.py --only mx, copy 4168 GB/s): 32x256 w4 0.153 ms (0.853 of
+# copy), 32x256 w2 0.154, 32x128 w2 0.162, 32x128 w4 0.162, 32x64 w2 0.181; v2 kernel 0.235.
+WORDS = True
+WORDS_BLOCK_K = 256
+WORDS_NUM_WARPS = 4
 # Tests only: run the words kernel's hardware algorithm (fp32 products, per-block NaN words) in
 # the interpreter, with the integer sat_rne_fp8 standing in for the cvt and max.u16x2.
 EMULATE_PRODUCTS = False
 
-INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 E8M0_NAN = tl.constexpr(0xFF)
 E8M0_BIAS = tl.constexpr(127)
 
@@ -86,6 +101,13 @@ def _fp8_codes(
 
 
 @triton.jit
+def _expand_rows(values, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr):
+    """Per-block values [ROWS // BLOCK, COLS] repeated over their BLOCK rows -> [ROWS, COLS]."""
+    repeated = tl.broadcast_to(values[:, None, :], [ROWS // BLOCK, BLOCK, COLS])
+    return tl.reshape(repeated, [ROWS, COLS])
+
+
+@triton.jit
 def _hw_factors(scale_exponent):
     """Per-block fp32 factors (f, h) with x * f * h = x * 2^(127 - e) for the hardware path:
     f = 2^(127 - e) is an fp32 normal for e <= 253; e = 254 (an infinite block amax) takes
@@ -98,8 +120,142 @@ def _hw_factors(scale_exponent):
     return f, h
 
 
+@triton.jit
+def mxfp8_tile(
+    x_ptr,
+    row_data_ptr,
+    row_scale_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    M,
+    K,
+    pid_m,
+    pid_k,
+    BF16_BITS: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
+    MAX_CODE: tl.constexpr,
+    RECIPROCAL_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    E5M2: tl.constexpr,
+    DIRECT_COLUMNS: tl.constexpr,
+):
+    """Tile (pid_m, pid_k) of one [M, K] tensor: rowwise and/or columnwise MXFP8 from a single
+    load of x. Shared by _mxfp8_kernel and the multi-tensor kernel (kernels.mxfp8_multi), so both
+    write the same bytes.
+
+    Addresses are a 64-bit tile origin plus 32-bit offsets inside the tile (BLOCK_M * K < 2^31),
+    which keeps per-element registers low.
+    """
+    row_start = pid_m * BLOCK_M
+    col_start = pid_k * BLOCK_K
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    mask = ((row_start + rows)[:, None] < M) & ((col_start + cols)[None, :] < K)
+    origin = row_start.to(tl.int64) * K + col_start
+    offsets = rows[:, None] * K + cols[None, :]
+    # Masked elements load as 0: they cannot raise a block's amax, and M, K are multiples of 32,
+    # so blocks are either entirely inside the tensor or entirely outside (never stored).
+    x = load_as_float(x_ptr + origin, offsets, mask, BF16_BITS)
+    magnitude = magnitude_bits(x)
+
+    if ROWWISE:
+        runs = tl.reshape(magnitude, [BLOCK_M, BLOCK_K // SCALE_BLOCK, SCALE_BLOCK])
+        block_amax = tl.max(runs, axis=2).to(tl.float32, bitcast=True)
+        scale = e8m0_from_amax(block_amax, RECIPROCAL_BITS)  # [BLOCK_M, BLOCK_K // 32]
+        if HW_CAST:
+            # products exact wherever they are fp32 normals; below that the FP8 result is a
+            # signed zero either way; cvt.rn.satfinite saturates infinities like the reference
+            f, h = _hw_factors(scale)
+            y = x * expand_blocks(f, BLOCK_M, BLOCK_K, SCALE_BLOCK)
+            data = cvt_sat_rne_fp8(y * expand_blocks(h, BLOCK_M, BLOCK_K, SCALE_BLOCK), E5M2)
+        else:
+            element_scale = expand_blocks(scale, BLOCK_M, BLOCK_K, SCALE_BLOCK)
+            data = _fp8_codes(x, element_scale, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
+        tl.store(row_data_ptr + origin + offsets, data, mask=mask)
+        scale_cols = tl.arange(0, BLOCK_K // SCALE_BLOCK)
+        scale_origin = row_start.to(tl.int64) * (K // SCALE_BLOCK) + col_start // SCALE_BLOCK
+        scale_offsets = rows[:, None] * (K // SCALE_BLOCK) + scale_cols[None, :]
+        scale_mask = ((row_start + rows)[:, None] < M) & (
+            (col_start // SCALE_BLOCK + scale_cols)[None, :] < K // SCALE_BLOCK
+        )
+        tl.store(
+            row_scale_ptr + scale_origin + scale_offsets, scale.to(tl.uint8), mask=scale_mask
+        )
+
+    if COLUMNWISE and DIRECT_COLUMNS:  # BLOCK_M == SCALE_BLOCK: one block per column
+        scale = e8m0_from_amax(tl.max(magnitude, axis=0).to(tl.float32, bitcast=True),
+                               RECIPROCAL_BITS)  # [BLOCK_K]
+        if HW_CAST:
+            f, h = _hw_factors(scale)
+            data = cvt_sat_rne_fp8(x * f[None, :] * h[None, :], E5M2)
+        else:
+            data = _fp8_codes(x, scale[None, :], MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
+        tl.store(col_data_ptr + origin + offsets, data, mask=mask)
+        tl.store(col_scale_ptr + (row_start // SCALE_BLOCK).to(tl.int64) * K + col_start + cols,
+                 scale.to(tl.uint8), mask=(col_start + cols) < K)
+    elif COLUMNWISE:
+        runs = tl.reshape(magnitude, [BLOCK_M // SCALE_BLOCK, SCALE_BLOCK, BLOCK_K])
+        block_amax = tl.max(runs, axis=1).to(tl.float32, bitcast=True)
+        scale = e8m0_from_amax(block_amax, RECIPROCAL_BITS)  # [BLOCK_M // 32, BLOCK_K]
+        if HW_CAST:
+            f, h = _hw_factors(scale)
+            y = x * _expand_rows(f, BLOCK_M, BLOCK_K, SCALE_BLOCK)
+            data = cvt_sat_rne_fp8(y * _expand_rows(h, BLOCK_M, BLOCK_K, SCALE_BLOCK), E5M2)
+        else:
+            element_scale = _expand_rows(scale, BLOCK_M, BLOCK_K, SCALE_BLOCK)
+            data = _fp8_codes(x, element_scale, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
+        tl.store(col_data_ptr + origin + offsets, data, mask=mask)
+        scale_rows = tl.arange(0, BLOCK_M // SCALE_BLOCK)
+        scale_origin = (row_start // SCALE_BLOCK).to(tl.int64) * K + col_start
+        scale_offsets = scale_rows[:, None] * K + cols[None, :]
+        scale_mask = ((row_start // SCALE_BLOCK + scale_rows)[:, None] < M // SCALE_BLOCK) & (
+            (col_start + cols)[None, :] < K
+        )
+        tl.store(
+            col_scale_ptr + scale_origin + scale_offsets, scale.to(tl.uint8), mask=scale_mask
+        )
+
+
+@triton.jit
+def _mxfp8_kernel(
+    x_ptr,
+    row_data_ptr,
+    row_scale_ptr,
+    col_data_ptr,
+    col_scale_ptr,
+    M,
+    K,
+    BF16_BITS: tl.constexpr,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
+    MAX_CODE: tl.constexpr,
+    RECIPROCAL_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    HW_CAST: tl.constexpr,
+    E5M2: tl.constexpr,
+    DIRECT_COLUMNS: tl.constexpr,
+):
+    """Grid (M tiles, K tiles): one mxfp8_tile per program."""
+    mxfp8_tile(
+        x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, M, K,
+        tl.program_id(0), tl.program_id(1), BF16_BITS, ROWWISE, COLUMNWISE, MANTISSA_BITS,
+        MIN_EXPONENT, MAX_CODE, RECIPROCAL_BITS, BLOCK_M, BLOCK_K, SCALE_BLOCK, HW_CAST, E5M2,
+        DIRECT_COLUMNS,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
-# words of four elements (32-row tiles)
+# v3: words of four elements (bf16 input, 32-row tiles)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -220,18 +376,7 @@ def _nan_words(words, byte_mask):
 
 
 @triton.jit
-def _magnitude_bits(bits):
-    """|x| as fp32 bits (sign cleared): ordered like the magnitudes, every NaN above inf."""
-    return bits & 0x7FFFFFFF
-
-
-@triton.jit
-def _max4(a, b, c, d):
-    return tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
-
-
-@triton.jit
-def mxfp8_tile(
+def _mxfp8_words_kernel(
     x_ptr,
     row_data_ptr,
     row_scale_ptr,
@@ -239,8 +384,6 @@ def mxfp8_tile(
     col_scale_ptr,
     M,
     K,
-    pid_m,
-    pid_k,
     ROWWISE: tl.constexpr,
     COLUMNWISE: tl.constexpr,
     MANTISSA_BITS: tl.constexpr,
@@ -254,108 +397,73 @@ def mxfp8_tile(
     MAX_U16X2: tl.constexpr,
     E5M2: tl.constexpr,
     MASK_K: tl.constexpr,
-    HALVES: tl.constexpr,
 ):
-    """Tile (pid_m, pid_k), 32 x BLOCK_K, of an [M, K] tensor (M, K multiples of 32): x_ptr is
-    the input as int64 words [M, K/4] of four bf16 (HALVES) or its elements [M, K]; both copies
-    are written as int32 words of four codes (row_data_ptr, col_data_ptr: int32 views [M, K/4]),
-    columnwise scales as int32 words of four (col_scale_ptr: int32 view [M/32, K/4]), rowwise
-    scales as bytes [M, K/32].
+    """Grid (M / 32, K tiles): one 32 x BLOCK_K tile of a bf16 [M, K] tensor, read as int64
+    words of four elements (x_ptr: the input viewed as int64 [M, K/4]); both copies written as
+    int32 words of four codes (row_data_ptr, col_data_ptr: int32 views [M, K/4]), columnwise
+    scales as int32 words of four (col_scale_ptr: int32 view [M/32, K/4]), rowwise scales as
+    bytes [M, K/32].
 
-    Why words: with every code a byte in its own register, unpacked from the cvt's packed
-    result and repacked for the store, with a NaN fix-up per element, the kernel took ~35 SASS
-    instructions an element against ~14 here (counts in KERNEL_NOTES.md). Element c of a word is
-    column 4j + c, so each of the four components is a [32, BLOCK_K / 4] tensor in the layout of
-    the words and every step is elementwise across them.
+    Why words: in the element-wise kernel every code was a byte in its own register, unpacked
+    from the cvt's packed result and repacked for the store, with a NaN fix-up per element:
+    ~35 SASS instructions an element against ~14 here (counts in KERNEL_NOTES.md). Element k of a
+    word is column 4j + k, so each of the four components is a [32, BLOCK_K / 4] tensor in the
+    layout of the loaded words and every step is elementwise across them.
 
     HW_CAST: cvt by inline PTX (CUDA); PRODUCTS: the fp32-product algorithm that cvt needs
     (also run under the interpreter by tests, with an integer stand-in for the cvt);
-    MAX_U16X2: max.u16x2 for the halfwise maxima (HALVES, sm_90+; plain integer ops otherwise).
+    MAX_U16X2: max.u16x2 for the halfwise maxima (sm_90+; plain integer ops otherwise).
 
-    Tiles are exactly one columnwise block high, so no row mask; columns are masked only when
-    K % BLOCK_K != 0 (MASK_K). Addresses are a 64-bit tile origin plus 32-bit in-tile offsets.
+    Tiles are exactly one columnwise block high (M % 32 == 0), so no row mask; columns are
+    masked only when K % BLOCK_K != 0 (MASK_K). Addresses are a 64-bit tile origin plus 32-bit
+    in-tile offsets, as in mxfp8_tile.
     """
     WORDS_K: tl.constexpr = BLOCK_K // 4
     RUNS: tl.constexpr = BLOCK_K // SCALE_BLOCK  # rowwise blocks per tile row
     RUN_WORDS: tl.constexpr = SCALE_BLOCK // 4
     k_words = K // 4
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
     rows = tl.arange(0, SCALE_BLOCK)
     cols = tl.arange(0, WORDS_K)
     origin = (pid_m * SCALE_BLOCK).to(tl.int64) * k_words + pid_k * WORDS_K
     offsets = rows[:, None] * k_words + cols[None, :]
-    col_ok = None
-    mask = None
     if MASK_K:
         col_ok = pid_k * WORDS_K + cols < k_words
         mask = tl.broadcast_to(col_ok[None, :], [SCALE_BLOCK, WORDS_K])
-    if HALVES:
-        if MASK_K:
-            words = tl.load(x_ptr + origin + offsets, mask=mask, other=0)
-        else:
-            words = tl.load(x_ptr + origin + offsets)
-        # |x| of two bf16 per int32 (sign bits cleared): as unsigned 16-bit halves they are
-        # ordered like the values with every NaN above inf, so a halfwise max is torch.amax's
-        # NaN-propagating absolute max, two elements per instruction (max.u16x2 on CUDA)
-        low = words.to(tl.int32) & 0x7FFF7FFF
-        high = (words >> 32).to(tl.int32) & 0x7FFF7FFF
+        words = tl.load(x_ptr + origin + offsets, mask=mask, other=0)
     else:
-        # the four columns of each word as element tensors (fp32 bits), from 4 * (word offset)
-        elements = x_ptr + 4 * origin + 4 * offsets
-        if MASK_K:
-            b0 = tl.load(elements, mask=mask, other=0).to(tl.float32).to(tl.int32, bitcast=True)
-            b1 = tl.load(elements + 1, mask=mask, other=0).to(tl.float32).to(tl.int32,
-                                                                             bitcast=True)
-            b2 = tl.load(elements + 2, mask=mask, other=0).to(tl.float32).to(tl.int32,
-                                                                             bitcast=True)
-            b3 = tl.load(elements + 3, mask=mask, other=0).to(tl.float32).to(tl.int32,
-                                                                             bitcast=True)
-        else:
-            b0 = tl.load(elements).to(tl.float32).to(tl.int32, bitcast=True)
-            b1 = tl.load(elements + 1).to(tl.float32).to(tl.int32, bitcast=True)
-            b2 = tl.load(elements + 2).to(tl.float32).to(tl.int32, bitcast=True)
-            b3 = tl.load(elements + 3).to(tl.float32).to(tl.int32, bitcast=True)
-        m0 = _magnitude_bits(b0)
-        m1 = _magnitude_bits(b1)
-        m2 = _magnitude_bits(b2)
-        m3 = _magnitude_bits(b3)
+        col_ok = None
+        mask = None
+        words = tl.load(x_ptr + origin + offsets)
+    # |x| of two bf16 per int32 (sign bits cleared): as unsigned 16-bit halves they are ordered
+    # like the values with every NaN above inf, so a halfwise max is torch.amax's NaN-propagating
+    # absolute max, two elements per instruction (max.u16x2 on CUDA)
+    low = words.to(tl.int32) & 0x7FFF7FFF
+    high = (words >> 32).to(tl.int32) & 0x7FFF7FFF
 
     if ROWWISE:
-        if HALVES:
-            if MAX_U16X2:
-                pairs = tl.reduce(tl.reshape(_max_u16x2(low, high),
-                                             [SCALE_BLOCK, RUNS, RUN_WORDS]), 2, _max_u16x2)
-            else:
-                pairs = tl.reduce(tl.reshape(_max_halves(low, high),
-                                             [SCALE_BLOCK, RUNS, RUN_WORDS]), 2, _max_halves)
-            amax_bits = tl.maximum(pairs & 0xFFFF, pairs >> 16) << 16
+        if MAX_U16X2:
+            pairs = tl.reduce(tl.reshape(_max_u16x2(low, high), [SCALE_BLOCK, RUNS, RUN_WORDS]),
+                              2, _max_u16x2)
         else:
-            amax_bits = tl.max(tl.reshape(_max4(m0, m1, m2, m3), [SCALE_BLOCK, RUNS, RUN_WORDS]),
-                               axis=2)
-        row_scale = _e8m0(amax_bits.to(tl.float32, bitcast=True), RECIPROCAL_BITS)  # [32, RUNS]
+            pairs = tl.reduce(tl.reshape(_max_halves(low, high), [SCALE_BLOCK, RUNS, RUN_WORDS]),
+                              2, _max_halves)
+        block_amax = (tl.maximum(pairs & 0xFFFF, pairs >> 16) << 16).to(tl.float32, bitcast=True)
+        row_scale = _e8m0(block_amax, RECIPROCAL_BITS)  # [32, RUNS]
     if COLUMNWISE:
-        if HALVES:
-            if MAX_U16X2:
-                low_max, high_max = tl.reduce((low, high), 0, _max_u16x2_pairs)
-            else:
-                low_max, high_max = tl.reduce((low, high), 0, _max_halves_pairs)
-            a0 = low_max << 16
-            a1 = low_max & -65536
-            a2 = high_max << 16
-            a3 = high_max & -65536
+        if MAX_U16X2:
+            low_max, high_max = tl.reduce((low, high), 0, _max_u16x2_pairs)
         else:
-            a0 = tl.max(m0, axis=0)
-            a1 = tl.max(m1, axis=0)
-            a2 = tl.max(m2, axis=0)
-            a3 = tl.max(m3, axis=0)
-        e0 = _e8m0(a0.to(tl.float32, bitcast=True), RECIPROCAL_BITS)  # [WORDS_K]
-        e1 = _e8m0(a1.to(tl.float32, bitcast=True), RECIPROCAL_BITS)
-        e2 = _e8m0(a2.to(tl.float32, bitcast=True), RECIPROCAL_BITS)
-        e3 = _e8m0(a3.to(tl.float32, bitcast=True), RECIPROCAL_BITS)
+            low_max, high_max = tl.reduce((low, high), 0, _max_halves_pairs)
+        e0 = _e8m0((low_max << 16).to(tl.float32, bitcast=True), RECIPROCAL_BITS)  # [WORDS_K]
+        e1 = _e8m0((low_max & -65536).to(tl.float32, bitcast=True), RECIPROCAL_BITS)
+        e2 = _e8m0((high_max << 16).to(tl.float32, bitcast=True), RECIPROCAL_BITS)
+        e3 = _e8m0((high_max & -65536).to(tl.float32, bitcast=True), RECIPROCAL_BITS)
 
-    if HALVES:
-        # the elements as fp32 bits, taken from the words again here (not kept from above), so
-        # the tile stays in registers as words until the casts
-        b0, b1, b2, b3 = _word_floats(words)
+    # the elements as fp32 bits, taken from the words again here (not kept from above), so the
+    # tile stays in registers as words until the casts
+    b0, b1, b2, b3 = _word_floats(words)
     if ROWWISE:
         element_scale = expand_blocks(row_scale, SCALE_BLOCK, WORDS_K, RUN_WORDS)
         if PRODUCTS:
@@ -396,46 +504,13 @@ def mxfp8_tile(
         tl.store(col_scale_ptr + pid_m.to(tl.int64) * k_words + pid_k * WORDS_K + cols,
                  scale_words, mask=col_ok)
 
-
-@triton.jit
-def _mxfp8_kernel(
-    x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, M, K,
-    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, MANTISSA_BITS: tl.constexpr,
-    MIN_EXPONENT: tl.constexpr, MAX_CODE: tl.constexpr, RECIPROCAL_BITS: tl.constexpr,
-    BLOCK_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, HW_CAST: tl.constexpr,
-    PRODUCTS: tl.constexpr, MAX_U16X2: tl.constexpr, E5M2: tl.constexpr, MASK_K: tl.constexpr,
-    HALVES: tl.constexpr,
-):
-    """Grid (M / 32, K tiles): one mxfp8_tile per program."""
-    mxfp8_tile(x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, M, K,
-               tl.program_id(0), tl.program_id(1), ROWWISE, COLUMNWISE, MANTISSA_BITS,
-               MIN_EXPONENT, MAX_CODE, RECIPROCAL_BITS, BLOCK_K, SCALE_BLOCK, HW_CAST, PRODUCTS,
-               MAX_U16X2, E5M2, MASK_K, HALVES)
-
-
-def reads_halves(x2d: torch.Tensor) -> bool:
-    """Whether mxfp8_tile may read x2d as int64 words of four bf16 (HALVES): bf16 at an 8-byte
-    aligned address. Other inputs are read element by element."""
-    return x2d.dtype == torch.bfloat16 and x2d.data_ptr() % 8 == 0
-
-
-def tile_constexprs(x2d: torch.Tensor, dtype: torch.dtype, *, rowwise: bool, columnwise: bool,
-                    mask_k: bool, halves: bool) -> dict:
-    """The constexprs of mxfp8_tile for inputs like x2d and elements of `dtype` (shared by the
-    single- and the multi-tensor launch, which must agree for their bytes to)."""
-    fmt = fp8_format(dtype)
-    mantissa_bits, min_exponent, max_code = (
-        E4M3_CONSTANTS if dtype == torch.float8_e4m3fn else E5M2_CONSTANTS
-    )
-    hw = hw_cast(x2d)
-    return dict(
-        ROWWISE=rowwise, COLUMNWISE=columnwise, MANTISSA_BITS=mantissa_bits,
-        MIN_EXPONENT=min_exponent, MAX_CODE=max_code,
-        RECIPROCAL_BITS=_reciprocal_bits(fmt.max_value), BLOCK_K=BLOCK_K, SCALE_BLOCK=BLOCK,
-        HW_CAST=hw, PRODUCTS=hw or EMULATE_PRODUCTS,
-        MAX_U16X2=halves and hw and _capability(x2d.device.index or 0) >= (9, 0),
-        E5M2=dtype == torch.float8_e5m2, MASK_K=mask_k, HALVES=halves,
-    )
+def _takes_words(x2d: torch.Tensor) -> bool:
+    """Whether _mxfp8_words_kernel serves x2d: bf16 (four elements fill an int64 word), the
+    input 8-byte aligned so it can be read as int64 words, WORDS on and a power-of-two
+    WORDS_BLOCK_K of at least one block. Other inputs take _mxfp8_kernel."""
+    width = WORDS_BLOCK_K
+    return (WORDS and x2d.dtype == torch.bfloat16 and x2d.data_ptr() % 8 == 0
+            and x2d.storage_offset() % 4 == 0 and width >= BLOCK and width & (width - 1) == 0)
 
 
 def _int32_view(buffer: torch.Tensor) -> torch.Tensor:
@@ -453,16 +528,14 @@ def quantize_mxfp8(
     """Drop-in for numerics.quantize_mxfp8 on a contiguous float32/bfloat16/float16 tensor:
     the same dict of buffers (`rowwise_data` [M, K] in `dtype`, `rowwise_scale` [M, K/32] uint8,
     `columnwise_data` [M, K], `columnwise_scale` [M/32, K]), the same bytes, one kernel launch."""
-    fp8_format(dtype)
+    fmt = fp8_format(dtype)
     if not x.is_contiguous():
         raise ValueError("the MXFP8 kernel needs a contiguous input; call .contiguous() first")
-    if x.dtype not in INPUT_DTYPES:
-        raise ValueError(f"the MXFP8 kernel takes float32/bfloat16/float16 inputs, got {x.dtype}")
     x2d = as_2d(x)
     m, k = x2d.shape
     require_divisible((m, k), BLOCK, "MXFP8")
-    if BLOCK * k >= 2**31:  # in-tile offsets are 32-bit (registers); see mxfp8_tile
-        raise ValueError(f"the MXFP8 kernel takes rows of fewer than {2**31 // BLOCK} "
+    if BLOCK_M * k >= 2**31:  # in-tile offsets are 32-bit (registers); see mxfp8_tile
+        raise ValueError(f"the MXFP8 kernel takes rows of fewer than {2**31 // BLOCK_M} "
                          f"elements, got K = {k}; quantize the tensor in column slices")
     device = x.device
     out: dict[str, torch.Tensor] = {}
@@ -477,13 +550,34 @@ def quantize_mxfp8(
         col_scale = torch.empty((m // BLOCK, k), dtype=torch.uint8, device=device)
         out["columnwise_data"], out["columnwise_scale"] = col_data.view(dtype), col_scale
     if out and m * k:
-        halves = reads_halves(x2d)
+        mantissa_bits, min_exponent, max_code = (
+            E4M3_CONSTANTS if dtype == torch.float8_e4m3fn else E5M2_CONSTANTS
+        )
+        if _takes_words(x2d):
+            words_k = WORDS_BLOCK_K
+            hw = hw_cast(x2d)
+            launch(
+                _mxfp8_words_kernel, (m // BLOCK, triton.cdiv(k, words_k)),
+                x2d.view(torch.int64), _int32_view(row_data), row_scale, _int32_view(col_data),
+                _int32_view(col_scale), m, k,
+                ROWWISE=rowwise, COLUMNWISE=columnwise, MANTISSA_BITS=mantissa_bits,
+                MIN_EXPONENT=min_exponent, MAX_CODE=max_code,
+                RECIPROCAL_BITS=_reciprocal_bits(fmt.max_value), BLOCK_K=words_k,
+                SCALE_BLOCK=BLOCK, HW_CAST=hw, PRODUCTS=hw or EMULATE_PRODUCTS,
+                MAX_U16X2=hw and _capability(x.device.index or 0) >= (9, 0),
+                E5M2=dtype == torch.float8_e5m2, MASK_K=k % words_k != 0,
+                num_warps=WORDS_NUM_WARPS,
+            )
+            return out
+        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))
+        x_view, bf16_bits = kernel_view(x2d)
         launch(
-            _mxfp8_kernel, (m // BLOCK, triton.cdiv(k, BLOCK_K)),
-            x2d.view(torch.int64) if halves else x2d, _int32_view(row_data), row_scale,
-            _int32_view(col_data), _int32_view(col_scale), m, k,
-            **tile_constexprs(x2d, dtype, rowwise=rowwise, columnwise=columnwise,
-                              mask_k=k % BLOCK_K != 0, halves=halves),
+            _mxfp8_kernel, grid, x_view, row_data, row_scale, col_data, col_scale, m, k,
+            BF16_BITS=bf16_bits, ROWWISE=rowwise, COLUMNWISE=columnwise,
+            MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent, MAX_CODE=max_code,
+            RECIPROCAL_BITS=_reciprocal_bits(fmt.max_value),
+            BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, SCALE_BLOCK=BLOCK, HW_CAST=hw_cast(x2d),
+            E5M2=dtype == torch.float8_e5m2, DIRECT_COLUMNS=DIRECT_COLUMNS and BLOCK_M == BLOCK,
             num_warps=NUM_WARPS,
         )
     return out

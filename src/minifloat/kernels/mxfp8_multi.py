@@ -10,10 +10,9 @@ copy (pinned host memory, non_blocking; no host sync): per tensor its input offs
 from a base tensor (all inputs share one dtype), M, K and its output offsets, then the running
 count of tiles owned by the tensors before it. A program finds its tensor by binary search over
 those counts and runs kernels.mxfp8.mxfp8_tile, the tile code of the single-tensor kernel, with
-the same tile shape, warps and constexprs (mxfp8.tile_constexprs), so every tensor gets the
-bytes its own `quantize_mxfp8` call (and the numerics reference) gives it. Outputs are views
-into one flat buffer per kind (rowwise and columnwise data and scales); a view keeps its buffer
-alive.
+the same tile shape and warps, so every tensor gets the bytes its own `quantize_mxfp8` call (and
+the numerics reference) gives it. Outputs are views into one flat buffer per kind (rowwise and
+columnwise data and scales); a view keeps its buffer alive.
 
 Imported lazily, like the other kernel modules, once `minifloat.kernels.available` holds.
 """
@@ -29,7 +28,8 @@ import triton.language as tl
 from ..numerics.blocks import as_2d, require_divisible
 from ..numerics.formats import fp8_format
 from ..numerics.mxfp8 import BLOCK
-from .fp8_common import needs_wide_offsets
+from .element_cast import E4M3_CONSTANTS, E5M2_CONSTANTS, kernel_view
+from .fp8_common import hw_cast, needs_wide_offsets
 from .launch import launch
 from .multi_tensor import (
     ALIGN,
@@ -42,7 +42,9 @@ from .multi_tensor import (
     _upload,
     _view,
 )
-from .mxfp8 import BLOCK_K, INPUT_DTYPES, NUM_WARPS, mxfp8_tile, reads_halves, tile_constexprs
+from .mxfp8 import BLOCK_K, BLOCK_M, DIRECT_COLUMNS, NUM_WARPS, _reciprocal_bits, mxfp8_tile
+
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -55,20 +57,19 @@ def _mxfp8_multi_kernel(
     table_ptr,
     starts_ptr,
     n,
+    BF16_BITS: tl.constexpr,
     ROWWISE: tl.constexpr,
     COLUMNWISE: tl.constexpr,
     MANTISSA_BITS: tl.constexpr,
     MIN_EXPONENT: tl.constexpr,
     MAX_CODE: tl.constexpr,
     RECIPROCAL_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     HW_CAST: tl.constexpr,
-    PRODUCTS: tl.constexpr,
-    MAX_U16X2: tl.constexpr,
     E5M2: tl.constexpr,
-    MASK_K: tl.constexpr,
-    HALVES: tl.constexpr,
+    DIRECT_COLUMNS: tl.constexpr,
     STEPS: tl.constexpr,
     FIELDS: tl.constexpr,
     WIDE: tl.constexpr,
@@ -76,10 +77,9 @@ def _mxfp8_multi_kernel(
 ):
     """One tile of one tensor. Table row i: (input offset in elements, M, K, data offset,
     scale offset); rowwise and columnwise buffers share offsets (equal sizes: M*K data bytes,
-    M*K/32 scale bytes). The data buffers and the columnwise scales are int32 views, so their
-    offsets (multiples of 16 bytes) count words here; with HALVES the input is int64 words
-    too. M and K narrow to int32 unless WIDE, as the single-tensor launch passes them.
-    X_ALIGNED: every input offset is a multiple of 16 elements."""
+    M*K/32 scale bytes). M and K narrow to int32 unless WIDE, as the single-tensor launch
+    passes them, so the tile code and its registers are those of _mxfp8_kernel. X_ALIGNED:
+    every input offset is a multiple of 16 elements (inputs as 16-byte aligned as the base)."""
     i = _owner(starts_ptr, tl.program_id(0), n, STEPS)
     row = table_ptr + i * FIELDS
     M = tl.load(row + 1)
@@ -89,25 +89,22 @@ def _mxfp8_multi_kernel(
         K = K.to(tl.int32)
     # Values read from memory carry no divisibility facts; the single-tensor launch gets them
     # from Triton's specialisation (M, K and 16-byte aligned pointers). Without them every
-    # access is scalar (sm_90 compile).
-    M = tl.multiple_of(M, 32)
-    K = tl.multiple_of(K, 32)
+    # access is scalar: twice the registers, with spills (sm_90 compile).
+    M = tl.multiple_of(M, 16)
+    K = tl.multiple_of(K, 16)
     x_offset = tl.load(row)
-    if HALVES:
-        x_offset = x_offset // 4
     if X_ALIGNED:
-        x_offset = tl.multiple_of(x_offset, 4 if HALVES else 16)
-    data_words = tl.multiple_of(tl.load(row + 3) // 4, 4)
-    scale_bytes = tl.multiple_of(tl.load(row + 4), 16)
-    scale_words = tl.multiple_of(scale_bytes // 4, 4)
+        x_offset = tl.multiple_of(x_offset, 16)
+    data_offset = tl.multiple_of(tl.load(row + 3), 16)
+    scale_offset = tl.multiple_of(tl.load(row + 4), 16)
     local = (tl.program_id(0) - tl.load(starts_ptr + i)).to(tl.int32)
     tiles_k = tl.cdiv(K, BLOCK_K)
     mxfp8_tile(
-        x_base + x_offset, row_data_base + data_words, row_scale_base + scale_bytes,
-        col_data_base + data_words, col_scale_base + scale_words, M, K, local // tiles_k,
-        local % tiles_k, ROWWISE, COLUMNWISE, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE,
-        RECIPROCAL_BITS, BLOCK_K, SCALE_BLOCK, HW_CAST, PRODUCTS, MAX_U16X2, E5M2, MASK_K,
-        HALVES,
+        x_base + x_offset, row_data_base + data_offset, row_scale_base + scale_offset,
+        col_data_base + data_offset, col_scale_base + scale_offset, M, K,
+        local // tiles_k, local % tiles_k, BF16_BITS, ROWWISE, COLUMNWISE, MANTISSA_BITS,
+        MIN_EXPONENT, MAX_CODE, RECIPROCAL_BITS, BLOCK_M, BLOCK_K, SCALE_BLOCK, HW_CAST, E5M2,
+        DIRECT_COLUMNS,
     )
 
 
@@ -153,19 +150,20 @@ def quantize_mxfp8_multi(
     """
     if not xs:
         return []
-    fp8_format(dtype)  # rejects a dtype that is not FP8
+    fmt = fp8_format(dtype)
     views = _matrices(xs)
     if not (rowwise or columnwise):
         return [{} for _ in views]
     device, n = views[0].device, len(views)
     shapes = [tuple(v.shape) for v in views]
-    base, x_offsets = _input_offsets(views)
+    inputs = [kernel_view(v)[0] for v in views]
+    base, x_offsets = _input_offsets(inputs)
     data_offsets, data_total = _aligned_offsets([m * k for m, k in shapes], ALIGN)
     scale_offsets, scale_total = _aligned_offsets([m * k // BLOCK for m, k in shapes], ALIGN)
-    tile_counts = [(m // BLOCK) * triton.cdiv(k, BLOCK_K) for m, k in shapes]
+    tile_counts = [triton.cdiv(m, BLOCK_M) * triton.cdiv(k, BLOCK_K) for m, k in shapes]
 
     def buffer(wanted: bool, total: int) -> torch.Tensor | None:
-        return torch.empty(max(total, ALIGN), dtype=torch.uint8, device=device) if wanted else None
+        return torch.empty(max(total, 1), dtype=torch.uint8, device=device) if wanted else None
 
     row_data, row_scale = buffer(rowwise, data_total), buffer(rowwise, scale_total)
     col_data, col_scale = buffer(columnwise, data_total), buffer(columnwise, scale_total)
@@ -176,20 +174,22 @@ def quantize_mxfp8_multi(
         table = _upload(rows, (_starts(tile_counts),), device)
         some_data = row_data if row_data is not None else col_data
         some_scale = row_scale if row_scale is not None else col_scale
-        # what quantize_mxfp8 decides per tensor, decided for the whole group
-        halves = reads_halves(base) and all(offset % 4 == 0 for offset in x_offsets)
+        mantissa_bits, min_exponent, max_code = (
+            E4M3_CONSTANTS if dtype == torch.float8_e4m3fn else E5M2_CONSTANTS
+        )
         launch(
-            _mxfp8_multi_kernel, (total_tiles,),
-            base.view(-1).view(torch.int64) if halves else base,
-            (row_data if row_data is not None else some_data).view(torch.int32),
+            _mxfp8_multi_kernel, (total_tiles,), base,
+            row_data if row_data is not None else some_data,
             row_scale if row_scale is not None else some_scale,
-            (col_data if col_data is not None else some_data).view(torch.int32),
-            (col_scale if col_scale is not None else some_scale).view(torch.int32),
+            col_data if col_data is not None else some_data,
+            col_scale if col_scale is not None else some_scale,
             table[: n * FIELDS], table[n * FIELDS:], n,
-            **tile_constexprs(base, dtype, rowwise=rowwise, columnwise=columnwise,
-                              mask_k=any(k % BLOCK_K for _, k in shapes), halves=halves),
-            STEPS=_search_steps(n), FIELDS=FIELDS,
-            WIDE=any(needs_wide_offsets(m, k, BLOCK) for m, k in shapes),
+            BF16_BITS=views[0].dtype == torch.bfloat16, ROWWISE=rowwise, COLUMNWISE=columnwise,
+            MANTISSA_BITS=mantissa_bits, MIN_EXPONENT=min_exponent, MAX_CODE=max_code,
+            RECIPROCAL_BITS=_reciprocal_bits(fmt.max_value), BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
+            SCALE_BLOCK=BLOCK, HW_CAST=hw_cast(views[0]), E5M2=dtype == torch.float8_e5m2,
+            DIRECT_COLUMNS=DIRECT_COLUMNS and BLOCK_M == BLOCK, STEPS=_search_steps(n),
+            FIELDS=FIELDS, WIDE=any(needs_wide_offsets(m, k, BLOCK_M) for m, k in shapes),
             X_ALIGNED=all(offset % 16 == 0 for offset in x_offsets),
             num_warps=NUM_WARPS,
         )
