@@ -277,10 +277,12 @@ def _row_amax(m0, m1, m2, m3, HALVES: tl.constexpr, MAX_U16X2: tl.constexpr):
 
 
 @jit
-def _store_rows(row_words, row_bytes, row, i, w, K, K_WORDS, cols_left, words_left, row_ok, word,
-                MASKED: tl.constexpr, ROW_WORDS: tl.constexpr, WIDE: tl.constexpr):
-    """Rowwise codes of slice `row` (rows 4i + row, columns 4w..4w+3 in each int32 word): whole
-    words (ROW_WORDS, K % 4 == 0), or byte by byte."""
+def _store_rows(row_words, row_bytes, row, i, w, K, K_WORDS, cols_left, words_left, row_ok,
+                x0, x1, x2, x3, scale, MASKED: tl.constexpr, ROW_WORDS: tl.constexpr,
+                WIDE: tl.constexpr, HW_CAST: tl.constexpr):
+    """Rowwise codes of slice `row` (rows 4i + row; x0..x3 its columns 4w..4w+3, one int32 word
+    of codes each, scaled by `scale`): whole words (ROW_WORDS, K % 4 == 0), or byte by byte."""
+    word = _e4m3_word(x0 * scale, x1 * scale, x2 * scale, x3 * scale, HW_CAST)
     rows = 4 * i + row
     if ROW_WORDS:
         tl.store(row_words + tile_offsets(rows, w, K_WORDS, WIDE), word,
@@ -304,10 +306,11 @@ def _column_offsets(rows, cols, stride, WIDE: tl.constexpr):
 
 @jit
 def _store_columns(col_words, col_bytes, column, i, w, M, M_WORDS, rows_left, quads_left,
-                   cols_left, word, MASKED: tl.constexpr, COL_WORDS: tl.constexpr,
-                   WIDE: tl.constexpr):
-    """Columnwise codes of columns 4w + column (rows 4i..4i+3 in each int32 word): whole words
-    (COL_WORDS, M % 4 == 0), or byte by byte."""
+                   cols_left, x0, x1, x2, x3, scale, MASKED: tl.constexpr,
+                   COL_WORDS: tl.constexpr, WIDE: tl.constexpr, HW_CAST: tl.constexpr):
+    """Columnwise codes of columns 4w + column (x0..x3: rows 4i..4i+3 of it, one int32 word of
+    codes each, scaled by `scale`): whole words (COL_WORDS, M % 4 == 0), or byte by byte."""
+    word = _e4m3_word(x0 * scale, x1 * scale, x2 * scale, x3 * scale, HW_CAST)
     cols = 4 * w + column
     col_ok = cols < cols_left
     if COL_WORDS:
@@ -437,17 +440,13 @@ def block_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M
         row_words = row_data_ptr + row0 * K_WORDS + pid_k * QUADS
         row_bytes = row_data_ptr + row0 * K + col0
         _store_rows(row_words, row_bytes, 0, i, w, K, K_WORDS, cols_left, words_left, ok0,
-                    _e4m3_word(f00 * r0, f01 * r0, f02 * r0, f03 * r0, HW_CAST), MASKED,
-                    ROW_WORDS, WIDE)
+                    f00, f01, f02, f03, r0, MASKED, ROW_WORDS, WIDE, HW_CAST)
         _store_rows(row_words, row_bytes, 1, i, w, K, K_WORDS, cols_left, words_left, ok1,
-                    _e4m3_word(f10 * r1, f11 * r1, f12 * r1, f13 * r1, HW_CAST), MASKED,
-                    ROW_WORDS, WIDE)
+                    f10, f11, f12, f13, r1, MASKED, ROW_WORDS, WIDE, HW_CAST)
         _store_rows(row_words, row_bytes, 2, i, w, K, K_WORDS, cols_left, words_left, ok2,
-                    _e4m3_word(f20 * r2, f21 * r2, f22 * r2, f23 * r2, HW_CAST), MASKED,
-                    ROW_WORDS, WIDE)
+                    f20, f21, f22, f23, r2, MASKED, ROW_WORDS, WIDE, HW_CAST)
         _store_rows(row_words, row_bytes, 3, i, w, K, K_WORDS, cols_left, words_left, ok3,
-                    _e4m3_word(f30 * r3, f31 * r3, f32 * r3, f33 * r3, HW_CAST), MASKED,
-                    ROW_WORDS, WIDE)
+                    f30, f31, f32, f33, r3, MASKED, ROW_WORDS, WIDE, HW_CAST)
         if TILE_2D:
             tl.store(row_si_ptr + pid_m * tiles_k + pid_k, _scale_inv(scale, POW2))
         else:
@@ -464,21 +463,13 @@ def block_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M
         col_words = col_data_ptr + col0 * M_WORDS + pid_m * QUADS
         col_bytes = col_data_ptr + col0 * M + row0
         _store_columns(col_words, col_bytes, 0, i, w, M, M_WORDS, rows_left, quads_left,
-                       cols_left,
-                       _e4m3_word(f00 * c0, f10 * c0, f20 * c0, f30 * c0, HW_CAST), MASKED,
-                       COL_WORDS, WIDE)
+                       cols_left, f00, f10, f20, f30, c0, MASKED, COL_WORDS, WIDE, HW_CAST)
         _store_columns(col_words, col_bytes, 1, i, w, M, M_WORDS, rows_left, quads_left,
-                       cols_left,
-                       _e4m3_word(f01 * c1, f11 * c1, f21 * c1, f31 * c1, HW_CAST), MASKED,
-                       COL_WORDS, WIDE)
+                       cols_left, f01, f11, f21, f31, c1, MASKED, COL_WORDS, WIDE, HW_CAST)
         _store_columns(col_words, col_bytes, 2, i, w, M, M_WORDS, rows_left, quads_left,
-                       cols_left,
-                       _e4m3_word(f02 * c2, f12 * c2, f22 * c2, f32 * c2, HW_CAST), MASKED,
-                       COL_WORDS, WIDE)
+                       cols_left, f02, f12, f22, f32, c2, MASKED, COL_WORDS, WIDE, HW_CAST)
         _store_columns(col_words, col_bytes, 3, i, w, M, M_WORDS, rows_left, quads_left,
-                       cols_left,
-                       _e4m3_word(f03 * c3, f13 * c3, f23 * c3, f33 * c3, HW_CAST), MASKED,
-                       COL_WORDS, WIDE)
+                       cols_left, f03, f13, f23, f33, c3, MASKED, COL_WORDS, WIDE, HW_CAST)
         if TILE_2D:
             tl.store(col_si_ptr + pid_k * tiles_m + pid_m, _scale_inv(scale, POW2))
         else:
