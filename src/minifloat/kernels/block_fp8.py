@@ -57,6 +57,7 @@ from .fp8_common import (
     tile_offsets,
     tl,
 )
+from .halfwise import halves_amax, max16, reduce16, reduce16_pairs
 from .launch import launch
 
 BLOCK = 128  # the block length: one tile holds whole blocks of both directions
@@ -154,54 +155,6 @@ def _e4m3_word(y0, y1, y2, y3, HW_CAST: tl.constexpr):
 
 
 @jit
-def _max16(a, b, MAX_U16X2: tl.constexpr):
-    """Halfwise unsigned max of int32 words whose bits 15 and 31 are clear (two magnitudes per
-    word): max.u16x2 on sm_90+, two masked maxima otherwise (interpreter, sm_89)."""
-    if MAX_U16X2:
-        m = tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b],
-                                      dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        m = tl.maximum(a & 0xFFFF, b & 0xFFFF) | tl.maximum(a & 0x7FFF0000, b & 0x7FFF0000)
-    return m
-
-
-@jit
-def _max16_hw(a, b):
-    """Combine function of a max.u16x2 reduction."""
-    return _max16(a, b, True)
-
-
-@jit
-def _max16_int(a, b):
-    """Combine function of the plain-integer halfwise reduction."""
-    return _max16(a, b, False)
-
-
-@jit
-def _max16_hw_pairs(a0, a1, b0, b1):
-    """Combine function of a two-tensor max.u16x2 reduction (one shared-memory round)."""
-    return _max16(a0, b0, True), _max16(a1, b1, True)
-
-
-@jit
-def _max16_int_pairs(a0, a1, b0, b1):
-    """Combine function of a two-tensor plain-integer halfwise reduction."""
-    return _max16(a0, b0, False), _max16(a1, b1, False)
-
-
-@jit
-def _reduce16(pairs, axis: tl.constexpr, MAX_U16X2: tl.constexpr):
-    """Halfwise maxima of a word tensor along `axis`."""
-    return tl.reduce(pairs, axis, _max16_hw) if MAX_U16X2 else tl.reduce(pairs, axis, _max16_int)
-
-
-@jit
-def _halves_amax(pairs):
-    """fp32 bits of the larger bf16 magnitude of each word (both halves folded)."""
-    return tl.maximum(pairs & 0xFFFF, pairs >> 16) << 16
-
-
-@jit
 def _max4(a, b, c, d):
     return tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
 
@@ -270,7 +223,7 @@ def _slice(x_tile, row, i, w, K, K_WORDS, cols_left, words_left, row_ok, MASKED:
 def _row_amax(m0, m1, m2, m3, HALVES: tl.constexpr, MAX_U16X2: tl.constexpr):
     """fp32 bits of each row's amax in one slice ([QUADS]: along the tile's 128 columns)."""
     if HALVES:
-        amax = _halves_amax(_reduce16(_max16(m0, m1, MAX_U16X2), 1, MAX_U16X2))
+        amax = halves_amax(reduce16(max16(m0, m1, MAX_U16X2), 1, MAX_U16X2))
     else:
         amax = tl.max(_max4(m0, m1, m2, m3), axis=1)
     return amax
@@ -374,11 +327,11 @@ def block_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M
     # scales: the tile's (2D); per row of each slice ([QUADS] each) and per column 4w + c
     if TILE_2D:
         if HALVES:
-            pairs = _max16(_max16(_max16(m00, m01, MAX_U16X2), _max16(m10, m11, MAX_U16X2),
+            pairs = max16(max16(max16(m00, m01, MAX_U16X2), max16(m10, m11, MAX_U16X2),
                                   MAX_U16X2),
-                           _max16(_max16(m20, m21, MAX_U16X2), _max16(m30, m31, MAX_U16X2),
+                           max16(max16(m20, m21, MAX_U16X2), max16(m30, m31, MAX_U16X2),
                                   MAX_U16X2), MAX_U16X2)
-            amax = _halves_amax(_reduce16(_reduce16(pairs, 1, MAX_U16X2), 0, MAX_U16X2))
+            amax = halves_amax(reduce16(reduce16(pairs, 1, MAX_U16X2), 0, MAX_U16X2))
         else:
             every = _max4(_max4(m00, m01, m02, m03), _max4(m10, m11, m12, m13),
                           _max4(m20, m21, m22, m23), _max4(m30, m31, m32, m33))
@@ -410,14 +363,11 @@ def block_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M
             if HALVES:
                 # column 4w + c: the four slices elementwise, then down the tile (both words of
                 # a pair in one reduction)
-                low = _max16(_max16(m00, m10, MAX_U16X2), _max16(m20, m30, MAX_U16X2),
+                low = max16(max16(m00, m10, MAX_U16X2), max16(m20, m30, MAX_U16X2),
                              MAX_U16X2)
-                high = _max16(_max16(m01, m11, MAX_U16X2), _max16(m21, m31, MAX_U16X2),
+                high = max16(max16(m01, m11, MAX_U16X2), max16(m21, m31, MAX_U16X2),
                               MAX_U16X2)
-                if MAX_U16X2:
-                    low, high = tl.reduce((low, high), 0, _max16_hw_pairs)
-                else:
-                    low, high = tl.reduce((low, high), 0, _max16_int_pairs)
+                low, high = reduce16_pairs(low, high, 0, MAX_U16X2)
                 a0 = low << 16
                 a1 = low & -65536
                 a2 = high << 16

@@ -32,7 +32,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .block_fp8 import BLOCK, NUM_WARPS_1D, TILE, block_tile, max_u16x2, word_view
+from .block_fp8 import (
+    BLOCK,
+    NUM_WARPS_1D,
+    TILE,
+    block_tile,
+    max_u16x2,
+    reads_halves,
+    word_view,
+)
 from .fp8_common import (
     abs_bits,
     cdiv,
@@ -485,8 +493,7 @@ def quantize_block_1d_multi(
     some_si = row_si if row_si is not None else col_si
     if sum(tile_counts):
         # the choices block_fp8.quantize_block_1d makes per tensor, made for the whole group
-        halves = (base.dtype == torch.bfloat16 and base.data_ptr() % 8 == 0
-                  and all(k % 4 == 0 for _, k in shapes)
+        halves = (all(reads_halves(base, k) for _, k in shapes)
                   and all(offset % 4 == 0 for offset in x_offsets))
         row_words = all(k % 4 == 0 for _, k in shapes)
         col_words = all(m % 4 == 0 for m, _ in shapes)

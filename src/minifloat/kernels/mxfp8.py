@@ -40,6 +40,10 @@ from .element_cast import (
 )
 from .element_cast import e8m0_exponent as e8m0_from_amax
 from .fp8_common import _capability, cvt_sat_rne_fp8, hw_cast, sat_rne_fp8
+from .halfwise import max_halves as _max_halves
+from .halfwise import max_halves_pairs as _max_halves_pairs
+from .halfwise import max_u16x2 as _max_u16x2
+from .halfwise import max_u16x2_pairs as _max_u16x2_pairs
 from .launch import launch
 
 # Tile shape: 32 x 128 elements, 2 warps (64 elements a thread). Swept on an H100 with the
@@ -320,32 +324,6 @@ def _cvt_words(y0, y1, y2, y3, E5M2: tl.constexpr, HW_CAST: tl.constexpr):
                  | (sat_rne_fp8(y2, E5M2).to(tl.int32) << 16)
                  | (sat_rne_fp8(y3, E5M2).to(tl.int32) << 24))
     return words
-
-
-@triton.jit
-def _max_u16x2(a, b):
-    """Halfwise unsigned max of int32 words (max.u16x2, sm_90+): two magnitudes at once."""
-    return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b],
-                                     dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _max_halves(a, b):
-    """_max_u16x2 in plain integer ops (the interpreter's path) for words whose bits 15 and 31
-    are clear, as the masked magnitudes are."""
-    return tl.maximum(a & 0xFFFF, b & 0xFFFF) | tl.maximum(a & 0x7FFF0000, b & 0x7FFF0000)
-
-
-@triton.jit
-def _max_u16x2_pairs(a0, a1, b0, b1):
-    """Combine function of a two-tensor _max_u16x2 reduction."""
-    return _max_u16x2(a0, b0), _max_u16x2(a1, b1)
-
-
-@triton.jit
-def _max_halves_pairs(a0, a1, b0, b1):
-    """Combine function of a two-tensor _max_halves reduction."""
-    return _max_halves(a0, b0), _max_halves(a1, b1)
 
 
 @triton.jit
