@@ -29,6 +29,9 @@ from __future__ import annotations
 
 from .amax import current_scale
 from .fp8_common import jit, reciprocal_rn, sat_rne_fp8, tl
+from .halfwise import max16 as _halfwise_max
+from .halfwise import max_halves as _max_halves
+from .halfwise import max_u16x2 as _max_u16x2
 
 # cvt.rn.satfinite x2 writes its first source operand to the upper byte: $1 ends in byte 0.
 _E4M3_WORD_ASM = ("{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
@@ -106,29 +109,6 @@ def _scaled(words, scale):
             (low & -65536).to(tl.float32, bitcast=True) * scale,
             (high << 16).to(tl.float32, bitcast=True) * scale,
             (high & -65536).to(tl.float32, bitcast=True) * scale)
-
-
-@jit
-def _max_u16x2(a, b):
-    """Halfwise unsigned max of int32 words (max.u16x2, sm_90+)."""
-    return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b],
-                                     dtype=tl.int32, is_pure=True, pack=1)
-
-
-@jit
-def _max_halves(a, b):
-    """_max_u16x2 in plain integer ops, for words whose bits 15 and 31 are clear."""
-    return tl.maximum(a & 0xFFFF, b & 0xFFFF) | tl.maximum(a & 0x7FFF0000, b & 0x7FFF0000)
-
-
-@jit
-def _halfwise_max(a, b, MAX_U16X2: tl.constexpr):
-    """_max_u16x2 where the target has it (sm_90+), _max_halves otherwise."""
-    if MAX_U16X2:  # noqa: SIM108 - a constexpr branch, kept as a statement for Triton
-        result = _max_u16x2(a, b)
-    else:
-        result = _max_halves(a, b)
-    return result
 
 
 @jit
