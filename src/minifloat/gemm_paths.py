@@ -23,6 +23,7 @@ general_gemm picks one per call from the two operands' formats (DESIGN.md §4):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import kernels
 from .quantizers import (
@@ -74,7 +75,7 @@ def scaled_mm_applies(
 
 
 # torch.nn.functional.scaled_mm with BlockWise scaling types (newer torch); fixed per process
-_HAS_BLOCKWISE_SCALED_MM = hasattr(torch.nn.functional, "ScalingType")
+_HAS_BLOCKWISE_SCALED_MM = hasattr(F, "ScalingType")
 
 
 def blockwise_scaled_mm_applies(
@@ -107,7 +108,19 @@ def fast_path(
 
 
 def _column_major(grid: torch.Tensor) -> torch.Tensor:
+    """The grid with stride 1 along its rows: no copy for the 1D kernels' grids, which are
+    written so (kernels/block_fp8.py)."""
     return grid.t().contiguous().t()
+
+
+def _tile_grid_operand(grid: torch.Tensor) -> torch.Tensor:
+    """A 128x128 tile grid [N/128, K/128] as BlockWise128x128 reads it: [K/128, N/128] with its
+    leading dimension a multiple of 4 (stride (1, ceil4(K/128))). A contiguous grid whose K/128
+    is a multiple of 4 already is one, transposed: no copy (F.pad copies even a zero pad)."""
+    padded = -(-grid.shape[1] // 4) * 4
+    if padded != grid.shape[1] or not grid.is_contiguous():
+        grid = F.pad(grid, (0, padded - grid.shape[1])).contiguous()
+    return grid.t()
 
 
 def blockwise_scaled_mm_gemm(
@@ -120,16 +133,13 @@ def blockwise_scaled_mm_gemm(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """A @ B^T on block FP8 bytes through torch.nn.functional.scaled_mm (BlockWise scaling)."""
-    import torch.nn.functional as F
-
     kinds = F.ScalingType
     a_data = a.columnwise_data if a_columnwise else a.rowwise_data
     a_scale = a.columnwise_scale_inv if a_columnwise else a.rowwise_scale_inv
     b_data = b.columnwise_data if b_columnwise else b.rowwise_data
     b_scale = b.columnwise_scale_inv if b_columnwise else b.rowwise_scale_inv
     if b.block_scaling_dim == 2:
-        padded = -(-b_scale.shape[1] // 4) * 4
-        b_scale = F.pad(b_scale, (0, padded - b_scale.shape[1])).contiguous().t()
+        b_scale = _tile_grid_operand(b_scale)
         b_kind = kinds.BlockWise128x128
     else:
         b_scale = _column_major(b_scale)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from . import kernels, numerics
 from .quantizers import (
@@ -233,8 +234,6 @@ def update_delayed_states(states: list[DelayedScalingRecipeState],
         seen.add(id(state))
         recipe = state.recipe
         if amax_reduction_group is not None and recipe.reduce_amax:
-            import torch.distributed as dist
-
             dist.all_reduce(state.amax_history[0], op=dist.ReduceOp.MAX,
                             group=amax_reduction_group)
         if kernels.available(state.amax_history):

@@ -134,3 +134,18 @@ def test_linear_on_cuda_matches_the_cpu_path(kind):
         results.append((y.float().cpu(), xi.grad.float().cpu(), module.weight.grad.float().cpu()))
     for (c, g), what in zip(zip(*results, strict=True), ("y", "dx", "dw"), strict=True):
         assert relative_error(g, c) < 5e-3, what  # bf16 outputs: one rounding, fast accum
+
+
+def test_blockwise_gemm_takes_kernel_scales_without_copies():
+    """The 1D kernels' column-major grids and a 128x128 grid of K/128 % 4 == 0 reach scaled_mm
+    as they are: no copy, clone or pad op runs around the GEMM (each was a kernel per operand)."""
+    x = mf.Float8BlockQuantizer(1)(torch.randn(256, 512, device="cuda")).quantized_storage
+    w = mf.Float8BlockQuantizer(2)(torch.randn(384, 512, device="cuda")).quantized_storage
+    dy = mf.Float8BlockQuantizer(1)(torch.randn(256, 384, device="cuda")).quantized_storage
+    gemms = [(x, False, w, False), (dy, True, x, True)]  # fprop, wgrad (dgrad pads N/128 = 3)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for a, a_col, b, b_col in gemms:
+            gemm_paths.blockwise_scaled_mm_gemm(a, a_col, b, b_col, out_dtype=torch.bfloat16,
+                                                bias=None)
+    ops = {event.name for event in prof.events()}
+    assert not ops & {"aten::copy_", "aten::clone", "aten::constant_pad_nd"}, sorted(ops)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .. import kernels, numerics, optimizer_steps
@@ -104,8 +105,6 @@ def _all_reduce_max(mesh) -> Callable[[torch.Tensor], torch.Tensor] | None:
     rank, where the shard's amax is the weight's)."""
     if mesh.size() == 1:
         return None
-    import torch.distributed as dist
-
     group = mesh.get_group()
 
     def reduce(amaxes: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .. import numerics
 from ..numerics.blocks import as_2d, tile_amax
@@ -217,8 +218,6 @@ def all_reduce_max_keep_nan(values: torch.Tensor, group) -> torch.Tensor:
     values, such as E8M0 exponents whose NaN is 255, the largest, reduce as they are)."""
     if group is None:
         return values
-    import torch.distributed as dist
-
     if not values.is_floating_point():
         reduced = values.clone()
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)

@@ -4,6 +4,10 @@ Layouts follow numerics/block_fp8.py exactly (compact scale grids, partial edge 
 the amax of the elements that exist):
 - 1D rowwise: data [M, K], scale_inv [M, ceil(K/128)] (1x128 runs along K);
 - 1D columnwise: data [K, M], scale_inv [K, ceil(M/128)] (x^T in 1x128 runs along M);
+  both 1D grids are written column-major (stride 1 along the rows), the layout blockwise
+  scaled_mm reads its 1x128 scales in: the GEMM then takes them as they are, where a row-major
+  grid cost a transposing copy per operand (gemm_paths.blockwise_scaled_mm_gemm). The values are
+  the reference's; only the strides differ.
 - 2D: data [M, K], scale_inv [ceil(M/128), ceil(K/128)]; its columnwise copy is the exact
   transpose of both (data [K, M], scale_inv [ceil(K/128), ceil(M/128)]).
 
@@ -400,14 +404,15 @@ def block_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M
         if TILE_2D:
             tl.store(row_si_ptr + pid_m * tiles_k + pid_k, _scale_inv(scale, POW2))
         else:
-            si_rows = (row0 + 4 * i) * tiles_k + pid_k
+            # column-major [M, tiles_k] (stride 1 along M): rows 4i..4i+3 are adjacent
+            si_rows = pid_k.to(tl.int64) * M + row0 + 4 * i
             tl.store(row_si_ptr + si_rows, _scale_inv(row_scale0, POW2),
                      mask=_when(ok0, MASK_M))
-            tl.store(row_si_ptr + si_rows + tiles_k, _scale_inv(row_scale1, POW2),
+            tl.store(row_si_ptr + si_rows + 1, _scale_inv(row_scale1, POW2),
                      mask=_when(ok1, MASK_M))
-            tl.store(row_si_ptr + si_rows + 2 * tiles_k, _scale_inv(row_scale2, POW2),
+            tl.store(row_si_ptr + si_rows + 2, _scale_inv(row_scale2, POW2),
                      mask=_when(ok2, MASK_M))
-            tl.store(row_si_ptr + si_rows + 3 * tiles_k, _scale_inv(row_scale3, POW2),
+            tl.store(row_si_ptr + si_rows + 3, _scale_inv(row_scale3, POW2),
                      mask=_when(ok3, MASK_M))
     if COLUMNWISE:
         col_words = col_data_ptr + col0 * M_WORDS + pid_m * QUADS
@@ -423,14 +428,15 @@ def block_tile(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps, M
         if TILE_2D:
             tl.store(col_si_ptr + pid_k * tiles_m + pid_m, _scale_inv(scale, POW2))
         else:
-            si_cols = (col0 + 4 * w) * tiles_m + pid_m
+            # column-major [K, tiles_m] (stride 1 along K): columns 4w..4w+3 are adjacent
+            si_cols = pid_m.to(tl.int64) * K + col0 + 4 * w
             tl.store(col_si_ptr + si_cols, _scale_inv(col_scale0, POW2),
                      mask=_when(4 * w < cols_left, MASK_K))
-            tl.store(col_si_ptr + si_cols + tiles_m, _scale_inv(col_scale1, POW2),
+            tl.store(col_si_ptr + si_cols + 1, _scale_inv(col_scale1, POW2),
                      mask=_when(4 * w + 1 < cols_left, MASK_K))
-            tl.store(col_si_ptr + si_cols + 2 * tiles_m, _scale_inv(col_scale2, POW2),
+            tl.store(col_si_ptr + si_cols + 2, _scale_inv(col_scale2, POW2),
                      mask=_when(4 * w + 2 < cols_left, MASK_K))
-            tl.store(col_si_ptr + si_cols + 3 * tiles_m, _scale_inv(col_scale3, POW2),
+            tl.store(col_si_ptr + si_cols + 3, _scale_inv(col_scale3, POW2),
                      mask=_when(4 * w + 3 < cols_left, MASK_K))
 
 
@@ -474,6 +480,22 @@ def word_view(buffer: torch.Tensor | None, words: bool, stand_in: torch.Tensor) 
     return buffer.view(torch.int32) if words else buffer
 
 
+def column_major_view(flat: torch.Tensor, rows: int, blocks: int) -> torch.Tensor:
+    """The [rows, blocks] grid stored column-major in `flat` (rows * blocks elements). One
+    block per row is the same order either way; it gets the row-major strides (1, 1), since
+    torch rejects a dtype view of strides (1, rows) there although it calls them contiguous."""
+    if blocks == 1:
+        return flat.view(rows, 1)
+    return flat.view(blocks, rows).t()
+
+
+def column_major_grid(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """An fp32 [rows, blocks] scale grid stored column-major (the 1D kernels' layout)."""
+    rows, blocks = shape
+    flat = torch.empty(rows * blocks, dtype=torch.float32, device=device)
+    return column_major_view(flat, rows, blocks)
+
+
 def _check(x: torch.Tensor, rowwise: bool, columnwise: bool) -> tuple[int, int]:
     if not kernel_input(x):
         raise ValueError(
@@ -497,8 +519,10 @@ def _launch(x: torch.Tensor, row_grid: tuple[int, int], col_grid: tuple[int, int
     def buffers(wanted: bool, data_shape: tuple[int, int], grid_shape: tuple[int, int]):
         if not wanted:
             return None, None
-        return (torch.empty(data_shape, dtype=torch.uint8, device=device),
-                torch.empty(grid_shape, dtype=torch.float32, device=device))
+        data = torch.empty(data_shape, dtype=torch.uint8, device=device)
+        if tile_2d:
+            return data, torch.empty(grid_shape, dtype=torch.float32, device=device)
+        return data, column_major_grid(grid_shape, device)
 
     row_data, row_si = buffers(rowwise, (m, k), row_grid)
     col_data, col_si = buffers(columnwise, (k, m), col_grid)
@@ -539,7 +563,8 @@ def quantize_block_1d(
 
     Returns (rowwise data [M, K], rowwise scale_inv [M, ceil(K/128)], columnwise data [K, M],
     columnwise scale_inv [K, ceil(M/128)]), None for a copy not asked for; bytes equal
-    numerics.quantize_block_1d and numerics.quantize_block_1d_columnwise.
+    numerics.quantize_block_1d and numerics.quantize_block_1d_columnwise. The scale grids are
+    column-major views (module docstring).
     """
     m, k = _check(x, rowwise, columnwise)
     return _launch(x, (m, cdiv(k, BLOCK)), (k, cdiv(m, BLOCK)), tile_2d=False,

@@ -37,6 +37,7 @@ from .block_fp8 import (
     NUM_WARPS_1D,
     TILE,
     block_tile,
+    column_major_view,
     max_u16x2,
     reads_halves,
     word_view,
@@ -464,7 +465,8 @@ def quantize_block_1d_multi(
 
     Returns per tensor (rowwise data [M, K], rowwise scale_inv [M, ceil(K/128)], columnwise
     data [K, M], columnwise scale_inv [K, ceil(M/128)]), None for a copy not asked for; the bytes
-    of block_fp8.quantize_block_1d (and so of the numerics reference).
+    of block_fp8.quantize_block_1d (and so of the numerics reference), the scale grids
+    column-major as there.
     """
     if not (rowwise or columnwise):
         raise ValueError("multi-tensor FP8 kernel: ask for the rowwise or the columnwise copy")
@@ -530,8 +532,10 @@ def quantize_block_1d_multi(
         kb, mb = cdiv(k, BLOCK), cdiv(m, BLOCK)
         results.append((
             None if row_data is None else _view(row_data, data_offsets[i], (m, k)).view(e4m3),
-            None if row_si is None else _view(row_si, row_si_offsets[i], (m, kb)),
+            None if row_si is None else column_major_view(
+                row_si[row_si_offsets[i]:row_si_offsets[i] + m * kb], m, kb),
             None if col_data is None else _view(col_data, data_offsets[i], (k, m)).view(e4m3),
-            None if col_si is None else _view(col_si, col_si_offsets[i], (k, mb)),
+            None if col_si is None else column_major_view(
+                col_si[col_si_offsets[i]:col_si_offsets[i] + k * mb], k, mb),
         ))
     return results

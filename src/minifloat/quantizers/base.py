@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
 _FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu)
 _HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -456,8 +457,6 @@ class Quantizer:
         group = self.amax_reduction_group
         if group is None:
             return amax
-        import torch.distributed as dist
-
         amax = amax.clone()
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         return amax

@@ -50,7 +50,7 @@ from typing import Literal
 import torch
 
 from .. import kernels
-from .base import QuantizedStorage, Quantizer
+from .base import QuantizedStorage, Quantizer, kernel_module
 from .blockwise import Float8BlockQuantizer, Float8BlockStorage
 from .float8 import Float8CurrentScalingQuantizer, _per_tensor_storage
 from .mxfp8 import MXFP8Quantizer, MXFP8Storage
@@ -138,9 +138,7 @@ def _launch(plan: MultiPlan) -> list[dict[str, torch.Tensor | None]]:
     # the group is the same for every split (plan_multi checked): one vector reduction
     reduce_amax = q.reduce_amax if q.amax_reduction_group is not None else None
     if plan.kind == "current_scaling":
-        from ..kernels.multi_tensor import quantize_current_scaling_multi  # Triton: lazy
-
-        results = quantize_current_scaling_multi(
+        results = kernel_module("multi_tensor").quantize_current_scaling_multi(
             plan.pieces, q.fp8_dtype, amax_epsilon=q.amax_epsilon,
             power_2_scale=q.power_2_scale, rowwise=rowwise, columnwise=columnwise,
             reduce_amax=reduce_amax,
@@ -148,23 +146,17 @@ def _launch(plan: MultiPlan) -> list[dict[str, torch.Tensor | None]]:
         return [{"data": data, "data_transpose": data_t, "scale_inv": scale_inv}
                 for data, data_t, scale_inv in results]
     if plan.kind == "block_1d":
-        from ..kernels.multi_tensor import quantize_block_1d_multi  # Triton: lazy
-
-        results = quantize_block_1d_multi(
+        results = kernel_module("multi_tensor").quantize_block_1d_multi(
             plan.pieces, rowwise=rowwise, columnwise=columnwise,
             power_2_scale=q.power_2_scale, amax_epsilon=q.amax_epsilon,
         )
         names = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
         return [dict(zip(names, result, strict=True)) for result in results]
     if plan.kind == "mxfp8":
-        from ..kernels.mxfp8_multi import quantize_mxfp8_multi  # Triton: lazy
-
-        return quantize_mxfp8_multi(
+        return kernel_module("mxfp8_multi").quantize_mxfp8_multi(
             plan.pieces, dtype=q.fp8_dtype, rowwise=rowwise, columnwise=columnwise
         )
-    from ..kernels.nvfp4_multi import quantize_nvfp4_multi  # Triton: lazy
-
-    return quantize_nvfp4_multi(
+    return kernel_module("nvfp4_multi").quantize_nvfp4_multi(
         plan.pieces, rowwise=rowwise, columnwise=columnwise, with_rht=q.with_rht,
         stochastic_rounding=q.stochastic_rounding, reduce_amax=reduce_amax,
     )
