@@ -143,20 +143,24 @@ def main(argv=None) -> int:
     ])
 
     # ---- per-tensor FP8 (delayed: one read, two FP8 copies; current: + amax read)
-    def ptw(tm, tk, w, integer=False):  # words kernel (bf16; per_tensor_fp8_words.py)
-        values = {"WORDS": True, "WORDS_TILE_M": tm, "WORDS_TILE_K": tk, "WORDS_NUM_WARPS": w}
+    def ptw(tm, tk, w, integer=False):  # per_tensor_tile (bf16 read as words)
+        values = {"TILE_M": tm, "TILE_K": tk, "NUM_WARPS": w}
         if integer:
             values["ENV:MINIFLOAT_INTEGER_CAST"] = "1"
-        return (f"words {tm}x{tk} w{w}{' int' if integer else ''}", values)
+        return (f"{tm}x{tk} w{w}{' int' if integer else ''}", values)
 
-    pt_variants = [("old 64x128 w4 hw", {"WORDS": False}), ptw(64, 128, 4),
-                   ptw(64, 128, 4, integer=True), ptw(32, 256, 4), ptw(64, 64, 4),
-                   ptw(32, 128, 4), ptw(64, 64, 2), ptw(128, 128, 8), ptw(64, 128, 2)]
+    pt_variants = [ptw(64, 128, 4), ptw(64, 128, 4, integer=True), ptw(32, 256, 4),
+                   ptw(64, 64, 4), ptw(32, 128, 4), ptw(64, 64, 2), ptw(128, 128, 8),
+                   ptw(64, 128, 2)]
     group("pt/delayed", per_tensor_fp8, n * 4,
           lambda: per_tensor_fp8.quantize_delayed_scaling(x, scale, amax_state, e4m3),
           pt_variants)
     group("pt/current", per_tensor_fp8, n * 6,
           lambda: per_tensor_fp8.quantize_current_scaling(x, e4m3), pt_variants)
+    x32_in = x.float()  # element loads: 4-byte reads (amax + cast) and two 1-byte copies
+    group("pt/current fp32 in", per_tensor_fp8, n * 10,
+          lambda: per_tensor_fp8.quantize_current_scaling(x32_in, e4m3),
+          [ptw(64, 128, 4), ptw(64, 64, 4), ptw(32, 128, 4)])
 
     # ---- MXFP8 (one read; both copies in [M, K] plus scales)
     def mx(bm, bk, w, ENV_INT=None):  # v2 element kernel (WORDS off)

@@ -298,7 +298,10 @@ def check_per_tensor(result, data, scale_inv, shape, usage, fp8_dtype, what):
         assert_bytes_equal(kernel_t, expected.t(), f"{what} transpose", fp8_dtype=fp8_dtype)
     else:
         assert kernel_t is None
-    assert_bytes_equal(kernel_scale_inv, scale_inv.reshape(1), f"{what} scale_inv")
+    # bitwise, but a NaN scale_inv (from a NaN delayed scale) only as NaN: its payload is the
+    # arithmetic's (CUDA canonical, the CPU's the operand's) and no part of the contract
+    assert kernel_scale_inv.shape == (1,) and kernel_scale_inv.dtype == torch.float32, what
+    assert_same_amax(kernel_scale_inv, scale_inv.reshape(1), f"{what} scale_inv")
 
 
 def run_current(x, device, fp8_dtype, usage, **options):
@@ -353,9 +356,9 @@ def test_per_tensor_given_amax(device):
         check_per_tensor(result, data, scale_inv, x.shape, (True, True), E4M3, f"amax={value}")
 
 
-def _words_specials(shape, seed):
-    """bf16 with NaN of both signs, infinities, a huge value, subnormal-range and zero runs, in
-    the first tile only, so other tiles take the NaN-free path of the words kernel."""
+def _specials(shape, dtype, seed):
+    """NaN of both signs, infinities, a huge value, subnormal-range and zero runs, in the first
+    tile only, so other tiles take the NaN-free path of the tile."""
     x = random_input(shape, torch.float32, seed)
     m, k = x.shape
     x[0, 1] = float("nan")
@@ -364,98 +367,104 @@ def _words_specials(shape, seed):
     x[1 % m, 0] = -float("inf")
     x[min(5, m - 1), min(6, k - 1)] = 3e38
     x[-1, :4] = torch.tensor([2.0**-133, -(2.0**-130), 0.0, -0.0])[: min(4, k)]
-    return x.to(torch.bfloat16)
+    return x.to(dtype)
 
 
-def _per_tensor_pair(x, fp8_dtype, usage, mode, monkeypatch):
-    """(words kernel result, element kernel result) for one call; mode: delayed / current /
-    given (current scaling with an amax given from outside, 100: says nothing about NaN)."""
-    results = []
-    for words in (True, False):
-        monkeypatch.setattr(per_tensor_fp8, "WORDS", words)
-        if mode == "delayed":
-            amax = torch.tensor([0.25], device=DEVICE)
-            out = per_tensor_fp8.quantize_delayed_scaling(
-                x.to(DEVICE), torch.tensor([3.5], device=DEVICE), amax, fp8_dtype,
-                rowwise=usage[0], columnwise=usage[1])
-            results.append((*out, amax))
-        else:
-            amax = torch.tensor([100.0], device=DEVICE) if mode == "given" else None
-            results.append(per_tensor_fp8.quantize_current_scaling(
-                x.to(DEVICE), fp8_dtype, amax=amax, rowwise=usage[0], columnwise=usage[1]))
-    return results
+def _check_nan_codes(result, x, scale, usage, fp8_dtype, what):
+    """The contract's NaN code, 0x7F | sign(y), for every NaN product y = x * scale, with the
+    signs of products computed on the device by torch (CUDA returns the canonical NaN, the
+    interpreter's numpy keeps the input's sign): check_per_tensor compares NaN codes up to
+    their sign, this checks the sign."""
+    products = (x.to(DEVICE).float().reshape(-1, x.shape[-1]) * scale.to(DEVICE)).cpu()
+    nan = products.isnan()
+    expected = (0x7F | ((products.view(torch.int32) >> 24) & 0x80)).to(torch.uint8)
+    copies = [(result[0], nan, expected)] if usage[0] else []
+    if usage[1]:
+        copies.append((result[1], nan.t(), expected.t()))
+    for codes, where, want in copies:
+        got = codes.cpu().view(torch.uint8)
+        assert torch.equal(got[where], want[where]), f"{what}: NaN codes"
 
 
 @pytest.mark.parametrize("emulate", [False, True], ids=["int", "products"])
-@pytest.mark.parametrize("shape", [(32, 64), (36, 68), (12, 100), (64, 40)])
-def test_per_tensor_words_kernel(device, shape, emulate, monkeypatch):
-    """The bf16 words kernel: small tiles so shapes cover full tiles, a ragged last tile in M
-    and in K, and several tiles; each usage, both formats, delayed / current / given amax.
-    Bytes equal the element kernel's exactly (NaN sign included: both follow 0x7F | sign(y))
-    and the reference's (NaN sign canonical); the delayed amax and scale_inv too. `products`
-    runs the CUDA algorithm under the interpreter (per-tile NaN fix-up over a cvt stand-in
-    that writes a wrong NaN byte); on CUDA both ids run the hardware path."""
-    monkeypatch.setattr(per_tensor_fp8, "WORDS_TILE_M", 16)
-    monkeypatch.setattr(per_tensor_fp8, "WORDS_TILE_K", 32)
+@pytest.mark.parametrize("dtype", IN_DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [(32, 64), (36, 68), (12, 100), (64, 40), (18, 66), (7, 37)])
+def test_per_tensor_tile_modes(device, shape, dtype, emulate, monkeypatch):
+    """per_tensor_tile in every mode its host picks (int64 words of bf16 or element loads,
+    word or byte stores of either copy, masks), with small tiles so that shapes cover whole
+    tiles, ragged last tiles in M and in K and several tiles: each usage, both formats,
+    delayed / current / given amax, against the reference byte for byte (the NaN sign
+    included: _check_nan_codes), and the delayed amax. `products` runs the CUDA algorithm
+    under the interpreter (per-tile NaN fix-up over a cvt stand-in that writes a wrong NaN
+    byte); on CUDA both ids run the hardware path."""
+    for name in ("TILE_M", "BYTES_TILE_M"):
+        monkeypatch.setattr(per_tensor_fp8, name, 16)
+    for name in ("TILE_K", "BYTES_TILE_K"):
+        monkeypatch.setattr(per_tensor_fp8, name, 32)
     monkeypatch.setattr(per_tensor_fp8, "EMULATE_PRODUCTS", emulate)
-    x = _words_specials(shape, seed=sum(shape))
-    assert per_tensor_fp8._takes_words(x.to(DEVICE), *shape, True)
+    x = _specials(shape, dtype, seed=sum(shape))
+    m, k = shape
+    modes = per_tensor_fp8.tile_modes(x.to(DEVICE), m, k, 16, 32)
+    assert modes["HALVES"] == (dtype == torch.bfloat16 and k % 4 == 0)
+    assert (modes["ROW_WORDS"], modes["COL_WORDS"]) == (k % 4 == 0, m % 4 == 0)
     cases = [(E4M3, (True, True), "delayed"), (E5M2, (True, True), "current"),
              (E4M3, (True, False), "current"), (E5M2, (False, True), "delayed"),
              (E4M3, (True, True), "given"), (E5M2, (True, True), "delayed")]
     for fp8_dtype, usage, mode in cases:
-        words, elements = _per_tensor_pair(x, fp8_dtype, usage, mode, monkeypatch)
-        what = f"{shape} {fp8_dtype} {usage} {mode}"
-        for a, b in zip(words, elements, strict=True):
-            assert (a is None) == (b is None), what
-            if a is not None:
-                assert torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8)), what
+        what = f"{shape} {dtype} {fp8_dtype} {usage} {mode}"
         if mode == "delayed":
-            data, scale_inv = numerics.quantize_with_scale(x, torch.tensor([3.5]), fp8_dtype)
+            scale, amax = torch.tensor([3.5]), torch.tensor([0.25], device=DEVICE)
+            result = per_tensor_fp8.quantize_delayed_scaling(
+                x.to(DEVICE), scale.to(DEVICE), amax, fp8_dtype, rowwise=usage[0],
+                columnwise=usage[1])
+            data, scale_inv = numerics.quantize_with_scale(x, scale, fp8_dtype)
+            reference_amax = torch.maximum(torch.tensor([0.25]), numerics.compute_amax(x))
+            assert_same_amax(amax, reference_amax, f"{what} amax")
         else:
-            amax = torch.tensor(100.0) if mode == "given" else None
-            data, scale_inv = numerics.quantize_current_scaling(x, fp8_dtype, amax=amax)
-        check_per_tensor(words[:3], data, scale_inv, shape, usage, fp8_dtype, what)
+            given = torch.tensor([100.0]) if mode == "given" else None
+            result = per_tensor_fp8.quantize_current_scaling(
+                x.to(DEVICE), fp8_dtype, amax=None if given is None else given.to(DEVICE),
+                rowwise=usage[0], columnwise=usage[1])
+            data, scale_inv = numerics.quantize_current_scaling(x, fp8_dtype, amax=given)
+            scale = torch.reciprocal(scale_inv.reshape(1))
+        check_per_tensor(result, data, scale_inv, shape, usage, fp8_dtype, what)
+        _check_nan_codes(result, x, scale, usage, fp8_dtype, what)
 
 
 @pytest.mark.parametrize("emulate", [False, True], ids=["int", "products"])
 @pytest.mark.parametrize("scale_value", [0.0, float("inf"), float("nan")], ids=str)
-def test_per_tensor_words_special_scales(device, scale_value, emulate, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_per_tensor_special_scales(device, scale_value, dtype, emulate, monkeypatch):
     """Delayed scales that make NaN products out of finite inputs (0 * inf, NaN scale) take
-    the NaN fix-up in every tile: the words kernel's bytes equal the element kernel's."""
-    monkeypatch.setattr(per_tensor_fp8, "WORDS_TILE_M", 16)
-    monkeypatch.setattr(per_tensor_fp8, "WORDS_TILE_K", 32)
+    the NaN fix-up in every tile: the contract's NaN codes, the reference's other bytes."""
+    monkeypatch.setattr(per_tensor_fp8, "TILE_M", 16)
+    monkeypatch.setattr(per_tensor_fp8, "TILE_K", 32)
     monkeypatch.setattr(per_tensor_fp8, "EMULATE_PRODUCTS", emulate)
-    x = random_input((20, 40), torch.bfloat16, seed=9)
+    x = random_input((20, 40), dtype, seed=9)
     x[0, :3] = torch.tensor([0.0, float("inf"), -float("inf")])
-    results = []
-    for words in (True, False):
-        monkeypatch.setattr(per_tensor_fp8, "WORDS", words)
-        results.append(per_tensor_fp8.quantize_delayed_scaling(
-            x.to(DEVICE), torch.tensor([scale_value], device=DEVICE),
-            torch.zeros(1, device=DEVICE), E4M3))
-    for a, b in zip(*results, strict=True):
-        assert torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
+    scale = torch.tensor([scale_value])
+    result = per_tensor_fp8.quantize_delayed_scaling(
+        x.to(DEVICE), scale.to(DEVICE), torch.zeros(1, device=DEVICE), E4M3)
+    data, scale_inv = numerics.quantize_with_scale(x, scale, E4M3)
+    check_per_tensor(result, data, scale_inv, x.shape, (True, True), E4M3, str(scale_value))
+    _check_nan_codes(result, x, scale, (True, True), E4M3, str(scale_value))
 
 
-def test_per_tensor_words_fallbacks(device, monkeypatch):
-    """Inputs the words kernel cannot take as words go to the element kernel (same bytes as
-    the reference): K % 4 != 0, other dtypes, M % 4 != 0 with the transposed copy, an input
-    not 8-byte aligned; WORDS = False turns it off."""
+def test_per_tensor_tile_mode_choice(device):
+    """What the host reads as words: bf16 rows of whole words at 8-byte aligned addresses only
+    (K % 4 != 0, other dtypes and a view 4-byte aligned load elements); word stores where the
+    copy's rows are whole words. Each such input still gives the reference's bytes."""
     x = random_input((8, 40), torch.bfloat16, seed=3).to(DEVICE)
-    assert per_tensor_fp8._takes_words(x, 8, 40, True)
-    assert not per_tensor_fp8._takes_words(x[:, :38].contiguous(), 8, 38, True)
-    assert not per_tensor_fp8._takes_words(x.float(), 8, 40, True)
-    assert not per_tensor_fp8._takes_words(x[:6].contiguous(), 6, 40, True)
-    assert per_tensor_fp8._takes_words(x[:6].contiguous(), 6, 40, False)
+    assert per_tensor_fp8.tile_modes(x, 8, 40, 64, 128)["HALVES"]
+    assert not per_tensor_fp8.tile_modes(x[:, :38].contiguous(), 8, 38, 64, 128)["HALVES"]
+    assert not per_tensor_fp8.tile_modes(x.float(), 8, 40, 64, 128)["HALVES"]
     shifted = x.flatten()[2:2 + 7 * 40].view(7, 40)  # 4-byte aligned, not 8
-    assert not per_tensor_fp8._takes_words(shifted, 7, 40, False)
-    run_current(shifted, device, E4M3, (True, False))  # the unaligned view itself
+    modes = per_tensor_fp8.tile_modes(shifted, 7, 40, 64, 128)
+    assert not modes["HALVES"] and modes["ROW_WORDS"] and not modes["COL_WORDS"]
+    run_current(shifted, device, E4M3, (True, True))  # the unaligned view itself
     run_current(random_input((6, 38), torch.bfloat16, seed=4), device, E4M3, (True, True))
     run_delayed(random_input((6, 40), torch.bfloat16, seed=5), device, E5M2, (True, True), 2.0)
     run_delayed(random_input((6, 40), torch.bfloat16, seed=5), device, E5M2, (True, False), 2.0)
-    monkeypatch.setattr(per_tensor_fp8, "WORDS", False)
-    assert not per_tensor_fp8._takes_words(x, 8, 40, True)
 
 
 # ---------------------------------------------------------------------------------------------

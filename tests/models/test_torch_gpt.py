@@ -239,7 +239,7 @@ def test_profile_model_sorts_kernels_by_kind() -> None:
         "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anon":
             "optimizer",
         "_one_launch_kernel": "minifloat kernels",
-        "per_tensor_words_kernel": "minifloat kernels",
+        "per_tensor_cast_kernel": "minifloat kernels",
         "_multi_cast_kernel": "minifloat kernels",
         "triton_poi_fused_gelu_gelu_backward_gemms_backward_3": "inductor-generated",
         "Memset (Device)": "copies",

@@ -47,14 +47,16 @@ from __future__ import annotations
 import torch
 
 from .fp8_common import (
-    _capability,
     cdiv,
+    column_offsets,
     dtype_max_bits,
     float32_value,
     hw_cast,
     jit,
     kernel_input,
+    max_u16x2,
     needs_wide_offsets,
+    reads_halves,
     reciprocal_rn,
     sat_rne_fp8,
     scale_from_amax,
@@ -252,16 +254,6 @@ def _store_rows(row_words, row_bytes, row, i, w, K, K_WORDS, cols_left, words_le
 
 
 @jit
-def _column_offsets(rows, cols, stride, WIDE: tl.constexpr):
-    """rows[:, None] + cols[None, :] * stride: the transposed copy's in-tile offsets."""
-    if WIDE:
-        offsets = rows.to(tl.int64)[:, None] + cols.to(tl.int64)[None, :] * stride
-    else:
-        offsets = rows[:, None] + cols[None, :] * stride
-    return offsets
-
-
-@jit
 def _store_columns(col_words, col_bytes, column, i, w, M, M_WORDS, rows_left, quads_left,
                    cols_left, x0, x1, x2, x3, scale, MASKED: tl.constexpr,
                    COL_WORDS: tl.constexpr, WIDE: tl.constexpr, HW_CAST: tl.constexpr):
@@ -271,11 +263,11 @@ def _store_columns(col_words, col_bytes, column, i, w, M, M_WORDS, rows_left, qu
     cols = 4 * w + column
     col_ok = cols < cols_left
     if COL_WORDS:
-        tl.store(col_words + _column_offsets(i, cols, M_WORDS, WIDE), word,
+        tl.store(col_words + column_offsets(i, cols, M_WORDS, WIDE), word,
                  mask=_mask(i < quads_left, col_ok, MASKED))
     else:
         for b in tl.static_range(4):
-            tl.store(col_bytes + _column_offsets(4 * i + b, cols, M, WIDE),
+            tl.store(col_bytes + column_offsets(4 * i + b, cols, M, WIDE),
                      ((word >> (8 * b)) & 0xFF).to(tl.uint8),
                      mask=_mask(4 * i + b < rows_left, col_ok, MASKED))
 
@@ -459,17 +451,6 @@ def _block_kernel(x_ptr, row_data_ptr, row_si_ptr, col_data_ptr, col_si_ptr, eps
 # ---------------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------------
-
-
-def reads_halves(x: torch.Tensor, k: int) -> bool:
-    """Whether block_tile may read x as int64 words of four bf16 (HALVES): bf16, K % 4 == 0
-    (rows start on words) and 8-byte aligned."""
-    return x.dtype == torch.bfloat16 and k % 4 == 0 and x.data_ptr() % 8 == 0
-
-
-def max_u16x2(x: torch.Tensor) -> bool:
-    """Whether the halfwise maxima may use max.u16x2 (sm_90+, hardware path)."""
-    return hw_cast(x) and _capability(x.device.index or 0) >= (9, 0)
 
 
 def word_view(buffer: torch.Tensor | None, words: bool, stand_in: torch.Tensor) -> torch.Tensor:

@@ -264,6 +264,17 @@ def tile_offsets(rows, cols, stride, WIDE: tl.constexpr):
     return offsets
 
 
+@jit
+def column_offsets(rows, cols, stride, WIDE: tl.constexpr):
+    """rows[:, None] + cols[None, :] * stride: in-tile offsets of a transposed copy whose
+    element (row, col) of the tile lands at col * stride + row (see tile_offsets for WIDE)."""
+    if WIDE:
+        offsets = rows.to(tl.int64)[:, None] + cols.to(tl.int64)[None, :] * stride
+    else:
+        offsets = rows[:, None] + cols[None, :] * stride
+    return offsets
+
+
 def hw_cast(x: torch.Tensor) -> bool:
     """Whether the kernels may use the hardware FP8 conversion for `x`: on CUDA (sm_89+, where
     cvt.rn.satfinite to e4m3/e5m2 exists), not under the interpreter. MINIFLOAT_INTEGER_CAST=1
@@ -276,6 +287,17 @@ def hw_cast(x: torch.Tensor) -> bool:
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
+
+
+def reads_halves(x: torch.Tensor, k: int) -> bool:
+    """Whether a words tile (block_fp8.block_tile, per_tensor_tile) may read x as int64 words
+    of four bf16 (HALVES): bf16, K % 4 == 0 (rows start on words) and 8-byte aligned."""
+    return x.dtype == torch.bfloat16 and k % 4 == 0 and x.data_ptr() % 8 == 0
+
+
+def max_u16x2(x: torch.Tensor) -> bool:
+    """Whether the halfwise maxima may use max.u16x2 (sm_90+, hardware path)."""
+    return hw_cast(x) and _capability(x.device.index or 0) >= (9, 0)
 
 
 def needs_wide_offsets(m: int, k: int, tile: int = 128) -> bool:

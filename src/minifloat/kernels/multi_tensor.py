@@ -9,8 +9,9 @@ finds the tensor it works on in a device table:
   inputs share one dtype, so the offset is the pointer difference), M, K and its output offsets,
   then the running count of programs owned by the tensors before it;
 - a program finds its tensor by binary search over those running counts, then runs the same
-  tile code as the single-tensor kernels (per_tensor_fp8.cast_transpose_tile,
-  block_fp8.block_tile), so the bytes are the single-tensor bytes;
+  tile code as the single-tensor kernels (per_tensor_tile.per_tensor_tile,
+  block_fp8.block_tile), in the load and store modes the host chose for the whole group, so the
+  bytes are the single-tensor bytes;
 - outputs live in one flat buffer per kind (data, transpose, scales); each tensor's results are
   views into it (16-byte aligned), which keeps the buffer alive while any view is;
 - offsets and shapes read from the table carry none of the facts Triton specialises a single
@@ -28,20 +29,14 @@ same device code.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
+from functools import reduce
 
 import torch
 
-from .block_fp8 import (
-    BLOCK,
-    NUM_WARPS_1D,
-    TILE,
-    block_tile,
-    column_major_view,
-    max_u16x2,
-    reads_halves,
-    word_view,
-)
+from . import per_tensor_fp8
+from .block_fp8 import BLOCK, NUM_WARPS_1D, TILE, block_tile, column_major_view, word_view
 from .fp8_common import (
     abs_bits,
     cdiv,
@@ -51,13 +46,15 @@ from .fp8_common import (
     is_e5m2,
     jit,
     kernel_input,
+    max_u16x2,
     needs_wide_offsets,
+    reads_halves,
     reciprocal_rn,
     scale_from_amax,
     tl,
 )
 from .launch import launch
-from .per_tensor_fp8 import cast_transpose_tile
+from .per_tensor_tile import per_tensor_tile
 from .stacked_cast import SCALE_SLOT, StackedCast
 
 FIELDS = 8  # int64 entries per tensor in the table (unused ones are 0)
@@ -67,7 +64,8 @@ ALIGN = 16  # bytes; output views start on 16-byte boundaries
 # the same facts in the kernels' terms: data offsets (bytes) and fp32 scale offsets (elements)
 DATA_ALIGN = tl.constexpr(ALIGN) if tl is not None else ALIGN
 SCALE_ALIGN = tl.constexpr(ALIGN // 4) if tl is not None else ALIGN // 4
-# cast tiles: small tensors favour small tiles (more programs); 4 warps keep registers low
+# cast tiles: small tensors favour small tiles (more programs); 4 warps keep registers low.
+# Groups with a shape whose copies are stored byte by byte take per_tensor_fp8's BYTES_TILE_*.
 TILE_M = 64
 TILE_K = 64
 
@@ -141,35 +139,68 @@ def _cast_program(table_ptr, starts_ptr, n, STEPS: tl.constexpr, FIELDS: tl.cons
                   BLOCK_K: tl.constexpr, WIDE: tl.constexpr, M_ALIGNED: tl.constexpr,
                   K_ALIGNED: tl.constexpr):
     """What a per-tensor cast program works on: its tensor i, that tensor's table row, M, K,
-    the program's index among the tensor's (local), its tile (row, column) and the tensor's
-    output offsets (multiples of ALIGN bytes: hinted)."""
+    the program's index among the tensor's (local) and its tile (row, column)."""
     i = _owner(starts_ptr, tl.program_id(0), n, STEPS)
     row = table_ptr + i * FIELDS
     M, K = _shape(row, WIDE, M_ALIGNED, K_ALIGNED)
     local = (tl.program_id(0) - tl.load(starts_ptr + i)).to(tl.int32)  # < grid size < 2^31
     tiles_k = tl.maximum(tl.cdiv(K, BLOCK_K), 1)  # an empty tensor still owns one program
-    data_offset = tl.multiple_of(tl.load(row + 3), DATA_ALIGN)
-    data_t_offset = tl.multiple_of(tl.load(row + 4), DATA_ALIGN)
-    return i, row, M, K, local, local // tiles_k, local % tiles_k, data_offset, data_t_offset
+    return i, row, M, K, local, local // tiles_k, local % tiles_k
+
+
+@jit
+def tile_pointers(x_base, data_base, data_t_base, row, X_DIVISOR: tl.constexpr,
+                  HALVES: tl.constexpr, ROW_WORDS: tl.constexpr, COL_WORDS: tl.constexpr):
+    """This tensor's input, rowwise and columnwise pointers in the views per_tensor_tile's modes
+    take: the table's offsets (elements, bytes) counted in int64 words of input (HALVES) and
+    int32 words of output (ROW_WORDS, COL_WORDS). Output offsets are multiples of ALIGN bytes
+    (_aligned_offsets), so they are hinted unconditionally; the input's as the host found."""
+    x_offset = tl.load(row)
+    if HALVES:
+        x_offset = x_offset // 4
+    if X_DIVISOR > 1:
+        x_offset = tl.multiple_of(x_offset, X_DIVISOR // 4 if HALVES else X_DIVISOR)
+    data_offset = tl.load(row + 3) // 4 if ROW_WORDS else tl.load(row + 3)
+    data_t_offset = tl.load(row + 4) // 4 if COL_WORDS else tl.load(row + 4)
+    data_offset = tl.multiple_of(data_offset, DATA_ALIGN // 4 if ROW_WORDS else DATA_ALIGN)
+    data_t_offset = tl.multiple_of(data_t_offset, DATA_ALIGN // 4 if COL_WORDS else DATA_ALIGN)
+    return x_base + x_offset, data_base + data_offset, data_t_base + data_t_offset
 
 
 @jit
 def _multi_cast_kernel(x_base, data_base, data_t_base, table_ptr, starts_ptr, amax_ptr,
                        scale_inv_ptr, eps, n, E5M2: tl.constexpr, POW2: tl.constexpr,
-                       ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, STEPS: tl.constexpr,
-                       FIELDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                       WIDE: tl.constexpr, HW_CAST: tl.constexpr, X_DIVISOR: tl.constexpr,
+                       ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, CHECK_NAN: tl.constexpr,
+                       STEPS: tl.constexpr, FIELDS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_K: tl.constexpr, HALVES: tl.constexpr, ROW_WORDS: tl.constexpr,
+                       COL_WORDS: tl.constexpr, MASK_M: tl.constexpr, MASK_K: tl.constexpr,
+                       WIDE: tl.constexpr, HW_CAST: tl.constexpr, PRODUCTS: tl.constexpr,
+                       MAX_U16X2: tl.constexpr, X_DIVISOR: tl.constexpr,
                        M_ALIGNED: tl.constexpr, K_ALIGNED: tl.constexpr):
-    """Output offsets are always multiples of ALIGN bytes (_aligned_offsets), so they are hinted
-    unconditionally; the input and M, K only as the host found (see _shape, _input_pointer)."""
-    i, row, M, K, local, tile_m, tile_k, data_offset, data_t_offset = _cast_program(
+    """Current scaling from each tensor's amax. CHECK_NAN: the amaxes went through a reduction
+    that may not carry this tensor's NaN (an all-reduce), so each tile checks its own; else a
+    tensor holds a NaN exactly when its amax is NaN."""
+    i, row, M, K, local, tile_m, tile_k = _cast_program(
         table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK_K, WIDE, M_ALIGNED, K_ALIGNED)
-    scale = scale_from_amax(tl.load(amax_ptr + i), eps, E5M2, POW2, 0x7F7FFFFF)
-    cast_transpose_tile(_input_pointer(x_base, row, X_DIVISOR), data_base + data_offset,
-                        data_t_base + data_t_offset, amax_ptr, scale, M, K, tile_m, tile_k,
-                        E5M2, ROWWISE, COLUMNWISE, False, BLOCK_M, BLOCK_K, WIDE, HW_CAST)
+    amax = tl.load(amax_ptr + i)
+    scale = scale_from_amax(amax, eps, E5M2, POW2, 0x7F7FFFFF)
+    x_ptr, data_ptr, data_t_ptr = tile_pointers(x_base, data_base, data_t_base, row, X_DIVISOR,
+                                                HALVES, ROW_WORDS, COL_WORDS)
+    per_tensor_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, nan_possible(scale, amax), M,
+                    K, tile_m, tile_k, E5M2, ROWWISE, COLUMNWISE, False, CHECK_NAN, BLOCK_M,
+                    BLOCK_K, HALVES, ROW_WORDS, COL_WORDS, MASK_M, MASK_K, WIDE, HW_CAST,
+                    PRODUCTS, MAX_U16X2)
     if local == 0:
         tl.store(scale_inv_ptr + i * SCALE_ALIGN, reciprocal_rn(scale))  # 16-byte slots
+
+
+@jit
+def nan_possible(scale, amax):
+    """Whether x * scale may be NaN in a tensor of this amax: a NaN input (a NaN amax) or a
+    zero, infinite or NaN scale (0 * inf)."""
+    scale_mag = scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return ((scale_mag == 0) | (scale_mag >= 0x7F800000)
+            | ((amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000))
 
 
 @jit
@@ -335,9 +366,9 @@ def quantize_current_scaling_stacked(
     device = tensors[0].device
     shapes = [_matrix_shape(t) for t in tensors]
     data_offsets, data_total = _aligned_offsets([m * k for m, k in shapes], ALIGN)
-    data = torch.empty(max(data_total, 1), dtype=torch.uint8, device=device) if rowwise else None
-    data_t = (torch.empty(max(data_total, 1), dtype=torch.uint8, device=device) if columnwise
-              else None)
+    size = max(data_total, ALIGN)
+    data = torch.empty(size, dtype=torch.uint8, device=device) if rowwise else None
+    data_t = torch.empty(size, dtype=torch.uint8, device=device) if columnwise else None
     scale_inv = _current_scaling_launches(
         tensors, shapes, fp8_dtype, amax_epsilon, power_2_scale, reduce_amax,
         (data, data_offsets), (data_t, data_offsets))
@@ -346,18 +377,44 @@ def quantize_current_scaling_stacked(
                        scale_inv, data_offsets, shapes)
 
 
-def _tile_counts(shapes: Sequence[tuple[int, int]]) -> list[int]:
-    """Programs of the per-tensor cast kernels per tensor: its tiles (an empty one owns one)."""
-    return [max(1, cdiv(m, TILE_M) * cdiv(k, TILE_K)) for m, k in shapes]
+def _cast_plan(shapes: Sequence[tuple[int, int]], base: torch.Tensor,
+               x_offsets: Sequence[int]) -> tuple[dict[str, int | bool], list[int]]:
+    """The per-tensor cast kernels' constexprs for the whole group, and each tensor's program
+    count (its tiles; an empty tensor owns one program, whose accesses must all be masked).
 
-
-def _tile_constexprs(shapes: Sequence[tuple[int, int]], base: torch.Tensor,
-                     hints: dict[str, int | bool]) -> dict[str, int | bool]:
-    """The tile constexprs of the per-tensor cast kernels: tile sizes, wide offsets, the
-    hardware cast and the group's divisibility `hints` (_hints)."""
-    return {"BLOCK_M": TILE_M, "BLOCK_K": TILE_K,
-            "WIDE": any(needs_wide_offsets(m, k, max(TILE_M, TILE_K)) for m, k in shapes),
-            "HW_CAST": hw_cast(base), **hints}
+    The tile is TILE_M x TILE_K, or per_tensor_fp8's BYTES_TILE_* where a shape stores bytes.
+    The modes are those per_tensor_fp8.tile_modes would give each tensor alone, held only
+    where they hold for all (input words also need every offset a whole word), then the
+    conversion path and the divisibility hints of _hints, from bitwise ORs of the shapes and
+    offsets: this runs on every multi-tensor cast, and a Python pass per fact cost tens of
+    microseconds of host time (80 tensors)."""
+    divisor = ALIGN // base.element_size()
+    rows = [m for m, _ in shapes]
+    columns = [k for _, k in shapes]
+    # a power of two divides every value exactly when it divides their bitwise OR (negative
+    # offsets included: two's complement keeps the low bits)
+    m_bits = reduce(operator.or_, rows, 0)
+    k_bits = reduce(operator.or_, columns, 0)
+    x_bits = reduce(operator.or_, x_offsets, 0)
+    words = (m_bits | k_bits) % 4 == 0
+    tile_m, tile_k = ((TILE_M, TILE_K) if words
+                      else (per_tensor_fp8.BYTES_TILE_M, per_tensor_fp8.BYTES_TILE_K))
+    counts = [max(1, cdiv(m, tile_m) * cdiv(k, tile_k)) for m, k in shapes]
+    empty = 0 in rows or 0 in columns
+    hw = hw_cast(base)
+    constexprs = {
+        "BLOCK_M": tile_m, "BLOCK_K": tile_k,
+        # reads_halves for every tensor: bf16, whole words, 8-byte aligned (the base is, and
+        # every offset is a whole number of words)
+        "HALVES": (base.dtype == torch.bfloat16 and base.data_ptr() % 8 == 0
+                   and (k_bits | x_bits) % 4 == 0),
+        "ROW_WORDS": k_bits % 4 == 0, "COL_WORDS": m_bits % 4 == 0,
+        "MASK_M": empty or m_bits % tile_m != 0, "MASK_K": empty or k_bits % tile_k != 0,
+        "WIDE": needs_wide_offsets(max(rows), max(columns), max(tile_m, tile_k)),
+        "HW_CAST": hw, "PRODUCTS": hw or per_tensor_fp8.EMULATE_PRODUCTS,
+        "MAX_U16X2": max_u16x2(base), "X_DIVISOR": divisor if x_bits % divisor == 0 else 1,
+        "M_ALIGNED": m_bits % 16 == 0, "K_ALIGNED": k_bits % 16 == 0}
+    return constexprs, counts
 
 
 def _current_scaling_launches(
@@ -378,7 +435,7 @@ def _current_scaling_launches(
     sizes = [m * k for m, k in shapes]
     base, x_offsets = _input_offsets(tensors)
     chunk_counts = [cdiv(size, AMAX_BLOCK * AMAX_STEPS) for size in sizes]
-    tile_counts = _tile_counts(shapes)
+    constexprs, tile_counts = _cast_plan(shapes, base, x_offsets)
     (data, data_offsets), (data_t, data_t_offsets) = rows_out, columns_out
     rows = [(x_offsets[i], m, k, data_offsets[i], data_t_offsets[i])
             for i, (m, k) in enumerate(shapes)]
@@ -387,13 +444,12 @@ def _current_scaling_launches(
     chunk_starts = table[n * FIELDS: n * FIELDS + n]
     tile_starts = table[n * FIELDS + n:]
     steps = _search_steps(n)
-    hints = _hints(shapes, x_offsets, base.element_size())
 
     amax = torch.zeros(n, dtype=torch.float32, device=device)
     if sum(chunk_counts):
         launch(_multi_amax_kernel, (sum(chunk_counts),),
                base, meta, chunk_starts, amax.view(torch.int32), n, STEPS=steps, FIELDS=FIELDS,
-               BLOCK=AMAX_BLOCK, SUB=AMAX_STEPS, X_DIVISOR=hints["X_DIVISOR"],
+               BLOCK=AMAX_BLOCK, SUB=AMAX_STEPS, X_DIVISOR=constexprs["X_DIVISOR"],
                NUMEL_ALIGNED=all(size % 16 == 0 for size in sizes), num_warps=8)
     if reduce_amax is not None:
         amax = reduce_amax(amax)
@@ -404,11 +460,14 @@ def _current_scaling_launches(
     placeholder = data if data is not None else data_t
     # launch(): the compiled kernel's launcher called directly once this specialisation has
     # compiled (Triton's own launch path cost about 80 us a launch in a MoE step's profile)
+    x_view, rows_view, cols_view = per_tensor_fp8.tile_views(
+        base, data if data is not None else placeholder,
+        data_t if data_t is not None else placeholder, constexprs)
     launch(
         _multi_cast_kernel, (sum(tile_counts),),
-        base,
-        data if data is not None else placeholder,
-        data_t if data_t is not None else placeholder,
+        x_view,
+        rows_view,
+        cols_view,
         meta,
         tile_starts,
         amax,
@@ -419,9 +478,10 @@ def _current_scaling_launches(
         POW2=power_2_scale,
         ROWWISE=data is not None,
         COLUMNWISE=data_t is not None,
+        CHECK_NAN=reduce_amax is not None,
         STEPS=steps,
         FIELDS=FIELDS,
-        **_tile_constexprs(shapes, base, hints),
+        **constexprs,
         num_warps=4,
     )
     return scale_inv

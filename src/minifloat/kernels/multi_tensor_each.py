@@ -21,26 +21,25 @@ from collections.abc import Sequence
 
 import torch
 
+from . import per_tensor_fp8
 from .fp8_common import is_e5m2, jit, reciprocal_rn, tl
 from .launch import launch
 from .multi_tensor import (
     ALIGN,
     FIELDS,
     SCALE_ALIGN,
+    _cast_plan,
     _cast_program,
     _check_group,
     _current_scaling_launches,
-    _hints,
     _input_offsets,
-    _input_pointer,
     _matrix_shape,
     _search_steps,
     _starts,
-    _tile_constexprs,
-    _tile_counts,
     _upload,
+    tile_pointers,
 )
-from .per_tensor_fp8 import cast_transpose_tile
+from .per_tensor_tile import per_tensor_tile
 from .stacked_cast import SCALE_SLOT
 
 
@@ -49,19 +48,26 @@ def _multi_delayed_cast_kernel(x_base, data_base, data_t_base, table_ptr, starts
                                state_base, state_bits_base, scale_inv_ptr, n,
                                E5M2: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                               WIDE: tl.constexpr, HW_CAST: tl.constexpr,
+                               HALVES: tl.constexpr, ROW_WORDS: tl.constexpr,
+                               COL_WORDS: tl.constexpr, MASK_M: tl.constexpr,
+                               MASK_K: tl.constexpr, WIDE: tl.constexpr, HW_CAST: tl.constexpr,
+                               PRODUCTS: tl.constexpr, MAX_U16X2: tl.constexpr,
                                X_DIVISOR: tl.constexpr, M_ALIGNED: tl.constexpr,
                                K_ALIGNED: tl.constexpr):
     """Delayed scaling: tensor i is cast with the fp32 scale at state_base + table[5] and folds
     its max|x| into the amax at state_bits_base + table[6] (the int32 view of the same base:
     each tensor's recipe-state slots, addressed by pointer difference). Both copies."""
-    i, row, M, K, local, tile_m, tile_k, data_offset, data_t_offset = _cast_program(
+    i, row, M, K, local, tile_m, tile_k = _cast_program(
         table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK_K, WIDE, M_ALIGNED, K_ALIGNED)
     scale = tl.load(state_base + tl.load(row + 5))
-    cast_transpose_tile(_input_pointer(x_base, row, X_DIVISOR), data_base + data_offset,
-                        data_t_base + data_t_offset, state_bits_base + tl.load(row + 6), scale,
-                        M, K, tile_m, tile_k, E5M2, True, True, True, BLOCK_M, BLOCK_K, WIDE,
-                        HW_CAST)
+    x_ptr, data_ptr, data_t_ptr = tile_pointers(x_base, data_base, data_t_base, row, X_DIVISOR,
+                                                HALVES, ROW_WORDS, COL_WORDS)
+    # the tiles check their own NaN (their maxima are taken anyway); the scale's say is here
+    scale_mag = scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    per_tensor_tile(x_ptr, data_ptr, data_t_ptr, state_bits_base + tl.load(row + 6), scale,
+                    (scale_mag == 0) | (scale_mag >= 0x7F800000), M, K, tile_m, tile_k, E5M2,
+                    True, True, True, True, BLOCK_M, BLOCK_K, HALVES, ROW_WORDS, COL_WORDS,
+                    MASK_M, MASK_K, WIDE, HW_CAST, PRODUCTS, MAX_U16X2)
     if local == 0:
         tl.store(scale_inv_ptr + i * SCALE_ALIGN, reciprocal_rn(scale))  # 16-byte slots
 
@@ -104,17 +110,16 @@ def quantize_delayed_scaling_each(
     shapes = [_matrix_shape(t) for t in tensors]
     data, data_t, data_offsets, data_t_offsets = _separate_outputs(shapes, device)
     base, x_offsets = _input_offsets(tensors)
-    tile_counts = _tile_counts(shapes)
+    constexprs, tile_counts = _cast_plan(shapes, base, x_offsets)
     rows = [(x_offsets[i], m, k, data_offsets[i], data_t_offsets[i], state_offsets[i],
              state_offsets[n + i]) for i, (m, k) in enumerate(shapes)]
     table = _upload(rows, (_starts(tile_counts),), device)
     scale_inv = torch.empty(n * SCALE_SLOT, dtype=torch.float32, device=device)
     launch(_multi_delayed_cast_kernel, (sum(tile_counts),),
-           base, data[0], data_t[0], table[: n * FIELDS], table[n * FIELDS:], state_base,
-           state_base.view(torch.int32), scale_inv, n, E5M2=is_e5m2(fp8_dtype),
-           STEPS=_search_steps(n), FIELDS=FIELDS,
-           **_tile_constexprs(shapes, base, _hints(shapes, x_offsets, base.element_size())),
-           num_warps=4)
+           *per_tensor_fp8.tile_views(base, data[0], data_t[0], constexprs),
+           table[: n * FIELDS], table[n * FIELDS:], state_base, state_base.view(torch.int32),
+           scale_inv, n, E5M2=is_e5m2(fp8_dtype), STEPS=_search_steps(n), FIELDS=FIELDS,
+           **constexprs, num_warps=4)
     return _separate_results(data, data_t, scale_inv, fp8_dtype)
 
 

@@ -1,11 +1,9 @@
 """Per-tensor FP8 quantization kernels: current scaling and delayed scaling (NUMERICS.md §2, §3).
 
 One pass over the input writes the rowwise data [M, K] and its transpose [K, M] (the columnwise
-copy, a byte transpose with the same scale_inv): each program loads one BLOCK_M x BLOCK_K tile,
-rounds it once and stores it twice, the second store through a register transpose so both
-writes are coalesced. bf16 inputs take the words kernel (per_tensor_fp8_words.py: int64 words of
-four elements in, int32 words of four codes out, the transpose done on words); other dtypes,
-K % 4 != 0, unaligned inputs and WORDS = False take the element kernel below.
+copy, a byte transpose with the same scale_inv): each program casts one TILE_M x TILE_K tile
+with per_tensor_tile.per_tensor_tile (words of four elements in, words of four codes out; the
+host picks its load and store modes from the dtype, shape and alignment: _tile_constexprs).
 
 - Current scaling: the amax kernel (amax.py) reduces max|x| into a device scalar (the caller may
   all-reduce it in between) or, without a reduction, leaves per-program partial maxima that
@@ -26,41 +24,36 @@ import os
 import torch
 
 from . import amax as amax_kernels
-from . import per_tensor_fp8_words as words_kernels
 from .amax import current_scale, program_amax_bits
 from .fp8_common import (
-    _capability,
     _sm_count,
-    abs_bits,
     cdiv,
     float32_value,
-    fp8_codes,
     hw_cast,
     is_e5m2,
     jit,
     kernel_input,
+    max_u16x2,
     needs_wide_offsets,
+    reads_halves,
     reciprocal_rn,
     scale_from_amax,
-    tile_offsets,
     tl,
     triton,
 )
 from .launch import _INTERPRET, launch_planned
+from .per_tensor_tile import per_tensor_tile
 
 # 64x128 tiles, 4 warps (64 elements a thread). Swept on an H100 with the hardware cast
-# (benchmarks/KERNEL_NOTES.md): 64x64, 32x128, 128x64 with 4 warps within 5%; 8 or 16 warps
-# and 128x128 tiles 10-60% slower.
+# (benchmarks/KERNEL_NOTES.md, "per-tensor FP8 v3"). Powers of two of at least 16.
 TILE_M = 64
 TILE_K = 128
 NUM_WARPS = 4
-# v3 words kernel (bf16, K % 4 == 0, 8-byte aligned input; M % 4 == 0 when the transposed copy
-# is asked for): WORDS_TILE_M x WORDS_TILE_K tiles, WORDS_NUM_WARPS warps. Its SASS per element
-# is a fraction of the element kernel's (benchmarks/KERNEL_NOTES.md, "per-tensor FP8 v3").
-WORDS = True
-WORDS_TILE_M = 64
-WORDS_TILE_K = 128
-WORDS_NUM_WARPS = 4
+# Tiles for shapes whose copies are stored byte by byte (M or K not a multiple of 4): the bytes
+# are split off words in registers, and at 64x128 that spilled (255 registers, sm_90 compile;
+# 32x64: 118, no spill).
+BYTES_TILE_M = 32
+BYTES_TILE_K = 64
 # Current scaling in one launch (_one_launch_kernel): on CUDA, unless
 # MINIFLOAT_ONE_LAUNCH_CURRENT=0. Programs per SM: two programs of ONE_LAUNCH_WARPS = 4 warps
 # always fit one SM together (2 x 128 threads x 255 registers <= 64K registers, shared memory
@@ -75,87 +68,79 @@ ONE_LAUNCH_AMAX_UNROLL = 4
 # tensor of a few tens of MB (a 1b layer's input or weight) is read from HBM about once, not
 # twice. False walks them in the amax pass's order (benchmarks/quantize_bandwidth.py compares).
 ONE_LAUNCH_CAST_REVERSED = True
-# Tests only: run the words kernel's CUDA algorithm (cvt stand-in with a wrong NaN byte, NaN
-# fix-up per tile, plain halfwise maxima) under the interpreter.
+# Tests only: run the CUDA algorithm (cvt stand-in with a wrong NaN byte, NaN fix-up per tile,
+# plain halfwise maxima) under the interpreter.
 EMULATE_PRODUCTS = False
 
 
 @jit
-def cast_transpose_tile(x_ptr, data_ptr, data_t_ptr, amax_bits_ptr, scale, M, K, pid_m, pid_k,
-                        E5M2: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
-                        RECORD_AMAX: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_K: tl.constexpr, WIDE: tl.constexpr, HW_CAST: tl.constexpr):
-    """Quantize tile (pid_m, pid_k) of a row-major [M, K] tensor with one fp32 `scale`.
-
-    Writes data[m, k] (ROWWISE) and data_t[k, m] (COLUMNWISE) as FP8 codes; with RECORD_AMAX,
-    atomically folds the tile's max|x| into the int32 bits at amax_bits_ptr. Shared with the
-    multi-tensor kernel.
-    """
-    row0 = pid_m.to(tl.int64) * BLOCK_M
-    col0 = pid_k.to(tl.int64) * BLOCK_K
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_K)
-    row_ok = rows < M - row0
-    col_ok = cols < K - col0
-    mask = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(x_ptr + row0 * K + col0 + tile_offsets(rows, cols, K, WIDE), mask=mask,
-                other=0.0)
-    if RECORD_AMAX:
-        tl.atomic_max(amax_bits_ptr, tl.max(tl.max(abs_bits(x), axis=1), axis=0))
-    codes = fp8_codes(x.to(tl.float32) * scale, E5M2, HW_CAST)
-    if ROWWISE:
-        tl.store(data_ptr + row0 * K + col0 + tile_offsets(rows, cols, K, WIDE), codes,
-                 mask=mask)
-    if COLUMNWISE:
-        # a register transpose, so that this store runs along M and stays coalesced
-        mask_t = col_ok[:, None] & row_ok[None, :]
-        tl.store(data_t_ptr + col0 * M + row0 + tile_offsets(cols, rows, M, WIDE),
-                 tl.trans(codes), mask=mask_t)
-
-
-@jit
-def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, eps,
-                           M, K, partial_count, E5M2: tl.constexpr, CURRENT: tl.constexpr,
+def per_tensor_cast_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr,
+                           eps, M, K, partial_count, E5M2: tl.constexpr, CURRENT: tl.constexpr,
                            POW2: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WIDE: tl.constexpr,
-                           HW_CAST: tl.constexpr, PARTIALS_BLOCK: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HALVES: tl.constexpr,
+                           ROW_WORDS: tl.constexpr, COL_WORDS: tl.constexpr,
+                           MASK_M: tl.constexpr, MASK_K: tl.constexpr, WIDE: tl.constexpr,
+                           HW_CAST: tl.constexpr, PRODUCTS: tl.constexpr,
+                           MAX_U16X2: tl.constexpr, PARTIALS_BLOCK: tl.constexpr):
+    """One tile per program. CURRENT: the scale from the amax at amax_ptr (a reduced scalar or,
+    with PARTIALS_BLOCK > 0, amax_partials' maxima); else the delayed scale at scale_ptr, and
+    the tile's max|x| folded into the int32 view of the amax at amax_ptr. x_ptr, data_ptr and
+    data_t_ptr are the views per_tensor_tile's modes ask for."""
     pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, BLOCK_K)
     pid_m = pid // tiles_k
     pid_k = pid % tiles_k
     if CURRENT:
-        _, scale = current_scale(amax_ptr, partial_count, eps, E5M2, POW2, PARTIALS_BLOCK)
-        cast_transpose_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, M, K, pid_m, pid_k,
-                            E5M2, ROWWISE, COLUMNWISE, False, BLOCK_M, BLOCK_K, WIDE, HW_CAST)
+        amax, scale = current_scale(amax_ptr, partial_count, eps, E5M2, POW2, PARTIALS_BLOCK)
     else:
-        # amax_ptr: int32 view of the delayed-scaling amax, folded in with an atomic max
         scale = tl.load(scale_ptr)
-        cast_transpose_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, M, K, pid_m, pid_k,
-                            E5M2, ROWWISE, COLUMNWISE, True, BLOCK_M, BLOCK_K, WIDE, HW_CAST)
+    # a NaN product needs a NaN input, or a zero, infinite or NaN scale (0 * inf)
+    scale_mag = scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    nan_possible = (scale_mag == 0) | (scale_mag >= 0x7F800000)
+    if CURRENT and PARTIALS_BLOCK > 0:
+        # the partial maxima are this tensor's: its amax is NaN exactly when it holds a NaN
+        nan_possible = nan_possible | ((amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+                                       > 0x7F800000)
+        per_tensor_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, nan_possible, M, K,
+                        pid_m, pid_k, E5M2, ROWWISE, COLUMNWISE, False, False, BLOCK_M,
+                        BLOCK_K, HALVES, ROW_WORDS, COL_WORDS, MASK_M, MASK_K, WIDE, HW_CAST,
+                        PRODUCTS, MAX_U16X2)
+    elif CURRENT:  # a given amax says nothing about this tensor's NaNs: check the tile
+        per_tensor_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, nan_possible, M, K,
+                        pid_m, pid_k, E5M2, ROWWISE, COLUMNWISE, False, HW_CAST or PRODUCTS,
+                        BLOCK_M, BLOCK_K, HALVES, ROW_WORDS, COL_WORDS, MASK_M, MASK_K, WIDE,
+                        HW_CAST, PRODUCTS, MAX_U16X2)
+    else:
+        per_tensor_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, nan_possible, M, K,
+                        pid_m, pid_k, E5M2, ROWWISE, COLUMNWISE, True, True, BLOCK_M, BLOCK_K,
+                        HALVES, ROW_WORDS, COL_WORDS, MASK_M, MASK_K, WIDE, HW_CAST, PRODUCTS,
+                        MAX_U16X2)
     if pid == 0:
         tl.store(scale_inv_ptr, reciprocal_rn(scale))
 
 
 @jit
-def _one_launch_kernel(x_ptr, x_words_ptr, data_ptr, data_t_ptr, sync_ptr, scale_inv_ptr, eps,
+def _one_launch_kernel(x_ptr, x_tile_ptr, data_ptr, data_t_ptr, sync_ptr, scale_inv_ptr, eps,
                        M, K, n, amax_iterations, E5M2: tl.constexpr, POW2: tl.constexpr,
-                       ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, WORDS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WIDE: tl.constexpr,
-                       HW_CAST: tl.constexpr, PRODUCTS: tl.constexpr, MAX_U16X2: tl.constexpr,
-                       MASK_M: tl.constexpr, MASK_K: tl.constexpr, AMAX_BLOCK: tl.constexpr,
+                       ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_K: tl.constexpr, HALVES: tl.constexpr, ROW_WORDS: tl.constexpr,
+                       COL_WORDS: tl.constexpr, MASK_M: tl.constexpr, MASK_K: tl.constexpr,
+                       WIDE: tl.constexpr, HW_CAST: tl.constexpr, PRODUCTS: tl.constexpr,
+                       MAX_U16X2: tl.constexpr, AMAX_BLOCK: tl.constexpr,
                        AMAX_UNROLL: tl.constexpr, BF16_BITS: tl.constexpr,
                        REVERSED: tl.constexpr):
     """Current scaling in one launch: amax, grid barrier, scale, cast (+ transpose).
 
     Why: the two-launch form (amax partials, then the cast) costs a launch and an allocation of
     host time per quantization, and an eager FP8 Linear quantizes three tensors a step. Every
-    program folds max|x| over its grid-stride share into sync[2] (int32 |x| bits, NaN above
-    inf), arrives at sync[0] and spins until all have arrived, derives the scale from the whole
-    tensor's amax exactly as the cast kernels do, then casts its share of the tiles with the
-    element or the words tile function. The last program to leave (sync[1]) zeroes sync[0..2]
-    for the next launch on the stream. The grid must fit the GPU at once (the host sizes it);
-    the interpreter runs programs one by one and never takes this kernel. REVERSED: the cast
-    pass takes the tiles last first (ONE_LAUNCH_CAST_REVERSED says why).
+    program folds max|x| over its grid-stride share of x_ptr (the elements) into sync[2] (int32
+    |x| bits, NaN above inf), arrives at sync[0] and spins until all have arrived, derives the
+    scale from the whole tensor's amax exactly as the cast kernels do, then casts its share of
+    the tiles (x_tile_ptr: the view the tile's modes ask for). The last program to leave
+    (sync[1]) zeroes sync[0..2] for the next launch on the stream. The grid must fit the GPU at
+    once (the host sizes it); the interpreter runs programs one by one and never takes this
+    kernel. REVERSED: the cast pass takes the tiles last first (ONE_LAUNCH_CAST_REVERSED says
+    why).
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -168,8 +153,8 @@ def _one_launch_kernel(x_ptr, x_words_ptr, data_ptr, data_t_ptr, sync_ptr, scale
         arrived = tl.atomic_add(sync_ptr, 0, sem="acquire")
     amax = tl.atomic_max(sync_ptr + 2, 0, sem="acquire").to(tl.float32, bitcast=True)
     scale = scale_from_amax(amax, eps, E5M2, POW2, 0x7F7FFFFF)
-    # the words tiles' NaN fix-up: a NaN product needs a NaN input (the amax is NaN exactly
-    # then) or a zero, infinite or NaN scale
+    # the tiles' NaN fix-up: a NaN product needs a NaN input (the amax is NaN exactly then) or
+    # a zero, infinite or NaN scale
     scale_mag = scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     nan_possible = ((scale_mag == 0) | (scale_mag >= 0x7F800000)
                     | ((amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000))
@@ -178,17 +163,10 @@ def _one_launch_kernel(x_ptr, x_words_ptr, data_ptr, data_t_ptr, sync_ptr, scale
     tile = pid
     while tile < tiles:
         index = tiles - 1 - tile if REVERSED else tile
-        pid_m = index // tiles_k
-        pid_k = index % tiles_k
-        if WORDS:
-            words_kernels.per_tensor_words_tile(
-                x_words_ptr, data_ptr, data_t_ptr, sync_ptr, scale, nan_possible, M, K, pid_m,
-                pid_k, E5M2, ROWWISE, COLUMNWISE, False, False, BLOCK_M, BLOCK_K, HW_CAST,
-                PRODUCTS, MAX_U16X2, MASK_M, MASK_K)
-        else:
-            cast_transpose_tile(x_ptr, data_ptr, data_t_ptr, sync_ptr, scale, M, K, pid_m,
-                                pid_k, E5M2, ROWWISE, COLUMNWISE, False, BLOCK_M, BLOCK_K, WIDE,
-                                HW_CAST)
+        per_tensor_tile(x_tile_ptr, data_ptr, data_t_ptr, sync_ptr, scale, nan_possible, M, K,
+                        index // tiles_k, index % tiles_k, E5M2, ROWWISE, COLUMNWISE, False,
+                        False, BLOCK_M, BLOCK_K, HALVES, ROW_WORDS, COL_WORDS, MASK_M, MASK_K,
+                        WIDE, HW_CAST, PRODUCTS, MAX_U16X2)
         tile += programs
     if pid == 0:
         tl.store(scale_inv_ptr, reciprocal_rn(scale))
@@ -206,33 +184,48 @@ def _matrix_shape(x: torch.Tensor) -> tuple[int, int]:
     return x.numel() // k, k
 
 
-def _takes_words(x: torch.Tensor, m: int, k: int, columnwise: bool) -> bool:
-    """Whether the words kernel serves x viewed as [M, K]: bf16 (four elements fill an int64
-    word), rows of whole words (K % 4 == 0) at 8-byte aligned addresses, whole transposed
-    words (M % 4 == 0) when that copy is asked for, power-of-two tiles of at least 4 x 4 words,
-    and in-tile word offsets within int32. Others take the element kernel."""
-    tile_m, tile_k = WORDS_TILE_M, WORDS_TILE_K
-    return (WORDS and x.dtype == torch.bfloat16 and k % 4 == 0 and x.data_ptr() % 8 == 0
-            and x.storage_offset() % 4 == 0 and (m % 4 == 0 or not columnwise)
-            and tile_m >= 16 and tile_k >= 16 and tile_m & (tile_m - 1) == 0
-            and tile_k & (tile_k - 1) == 0 and max(tile_m * k, tile_k * m) // 4 + tile_k < 2**31)
+def tile_modes(x: torch.Tensor, m: int, k: int, tile_m: int, tile_k: int) -> dict[str, bool]:
+    """per_tensor_tile's load and store modes for x viewed as [M, K] in tile_m x tile_k tiles:
+    HALVES for bf16 rows of whole int64 words (K % 4 == 0) at 8-byte aligned addresses, words
+    stores where K % 4 == 0 (rowwise) and M % 4 == 0 (columnwise), masks for partial tiles,
+    64-bit in-tile offsets for huge tensors. Shared with the multi-tensor launches, which ask
+    it for every tensor of a group."""
+    return {"HALVES": reads_halves(x, k), "ROW_WORDS": k % 4 == 0, "COL_WORDS": m % 4 == 0,
+            "MASK_M": m % tile_m != 0, "MASK_K": k % tile_k != 0,
+            "WIDE": needs_wide_offsets(m, k, max(tile_m, tile_k))}
 
 
-def _words_view(buffer: torch.Tensor) -> torch.Tensor:
-    """A uint8 output [rows, cols] as int32 words [rows, cols / 4] (the dummy stays as is)."""
-    return buffer.view(torch.int32) if buffer.dim() == 2 else buffer
+def tile_views(x: torch.Tensor, rows_out: torch.Tensor, cols_out: torch.Tensor,
+               modes: dict[str, bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input, rowwise output, columnwise output) as the modes read and write them: int64 words
+    of the input under HALVES, int32 words of an output stored in words (a 1-element dummy
+    output stays as it is)."""
+    def words(buffer: torch.Tensor, on: bool) -> torch.Tensor:
+        return buffer.view(torch.int32) if on and buffer.dtype == torch.uint8 else buffer
+    x_view = x.reshape(-1).view(torch.int64) if modes["HALVES"] else x
+    return (x_view, words(rows_out, modes["ROW_WORDS"]), words(cols_out, modes["COL_WORDS"]))
+
+
+def _tile_constexprs(x: torch.Tensor, m: int, k: int) -> dict:
+    """The tile constexprs of a single-tensor launch: the tile (BYTES_TILE_* where a copy is
+    stored in bytes), the modes, the conversion path."""
+    words = m % 4 == 0 and k % 4 == 0
+    tile_m, tile_k = (TILE_M, TILE_K) if words else (BYTES_TILE_M, BYTES_TILE_K)
+    hw = hw_cast(x)
+    return {"BLOCK_M": tile_m, "BLOCK_K": tile_k, **tile_modes(x, m, k, tile_m, tile_k),
+            "HW_CAST": hw, "PRODUCTS": hw or EMULATE_PRODUCTS, "MAX_U16X2": max_u16x2(x)}
 
 
 def _settings() -> tuple:
     """The module settings a launch plan depends on, part of every plan key: tests switch them
-    (WORDS, tile sizes, EMULATE_PRODUCTS, needs_wide_offsets) and must get the kernel variant
-    they ask for, not a plan cached under other settings."""
-    return (WORDS, WORDS_TILE_M, WORDS_TILE_K, TILE_M, TILE_K, EMULATE_PRODUCTS,
-            needs_wide_offsets, ONE_LAUNCH_CAST_REVERSED, amax_kernels.AMAX_BF16_BITS)
+    (tile sizes, EMULATE_PRODUCTS, needs_wide_offsets) and must get the kernel variant they ask
+    for, not a plan cached under other settings."""
+    return (TILE_M, TILE_K, BYTES_TILE_M, BYTES_TILE_K, EMULATE_PRODUCTS, needs_wide_offsets,
+            ONE_LAUNCH_CAST_REVERSED, amax_kernels.AMAX_BF16_BITS)
 
 
-# plan key -> (kernel, grid, num_warps, words, constexprs): what a cast's shape, options and
-# pointer alignments decide, once (see _launch)
+# plan key -> (grid, constexprs): what a cast's shape, options and pointer alignments decide,
+# once (see _launch)
 _CAST_PLANS: dict[tuple, tuple] = {}
 
 
@@ -248,14 +241,14 @@ def _launch(
     rowwise: bool,
     columnwise: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """One cast launch (the words or the element kernel) with a given scale (delayed scaling)
-    or amax (current scaling: a reduced scalar, or per-program partial maxima).
+    """One cast launch with a given scale (delayed scaling) or amax (current scaling: a reduced
+    scalar, or per-program partial maxima).
 
     Why planned: delayed scaling casts every operand of every GEMM here (three launches a
-    Linear), and building kernels.launch's key from every argument and the kernel choice
-    below cost tens of microseconds a call on the GPU hosts; the plan key holds every fact
-    launch's key would (dtypes, shapes, pointer alignments, flags, module settings), so
-    launch_planned can skip both after the first call."""
+    Linear), and building kernels.launch's key from every argument and the constexprs below
+    cost tens of microseconds a call on the GPU hosts; the plan key holds every fact launch's
+    key would (dtypes, shapes, pointer alignments, flags, module settings), so launch_planned
+    can skip both after the first call."""
     if not kernel_input(x):
         raise ValueError(
             "per-tensor FP8 kernels need a non-empty contiguous float32/bfloat16/float16 tensor; "
@@ -267,60 +260,35 @@ def _launch(
     index = x.get_device()
     current = scale is None
     plan_key = ("cast", x.dtype, m, k, fp8_dtype, current, power_2_scale, rowwise, columnwise,
-                partials, amax.numel(), amax.dtype, x.data_ptr() % 16, x.storage_offset() % 4,
-                amax.data_ptr() % 16, None if current else (scale.dtype, scale.data_ptr() % 16),
-                index, _settings())
+                partials, amax.numel(), amax.dtype, x.data_ptr() % 16, amax.data_ptr() % 16,
+                None if current else (scale.dtype, scale.data_ptr() % 16), index, _settings())
     plan = _CAST_PLANS.get(plan_key)
     if plan is None:
-        plan = _CAST_PLANS[plan_key] = _cast_plan(x, m, k, is_e5m2(fp8_dtype), current,
-                                                  power_2_scale, rowwise, columnwise,
-                                                  _partials_block(amax, partials), index)
-    kernel, grid, num_warps, words, constexprs = plan
+        constexprs = {"E5M2": is_e5m2(fp8_dtype), "CURRENT": current, "POW2": power_2_scale,
+                      "ROWWISE": rowwise, "COLUMNWISE": columnwise,
+                      **_tile_constexprs(x, m, k),
+                      "PARTIALS_BLOCK": _partials_block(amax, partials)}
+        tiles = cdiv(m, constexprs["BLOCK_M"]) * cdiv(k, constexprs["BLOCK_K"])
+        plan = _CAST_PLANS[plan_key] = ((tiles,), constexprs)
+    grid, constexprs = plan
     device = x.device
     data = torch.empty((m, k), dtype=torch.uint8, device=device) if rowwise else None
     data_t = torch.empty((k, m), dtype=torch.uint8, device=device) if columnwise else None
     scale_inv = torch.empty(1, dtype=torch.float32, device=device)
-    rows_out = data if data is not None else scale_inv  # the dummy for an absent output: the
-    cols_out = data_t if data_t is not None else scale_inv  # constexpr flags skip its stores
-    if words:
-        x_arg = x.reshape(m, k).view(torch.int64)
-        rows_out, cols_out = _words_view(rows_out), _words_view(cols_out)
-    else:
-        x_arg = x
+    # the dummy for an absent output: the constexpr flags skip its stores
+    x_arg, rows_out, cols_out = tile_views(x, data if data is not None else scale_inv,
+                                           data_t if data_t is not None else scale_inv,
+                                           constexprs)
     launch_planned(
-        plan_key, index, kernel, grid, x_arg, rows_out, cols_out,
+        plan_key, index, per_tensor_cast_kernel, grid, x_arg, rows_out, cols_out,
         scale_inv if current else scale, amax if current else amax.view(torch.int32),
         scale_inv, float32_value(amax_epsilon), m, k, amax.numel() if partials else 1,
-        num_warps=num_warps, **constexprs)
+        num_warps=NUM_WARPS, **constexprs)
     return (
         None if data is None else data.view(fp8_dtype),
         None if data_t is None else data_t.view(fp8_dtype),
         scale_inv,
     )
-
-
-def _cast_plan(x: torch.Tensor, m: int, k: int, e5m2: bool, current: bool, power_2_scale: bool,
-               rowwise: bool, columnwise: bool, partials_block: int, index: int) -> tuple:
-    """(kernel, grid, num_warps, words, constexprs) of one cast launch: the words kernel for
-    bf16 inputs it serves (_takes_words), the element kernel otherwise. The flags are those
-    both kernels take alike (the same scale logic: see _cast_transpose_kernel)."""
-    flags = {"E5M2": e5m2, "CURRENT": current, "POW2": power_2_scale, "ROWWISE": rowwise,
-             "COLUMNWISE": columnwise}
-    hw = hw_cast(x)
-    if _takes_words(x, m, k, columnwise):
-        constexprs = {
-            **flags, "BLOCK_M": WORDS_TILE_M, "BLOCK_K": WORDS_TILE_K, "HW_CAST": hw,
-            "PRODUCTS": hw or EMULATE_PRODUCTS, "MAX_U16X2": hw and _capability(index) >= (9, 0),
-            "MASK_M": m % WORDS_TILE_M != 0, "MASK_K": k % WORDS_TILE_K != 0,
-            "PARTIALS_BLOCK": partials_block}
-        grid = (cdiv(m, WORDS_TILE_M) * cdiv(k, WORDS_TILE_K),)
-        return words_kernels.per_tensor_words_kernel, grid, WORDS_NUM_WARPS, True, constexprs
-    constexprs = {
-        **flags, "BLOCK_M": TILE_M, "BLOCK_K": TILE_K,
-        "WIDE": needs_wide_offsets(m, k, max(TILE_M, TILE_K)), "HW_CAST": hw,
-        "PARTIALS_BLOCK": partials_block}
-    return _cast_transpose_kernel, (cdiv(m, TILE_M) * cdiv(k, TILE_K),), NUM_WARPS, False, \
-        constexprs
 
 
 def _partials_block(amax: torch.Tensor, partials: bool) -> int:
@@ -382,19 +350,13 @@ def _one_launch_applies(x: torch.Tensor) -> bool:
 
 def _one_launch_plan(x: torch.Tensor, m: int, k: int, e5m2: bool, power_2_scale: bool,
                      rowwise: bool, columnwise: bool, index: int) -> tuple[tuple[int], int, dict]:
-    words = _takes_words(x, m, k, columnwise)
-    block_m, block_k = (WORDS_TILE_M, WORDS_TILE_K) if words else (TILE_M, TILE_K)
-    tiles = cdiv(m, block_m) * cdiv(k, block_k)
+    tile = _tile_constexprs(x, m, k)
+    tiles = cdiv(m, tile["BLOCK_M"]) * cdiv(k, tile["BLOCK_K"])
     amax_blocks = cdiv(m * k, ONE_LAUNCH_AMAX_BLOCK * ONE_LAUNCH_AMAX_UNROLL)
     programs = min(ONE_LAUNCH_PROGRAMS_PER_SM * _sm_count(index), max(tiles, amax_blocks))
-    hw = hw_cast(x)
     constexprs = {
         "E5M2": e5m2, "POW2": power_2_scale, "ROWWISE": rowwise, "COLUMNWISE": columnwise,
-        "WORDS": words, "BLOCK_M": block_m, "BLOCK_K": block_k,
-        "WIDE": not words and needs_wide_offsets(m, k, max(TILE_M, TILE_K)), "HW_CAST": hw,
-        "PRODUCTS": hw or EMULATE_PRODUCTS, "MAX_U16X2": hw and _capability(index) >= (9, 0),
-        "MASK_M": words and m % block_m != 0, "MASK_K": words and k % block_k != 0,
-        "AMAX_BLOCK": ONE_LAUNCH_AMAX_BLOCK, "AMAX_UNROLL": ONE_LAUNCH_AMAX_UNROLL,
+        **tile, "AMAX_BLOCK": ONE_LAUNCH_AMAX_BLOCK, "AMAX_UNROLL": ONE_LAUNCH_AMAX_UNROLL,
         "BF16_BITS": amax_kernels.AMAX_BF16_BITS and x.dtype == torch.bfloat16,
         "REVERSED": ONE_LAUNCH_CAST_REVERSED,
     }
@@ -410,7 +372,7 @@ def _one_launch(x: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float,
     m, k = _matrix_shape(x)
     index = x.get_device()
     plan_key = (x.dtype, m, k, fp8_dtype, amax_epsilon, power_2_scale, rowwise, columnwise,
-                x.data_ptr() % 16, x.storage_offset() % 4, index, _settings())
+                x.data_ptr() % 16, index, _settings())
     plan = _ONE_LAUNCH_PLANS.get(plan_key)
     if plan is None:
         plan = _ONE_LAUNCH_PLANS[plan_key] = _one_launch_plan(
@@ -424,16 +386,13 @@ def _one_launch(x: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float,
     data = torch.empty((m, k), dtype=torch.uint8, device=x.device) if rowwise else None
     data_t = torch.empty((k, m), dtype=torch.uint8, device=x.device) if columnwise else None
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device)
-    dummy = scale_inv  # stands in for absent outputs; the constexpr flags skip their stores
-    words = constexprs["WORDS"]
-    rows_out = data if data is not None else dummy
-    cols_out = data_t if data_t is not None else dummy
+    # the dummy for an absent output: the constexpr flags skip its stores
+    x_tiles, rows_out, cols_out = tile_views(x, data if data is not None else scale_inv,
+                                             data_t if data_t is not None else scale_inv,
+                                             constexprs)
     launch_planned(
-        ("one_launch", *plan_key), index, _one_launch_kernel, grid, x,
-        x.view(torch.int64) if words else x,
-        _words_view(rows_out) if words else rows_out,
-        _words_view(cols_out) if words else cols_out,
-        sync, scale_inv, float32_value(amax_epsilon), m, k, m * k, amax_iterations,
+        ("one_launch", *plan_key), index, _one_launch_kernel, grid, x, x_tiles, rows_out,
+        cols_out, sync, scale_inv, float32_value(amax_epsilon), m, k, m * k, amax_iterations,
         num_warps=ONE_LAUNCH_WARPS, **constexprs)
     return (
         None if data is None else data.view(fp8_dtype),
