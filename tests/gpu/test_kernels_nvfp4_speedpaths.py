@@ -302,22 +302,21 @@ WORDS_TILES = [(16, 64, 1), (16, 256, 1), (16, 512, 2), (32, 128, 2), (64, 64, 2
 
 
 def _words_2d(monkeypatch, tile=None) -> list:
-    """Route 2D bf16 quantization through the words kernel (with `tile`) and record its calls."""
-    from minifloat.kernels import nvfp4_words
-
+    """Route 2D bf16 quantization through the words kernel (with `tile`) and record its calls
+    (the launch function as nvfp4.quantize_nvfp4 calls it)."""
     monkeypatch.setattr(nvfp4_kernels, "WORDS_2D", True)
     if tile is not None:
         for name, value in zip(("WORDS_BLOCK_M_2D", "WORDS_BLOCK_K_2D", "WORDS_NUM_WARPS_2D"),
                                tile, strict=True):
             monkeypatch.setattr(nvfp4_kernels, name, value)
     calls = []
-    launch = nvfp4_words.launch_2d_words
+    launch = nvfp4_kernels.launch_2d_words
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape)
         return launch(*args, **kwargs)
 
-    monkeypatch.setattr(nvfp4_words, "launch_2d_words", spy)
+    monkeypatch.setattr(nvfp4_kernels, "launch_2d_words", spy)
     return calls
 
 

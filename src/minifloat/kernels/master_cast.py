@@ -47,7 +47,8 @@ from .element_cast import expand_blocks, load_as_float
 from .fp8_common import abs_bits, cvt_sat_rne_fp8, fp8_codes, reciprocal_rn, scale_from_amax
 from .multi_tensor import _owner
 from .mxfp8 import _fp8_codes, _hw_factors
-from .nvfp4 import _block_scales, _e2m1_nibbles, _global_scales
+from .nvfp4 import _e2m1_nibbles
+from .nvfp4_scales import block_scales, global_scales
 
 # Each program reads its weight's row of the plan's int64 table (master_cast_plan.py names the
 # fields): 0 master offset, 1 start, 2 end, 3 M, 4 K, 5 maxima offset, 6 base, 7 rows held,
@@ -293,8 +294,8 @@ def _nvfp4_scales_kernel(bytes_base, floats_base, maxima, table_ptr, starts_ptr,
     column_mask = lanes < (blocks_k - first_block).to(tl.int32)
     tile_amax = tl.load(segment + (1 + tile_row * blocks_k + first_block) + lanes,
                         mask=column_mask, other=0.0)
-    factor, s_dec = _global_scales(segment)
-    code, _ = _block_scales(tile_amax, factor, s_dec)
+    factor, s_dec = global_scales(segment)
+    code, _ = block_scales(tile_amax, factor, s_dec)
     held = tile_row * 16 - first_row  # the storage row of the tile's first row
     rows = tl.arange(0, 16)
     tl.store(bytes_base + (tl.load(row + 10) + held * blocks_k + first_block)
@@ -541,10 +542,10 @@ def _nvfp4_cast_kernel(master_base, bytes_base, maxima, table_ptr, starts_ptr, n
     blocks = tl.arange(0, COLUMNS // 16)
     first_block = tile_col * (COLUMNS // 16)
     segment = maxima + tl.load(row + 5)
-    factor, s_dec = _global_scales(segment)
+    factor, s_dec = global_scales(segment)
     tile_amax = tl.load(segment + (1 + tile_row * (K // 16) + first_block) + blocks,
                         mask=blocks < (K // 16 - first_block).to(tl.int32), other=0.0)
-    _, element_scale = _block_scales(tile_amax, factor, s_dec)  # [COLUMNS / 16]
+    _, element_scale = block_scales(tile_amax, factor, s_dec)  # [COLUMNS / 16]
     rows = tl.arange(0, 16)
     scale = expand_blocks(tl.broadcast_to(element_scale[None, :], [16, COLUMNS // 16]), 16,
                           COLUMNS // 2, 8)

@@ -23,7 +23,6 @@ NUMERICS.md §7).
 Imported lazily by the NVFP4 quantizer once `minifloat.kernels.available(x)` holds.
 """
 
-import struct
 from collections.abc import Callable
 
 import torch
@@ -31,23 +30,13 @@ import triton
 import triton.language as tl
 
 from ..numerics.blocks import as_2d, require_divisible
-from ..numerics.nvfp4 import BLOCK, GLOBAL_SCALE_NUMERATOR, ONE_SIXTH_FP32
-from .element_cast import (
-    E4M3_CONSTANTS,
-    FP8_NAN_CODE,
-    e4m3_code_to_float,
-    expand_blocks,
-    is_nan_bits,
-    kernel_view,
-    load_as_float,
-    magnitude_bits,
-    pack_nibbles,
-    round_to_code,
-    split_magnitude,
-)
+from ..numerics.nvfp4 import BLOCK
+from .element_cast import expand_blocks, kernel_view, load_as_float, magnitude_bits, pack_nibbles
 from .fp8_common import hw_cast
 from .hadamard import rht16_peak_bits, rht16_slices
 from .launch import launch
+from .nvfp4_scales import MAGIC, block_scales, e2m1_magic_bits, global_scales
+from .nvfp4_words import launch_2d_words, takes_words_2d
 
 # Launch shapes (module globals, read at call time, so benchmarks/tune_kernels.py can sweep
 # them). The cast kernels are instruction-bound, so bigger tiles per thread (fixed costs:
@@ -75,14 +64,6 @@ WORDS_NUM_WARPS_2D = 2
 # before it is added to (_e2m1_nibbles); intended fused products are explicit tl.fma.
 FP_FUSION = False
 
-UE4M3_MANTISSA, UE4M3_MIN_EXPONENT, UE4M3_MAX_CODE = (tl.constexpr(c) for c in E4M3_CONSTANTS)
-GLOBAL_NUMERATOR = tl.constexpr(GLOBAL_SCALE_NUMERATOR)
-ONE_SIXTH_BITS = tl.constexpr(struct.unpack("<i", struct.pack("<f", ONE_SIXTH_FP32))[0])
-FLT_MAX_BITS = tl.constexpr(0x7F7FFFFF)
-# 2^23 + 8: fp32 values from 2^23 on are integers; the + 8 keeps a dithered sum z + d in
-# (-1/2, 0) from falling below 2^23 (where halves exist), and leaves the code in the low 3 bits.
-MAGIC = tl.constexpr(8388616.0)
-MAGIC_SEVEN_BITS = tl.constexpr(struct.unpack("<i", struct.pack("<f", 8388616.0 + 7.0))[0])
 DITHER_BIAS = tl.constexpr(1.0 + 32767.5 / 65536.0)  # exact in fp32
 
 
@@ -90,53 +71,9 @@ DITHER_BIAS = tl.constexpr(1.0 + 32767.5 / 65536.0)  # exact in fp32
 
 
 @triton.jit
-def _flt_max_like(x):
-    return tl.full(x.shape, FLT_MAX_BITS, tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _cap_at_flt_max(x):
-    """min(x, FLT_MAX) that keeps NaN (torch.clamp's rule; tl.minimum may drop NaN)."""
-    return tl.where(x > _flt_max_like(x), _flt_max_like(x), x)
-
-
-@triton.jit
-def _global_scales(amax_ptr):
-    """(S_enc * fp32(1/6), S_dec) from the global amax A in device memory.
-
-    S_enc = 2688 / A as one correctly rounded division (div_rn, not Triton's default division);
-    1 when A is 0 or the quotient is 0; capped at FLT_MAX keeping NaN. S_dec = 1 / S_enc.
-    """
-    amax = tl.load(amax_ptr)
-    s_enc = tl.div_rn(tl.full([], GLOBAL_NUMERATOR, tl.float32), amax)
-    s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
-    s_enc = _cap_at_flt_max(s_enc)
-    s_dec = tl.div_rn(tl.full([], 1.0, tl.float32), s_enc)
-    one_sixth = tl.full([], ONE_SIXTH_BITS, tl.int32).to(tl.float32, bitcast=True)
-    return s_enc * one_sixth, s_dec
-
-
-@triton.jit
-def _block_scales(block_amax, factor, s_dec):
-    """UE4M3 scale codes and fp32 element scales for block amaxes (any shape).
-
-    s_b = ue4m3_sat_rne(min(block_amax * factor, FLT_MAX)); NaN gives the NaN code 0x7F.
-    element scale = min(1 / (fp32(s_b) * S_dec), FLT_MAX), one correctly rounded division.
-    """
-    value = _cap_at_flt_max(block_amax * factor)
-    magnitude = magnitude_bits(value)
-    mantissa, exponent = split_magnitude(magnitude)
-    code = round_to_code(mantissa, exponent, UE4M3_MANTISSA, UE4M3_MIN_EXPONENT, UE4M3_MAX_CODE)
-    code = tl.where(is_nan_bits(magnitude), FP8_NAN_CODE, code)
-    decoded = e4m3_code_to_float(code)
-    element_scale = tl.div_rn(tl.full(decoded.shape, 1.0, tl.float32), decoded * s_dec)
-    return code, _cap_at_flt_max(element_scale)
-
-
-@triton.jit
 def _e2m1_nibbles(v, element_scale, dither, STOCHASTIC: tl.constexpr):
     """E2M1 nibbles (int32, sign in bit 3) of y = v * element_scale (element_scale > 0, from
-    _block_scales), saturating at 6. Where y is NaN the nibble is garbage: that happens exactly
+    block_scales), saturating at 6. Where y is NaN the nibble is garbage: that happens exactly
     where the block's element scale is NaN (v NaN makes its block amax NaN; the scale is never
     0 or inf), so callers zero whole packed words of NaN blocks (numerics.encode_e2m1 writes +0
     there: the NaN lives in the block scale), which is cheaper than a select per element.
@@ -159,10 +96,7 @@ def _e2m1_nibbles(v, element_scale, dither, STOCHASTIC: tl.constexpr):
         c = tl.minimum(tl.minimum(a * 2.0, a + 2.0), tl.minimum(tl.fma(a, 0.5, 4.0), 7.0))
         bits = ((c + dither) + MAGIC).to(tl.int32, bitcast=True)
     else:
-        low = tl.fma(a, 2.0, MAGIC).to(tl.int32, bitcast=True)
-        middle = (a + (MAGIC + 2.0)).to(tl.int32, bitcast=True)
-        high = tl.fma(a, 0.5, MAGIC + 4.0).to(tl.int32, bitcast=True)
-        bits = tl.minimum(tl.minimum(low, middle), tl.minimum(high, MAGIC_SEVEN_BITS))
+        bits = e2m1_magic_bits(a)
     return (bits & 7) | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
 
 
@@ -221,10 +155,10 @@ def _quantize_rows_1x16(
     """NVFP4 1x16 along the last dim of fp32 v [ROWS, COLS] (rows `rows`, columns from
     col_start of an [R, C] tensor): (packed data [ROWS, COLS // 2] uint8, scale codes
     [ROWS, COLS // 16] uint8)."""
-    factor, s_dec = _global_scales(amax_ptr)
+    factor, s_dec = global_scales(amax_ptr)
     runs = tl.reshape(magnitude_bits(v), [ROWS, COLS // 16, 16])
     block_amax = tl.max(runs, axis=2).to(tl.float32, bitcast=True)
-    scale_code, element_scale = _block_scales(block_amax, factor, s_dec)
+    scale_code, element_scale = block_scales(block_amax, factor, s_dec)
     dither = _row_dithers(seed, rows, col_start, C, ROWS, COLS) if STOCHASTIC else 0.0
     codes = _e2m1_nibbles(v, expand_blocks(element_scale, ROWS, COLS, 16), dither, STOCHASTIC)
     keep = expand_blocks(element_scale == element_scale, ROWS, COLS // 2, 8)  # not NaN
@@ -289,9 +223,9 @@ def _quantize_column_slices(
     run (r, c) as two int32 words (rows 16 r .. 16 r + 7 in the low word, element 2i in the low
     nibble of byte i, as the [K, M / 2] layout stores them) and its scale code, all [R, BLOCK_K].
     Every step is elementwise across the slices: no transpose."""
-    factor, s_dec = _global_scales(amax_ptr)
+    factor, s_dec = global_scales(amax_ptr)
     run_amax = _slices_peak_bits(slices).to(tl.float32, bitcast=True)
-    scale_code, element_scale = _block_scales(run_amax, factor, s_dec)
+    scale_code, element_scale = block_scales(run_amax, factor, s_dec)
     dithers = _column_dithers(seed, cols, row_start, M, R) if STOCHASTIC else slices
     low = tl.zeros([R, BLOCK_K], tl.int32)
     high = tl.zeros([R, BLOCK_K], tl.int32)
@@ -440,10 +374,10 @@ def _nvfp4_2d_kernel(
     x, rows, cols, row_start, col_start = _load_tile(
         x_ptr, M, K, tl.program_id(0), tl.program_id(1), BF16_BITS, BLOCK_M, BLOCK_K
     )
-    factor, s_dec = _global_scales(amax_ptr)
+    factor, s_dec = global_scales(amax_ptr)
     tiles = tl.reshape(magnitude_bits(x), [BLOCK_M // 16, 16, BLOCK_K // 16, 16])
     tile_amax = tl.max(tl.max(tiles, axis=3), axis=1).to(tl.float32, bitcast=True)
-    scale_code, element_scale = _block_scales(tile_amax, factor, s_dec)  # [BM/16, BK/16]
+    scale_code, element_scale = block_scales(tile_amax, factor, s_dec)  # [BM/16, BK/16]
     element_scale = tl.reshape(
         tl.broadcast_to(element_scale[:, None, :, None], [BLOCK_M // 16, 16, BLOCK_K // 16, 16]),
         [BLOCK_M, BLOCK_K],
@@ -500,9 +434,6 @@ def quantize_nvfp4(
     in the reference's order (plain amax first, then the post-RHT amax). Stochastic rounding takes
     two seeds from torch's generator on x's device (one per direction) without a host sync.
     """
-    from .nvfp4_words import launch_2d_words as _launch_2d_words
-    from .nvfp4_words import takes_words_2d as _takes_words_2d
-
     if two_dimensional and with_rht:
         raise ValueError("NVFP4 2D (weight) quantization takes no RHT: disable one of them")
     if not x.is_contiguous():
@@ -543,10 +474,10 @@ def quantize_nvfp4(
             BF16_BITS=bf16_bits, ROWWISE=rowwise, COLUMNWISE=columnwise,
             STOCHASTIC=stochastic_rounding,
         )
-        if two_dimensional and WORDS_2D and _takes_words_2d(
+        if two_dimensional and WORDS_2D and takes_words_2d(
             x2d, stochastic_rounding, WORDS_BLOCK_M_2D, WORDS_BLOCK_K_2D
         ):
-            _launch_2d_words(
+            launch_2d_words(
                 x2d, row_data, row_scale, col_data, col_scale, plain_amax, rowwise, columnwise,
                 WORDS_BLOCK_M_2D, WORDS_BLOCK_K_2D, WORDS_NUM_WARPS_2D, hw_cast(x2d), FP_FUSION,
             )

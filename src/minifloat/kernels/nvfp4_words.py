@@ -15,7 +15,8 @@ is a transpose of the int32 codes through shared memory. Here, as in MXFP8 v3 (m
 - the E2M1 code is nvfp4._e2m1_nibbles's rule (min of three magic adds), with the constant
   top bits of the magic sums left in the shifted words and removed once per word.
 
-Imported lazily by nvfp4.quantize_nvfp4 when nvfp4.WORDS_2D holds and the input is bf16.
+nvfp4.quantize_nvfp4 launches it when nvfp4.WORDS_2D holds and takes_words_2d accepts the
+input (bf16, round to nearest).
 """
 
 import torch
@@ -23,8 +24,10 @@ import triton
 import triton.language as tl
 
 from .fp8_common import _capability
-from .mxfp8 import _max_halves, _max_u16x2
-from .nvfp4 import MAGIC, MAGIC_SEVEN_BITS, _block_scales, _global_scales
+from .halfwise import max_halves as _max_halves
+from .halfwise import max_u16x2 as _max_u16x2
+from .launch import launch
+from .nvfp4_scales import block_scales, e2m1_magic_bits, global_scales
 
 # bits(2^23 + 8 + c) = MAGIC_TOP + 8 + c for every E2M1 code c in 0..7 (exponent 150)
 MAGIC_TOP = 0x4B000000
@@ -61,11 +64,7 @@ def _magic_code(v_bits, element_scale):
     nvfp4._e2m1_nibbles's round-to-nearest rule, without the sign and the masking, which the
     caller does per word. NaN products give some value <= MAGIC_SEVEN_BITS on the GPU (its NaN
     is positive) and are overwritten per word anyway (NaN tiles)."""
-    a = v_bits.to(tl.float32, bitcast=True) * element_scale
-    low = tl.fma(a, 2.0, MAGIC).to(tl.int32, bitcast=True)
-    middle = (a + (MAGIC + 2.0)).to(tl.int32, bitcast=True)
-    high = tl.fma(a, 0.5, MAGIC + 4.0).to(tl.int32, bitcast=True)
-    return tl.minimum(tl.minimum(low, middle), tl.minimum(high, MAGIC_SEVEN_BITS))
+    return e2m1_magic_bits(v_bits.to(tl.float32, bitcast=True) * element_scale)
 
 
 @triton.jit
@@ -226,8 +225,8 @@ def _nvfp4_2d_words_kernel(
     else:
         peak = tl.reduce(tl.reshape(peak, [R, T, 2]), 2, _max_halves)
     tile_amax = (tl.maximum(peak & 0xFFFF, peak >> 16) << 16).to(tl.float32, bitcast=True)
-    factor, s_dec = _global_scales(amax_ptr)
-    scale_code, element_scale = _block_scales(tile_amax, factor, s_dec)  # [R, T]
+    factor, s_dec = global_scales(amax_ptr)
+    scale_code, element_scale = block_scales(tile_amax, factor, s_dec)  # [R, T]
     element_scale = tl.reshape(tl.broadcast_to(element_scale[:, :, None], [R, T, 2]), [R, Q])
     keep = element_scale == element_scale  # NaN tiles encode as +0 nibbles
 
@@ -313,8 +312,6 @@ def launch_2d_words(
 ) -> None:
     """Launch _nvfp4_2d_words_kernel on views of nvfp4.quantize_nvfp4's buffers (the empty
     dummy of an unrequested copy is passed as it is)."""
-    from .launch import launch
-
     m, k = x2d.shape
     row_words = row_data.view(torch.int32) if row_data.numel() else row_data
     col_words = col_data.view(torch.int64) if col_data.numel() else col_data
