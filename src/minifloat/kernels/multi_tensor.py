@@ -151,10 +151,11 @@ def _cast_program(table_ptr, starts_ptr, n, STEPS: tl.constexpr, FIELDS: tl.cons
 @jit
 def tile_pointers(x_base, data_base, data_t_base, row, X_DIVISOR: tl.constexpr,
                   HALVES: tl.constexpr, ROW_WORDS: tl.constexpr, COL_WORDS: tl.constexpr):
-    """This tensor's input, rowwise and columnwise pointers in the views per_tensor_tile's modes
-    take: the table's offsets (elements, bytes) counted in int64 words of input (HALVES) and
-    int32 words of output (ROW_WORDS, COL_WORDS). Output offsets are multiples of ALIGN bytes
-    (_aligned_offsets), so they are hinted unconditionally; the input's as the host found."""
+    """This tensor's input, rowwise and columnwise pointers in the views the words tiles' modes
+    take (per_tensor_tile, block_fp8.block_tile): the table's offsets (elements, bytes)
+    counted in int64 words of input (HALVES) and int32 words of output (ROW_WORDS, COL_WORDS).
+    Output offsets are multiples of ALIGN bytes (_aligned_offsets), so they are hinted
+    unconditionally; the input's as the host found."""
     x_offset = tl.load(row)
     if HALVES:
         x_offset = x_offset // 4
@@ -231,19 +232,12 @@ def _multi_block_1d_kernel(x_base, row_data_base, row_si_base, col_data_base, co
         K_WORDS = tl.multiple_of(K_WORDS, 4)
     local = (pid - tl.load(starts_ptr + i)).to(tl.int32)  # < grid size < 2^31
     tiles_k = tl.cdiv(K, TILE)
-    x_offset = tl.load(row)
-    if HALVES:
-        x_offset = x_offset // 4
-    if X_DIVISOR > 1:
-        x_offset = tl.multiple_of(x_offset, X_DIVISOR // 4 if HALVES else X_DIVISOR)
-    row_data_offset = tl.load(row + 3) // 4 if ROW_WORDS else tl.load(row + 3)
-    col_data_offset = tl.load(row + 4) // 4 if COL_WORDS else tl.load(row + 4)
-    row_data_offset = tl.multiple_of(row_data_offset, DATA_ALIGN // 4 if ROW_WORDS else DATA_ALIGN)
-    col_data_offset = tl.multiple_of(col_data_offset, DATA_ALIGN // 4 if COL_WORDS else DATA_ALIGN)
+    x_ptr, row_data_ptr, col_data_ptr = tile_pointers(
+        x_base, row_data_base, col_data_base, row, X_DIVISOR, HALVES, ROW_WORDS, COL_WORDS)
     row_si_offset = tl.multiple_of(tl.load(row + 5), SCALE_ALIGN)
     col_si_offset = tl.multiple_of(tl.load(row + 6), SCALE_ALIGN)
-    block_tile(x_base + x_offset, row_data_base + row_data_offset, row_si_base + row_si_offset,
-               col_data_base + col_data_offset, col_si_base + col_si_offset, eps, M, K,
+    block_tile(x_ptr, row_data_ptr, row_si_base + row_si_offset,
+               col_data_ptr, col_si_base + col_si_offset, eps, M, K,
                M_WORDS, K_WORDS, local // tiles_k, local % tiles_k, POW2, OVERFLOW_BITS,
                ROWWISE, COLUMNWISE, False, HALVES, ROW_WORDS, COL_WORDS, MASK_M, MASK_K, WIDE,
                HW_CAST, MAX_U16X2)
