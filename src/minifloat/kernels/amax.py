@@ -86,8 +86,9 @@ def current_scale(amax_ptr, partial_count, eps, E5M2: tl.constexpr, POW2: tl.con
                   PARTIALS_BLOCK: tl.constexpr):
     """(amax, scale) of current scaling in a cast kernel: amax_ptr holds the fp32 amax (already
     reduced) or, with PARTIALS_BLOCK > 0, amax_partials' per-program maxima; the scale follows
-    numerics.scale_from_amax with overflow value FLT_MAX (0x7F7FFFFF). One copy of this rule
-    for the per-tensor element and words kernels."""
+    numerics.scale_from_amax with overflow value FLT_MAX (0x7F7FFFFF). The rule of
+    per_tensor_fp8.per_tensor_cast_kernel (the one-launch kernel derives its scale from the
+    barrier's amax the same way)."""
     if PARTIALS_BLOCK > 0:
         amax = reduce_partials(amax_ptr, partial_count, PARTIALS_BLOCK)
     else:

@@ -3,8 +3,8 @@
 A bf16 |x| with its sign bit cleared, read as an unsigned 16-bit half, is ordered like the
 magnitude with every NaN above inf, so the halfwise max of `word & 0x7FFF7FFF` is torch.amax's
 NaN-propagating absolute max, two elements per instruction: max.u16x2 on sm_90+, two masked
-integer maxima elsewhere (the interpreter, sm_89). Shared by the block FP8, MXFP8 and NVFP4
-words kernels so each uses the same bit rule.
+integer maxima elsewhere (the interpreter, sm_89). Shared by the per-tensor FP8, block FP8,
+MXFP8 and NVFP4 words kernels so each uses the same bit rule.
 """
 
 from __future__ import annotations
