@@ -54,7 +54,7 @@ from .fp8_common import (
     tl,
 )
 from .launch import launch
-from .per_tensor_tile import per_tensor_tile
+from .per_tensor_tile import nan_possible, per_tensor_tile
 from .stacked_cast import SCALE_SLOT, StackedCast
 
 FIELDS = 8  # int64 entries per tensor in the table (unused ones are 0)
@@ -193,15 +193,6 @@ def _multi_cast_kernel(x_base, data_base, data_t_base, table_ptr, starts_ptr, am
                     PRODUCTS, MAX_U16X2)
     if local == 0:
         tl.store(scale_inv_ptr + i * SCALE_ALIGN, reciprocal_rn(scale))  # 16-byte slots
-
-
-@jit
-def nan_possible(scale, amax):
-    """Whether x * scale may be NaN in a tensor of this amax: a NaN input (a NaN amax) or a
-    zero, infinite or NaN scale (0 * inf)."""
-    scale_mag = scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    return ((scale_mag == 0) | (scale_mag >= 0x7F800000)
-            | ((amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000))
 
 
 @jit

@@ -39,7 +39,7 @@ from .multi_tensor import (
     _upload,
     tile_pointers,
 )
-from .per_tensor_tile import per_tensor_tile
+from .per_tensor_tile import per_tensor_tile, scale_makes_nan
 from .stacked_cast import SCALE_SLOT
 
 
@@ -63,9 +63,8 @@ def _multi_delayed_cast_kernel(x_base, data_base, data_t_base, table_ptr, starts
     x_ptr, data_ptr, data_t_ptr = tile_pointers(x_base, data_base, data_t_base, row, X_DIVISOR,
                                                 HALVES, ROW_WORDS, COL_WORDS)
     # the tiles check their own NaN (their maxima are taken anyway); the scale's say is here
-    scale_mag = scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     per_tensor_tile(x_ptr, data_ptr, data_t_ptr, state_bits_base + tl.load(row + 6), scale,
-                    (scale_mag == 0) | (scale_mag >= 0x7F800000), M, K, tile_m, tile_k, E5M2,
+                    scale_makes_nan(scale), M, K, tile_m, tile_k, E5M2,
                     True, True, True, True, BLOCK_M, BLOCK_K, HALVES, ROW_WORDS, COL_WORDS,
                     MASK_M, MASK_K, WIDE, HW_CAST, PRODUCTS, MAX_U16X2)
     if local == 0:

@@ -42,7 +42,7 @@ from .fp8_common import (
     triton,
 )
 from .launch import _INTERPRET, launch_planned
-from .per_tensor_tile import per_tensor_tile
+from .per_tensor_tile import nan_possible, per_tensor_tile, scale_makes_nan
 
 # 64x128 tiles, 4 warps (64 elements a thread). Swept on an H100 with the hardware cast
 # (benchmarks/KERNEL_NOTES.md, "per-tensor FP8 v3"). Powers of two of at least 16.
@@ -94,25 +94,20 @@ def per_tensor_cast_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, sca
         amax, scale = current_scale(amax_ptr, partial_count, eps, E5M2, POW2, PARTIALS_BLOCK)
     else:
         scale = tl.load(scale_ptr)
-    # a NaN product needs a NaN input, or a zero, infinite or NaN scale (0 * inf)
-    scale_mag = scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    nan_possible = (scale_mag == 0) | (scale_mag >= 0x7F800000)
     if CURRENT and PARTIALS_BLOCK > 0:
         # the partial maxima are this tensor's: its amax is NaN exactly when it holds a NaN
-        nan_possible = nan_possible | ((amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-                                       > 0x7F800000)
-        per_tensor_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, nan_possible, M, K,
-                        pid_m, pid_k, E5M2, ROWWISE, COLUMNWISE, False, False, BLOCK_M,
+        per_tensor_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, nan_possible(scale, amax),
+                        M, K, pid_m, pid_k, E5M2, ROWWISE, COLUMNWISE, False, False, BLOCK_M,
                         BLOCK_K, HALVES, ROW_WORDS, COL_WORDS, MASK_M, MASK_K, WIDE, HW_CAST,
                         PRODUCTS, MAX_U16X2)
     elif CURRENT:  # a given amax says nothing about this tensor's NaNs: check the tile
-        per_tensor_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, nan_possible, M, K,
-                        pid_m, pid_k, E5M2, ROWWISE, COLUMNWISE, False, HW_CAST or PRODUCTS,
+        per_tensor_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, scale_makes_nan(scale),
+                        M, K, pid_m, pid_k, E5M2, ROWWISE, COLUMNWISE, False, HW_CAST or PRODUCTS,
                         BLOCK_M, BLOCK_K, HALVES, ROW_WORDS, COL_WORDS, MASK_M, MASK_K, WIDE,
                         HW_CAST, PRODUCTS, MAX_U16X2)
-    else:
-        per_tensor_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, nan_possible, M, K,
-                        pid_m, pid_k, E5M2, ROWWISE, COLUMNWISE, True, True, BLOCK_M, BLOCK_K,
+    else:  # delayed: the tiles take their maxima anyway and check their own NaN
+        per_tensor_tile(x_ptr, data_ptr, data_t_ptr, amax_ptr, scale, scale_makes_nan(scale),
+                        M, K, pid_m, pid_k, E5M2, ROWWISE, COLUMNWISE, True, True, BLOCK_M, BLOCK_K,
                         HALVES, ROW_WORDS, COL_WORDS, MASK_M, MASK_K, WIDE, HW_CAST, PRODUCTS,
                         MAX_U16X2)
     if pid == 0:
@@ -153,17 +148,13 @@ def _one_launch_kernel(x_ptr, x_tile_ptr, data_ptr, data_t_ptr, sync_ptr, scale_
         arrived = tl.atomic_add(sync_ptr, 0, sem="acquire")
     amax = tl.atomic_max(sync_ptr + 2, 0, sem="acquire").to(tl.float32, bitcast=True)
     scale = scale_from_amax(amax, eps, E5M2, POW2, 0x7F7FFFFF)
-    # the tiles' NaN fix-up: a NaN product needs a NaN input (the amax is NaN exactly then) or
-    # a zero, infinite or NaN scale
-    scale_mag = scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    nan_possible = ((scale_mag == 0) | (scale_mag >= 0x7F800000)
-                    | ((amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000))
+    may_be_nan = nan_possible(scale, amax)  # the amax is this tensor's whole amax
     tiles_k = tl.cdiv(K, BLOCK_K)
     tiles = tl.cdiv(M, BLOCK_M) * tiles_k
     tile = pid
     while tile < tiles:
         index = tiles - 1 - tile if REVERSED else tile
-        per_tensor_tile(x_tile_ptr, data_ptr, data_t_ptr, sync_ptr, scale, nan_possible, M, K,
+        per_tensor_tile(x_tile_ptr, data_ptr, data_t_ptr, sync_ptr, scale, may_be_nan, M, K,
                         index // tiles_k, index % tiles_k, E5M2, ROWWISE, COLUMNWISE, False,
                         False, BLOCK_M, BLOCK_K, HALVES, ROW_WORDS, COL_WORDS, MASK_M, MASK_K,
                         WIDE, HW_CAST, PRODUCTS, MAX_U16X2)

@@ -119,6 +119,21 @@ def _word(y0, y1, y2, y3, E5M2: tl.constexpr, HW_CAST: tl.constexpr, PRODUCTS: t
     return word
 
 
+@jit
+def scale_makes_nan(scale):
+    """Whether x * scale may be NaN for a finite x: a zero, infinite or NaN scale (0 * inf).
+    Otherwise only a NaN input makes a NaN product (the tiles' NaN fix-up is skipped then)."""
+    magnitude = scale.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return (magnitude == 0) | (magnitude >= 0x7F800000)
+
+
+@jit
+def nan_possible(scale, amax):
+    """Whether x * scale may be NaN in a tensor whose own amax this is: scale_makes_nan, or a
+    NaN input (the amax is NaN exactly then)."""
+    return scale_makes_nan(scale) | ((amax.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000)
+
+
 # ---------------------------------------------------------------------------------------------
 # loads: a row slice, its products and its magnitudes
 # ---------------------------------------------------------------------------------------------
