@@ -21,9 +21,13 @@ Per recipe row (the model weights built under quantized_model_init with that rec
 - launches, kernel_ms: CUDA kernels of one cast and their summed GPU time (torch.profiler; GPU
   only); kernel_copy_fraction = bytes / kernel time / copy_gbps: the cast kernels' own
   bandwidth, issue 16's target (>= 0.7), which device_ms hides when the cast is host-bound;
-  two_pass_copy_fraction counts what the kernels must move: the masters read twice (the
-  maxima pass before the all-reduce, then the cast; once for delayed scaling, whose scale is
-  known before it) and the quantized bytes written (MXFP8: both copies).
+  required_copy_fraction counts what the algorithm must move: the masters read as often as
+  the format needs (twice for current scaling and NVFP4, whose per-tensor amax is all-reduced
+  between the maxima pass and the cast; once for delayed scaling, whose scale is known before,
+  and for block FP8 and MXFP8, whose maxima pass casts every tile the range covers whole and
+  rereads only the cut ones), the quantized bytes written (MXFP8: both copies), and every
+  scale tensor of every weight written once (each rank writes them all: they are the same
+  everywhere after the all-reduce). Reads of the maxima vector are left out (a lower bound).
 
 --copies rowwise|columnwise keeps that one copy of each MXFP8 weight (update_usage before the
 casts, so the cast writes only it): which store bounds the MXFP8 cast kernel (an ablation; a
@@ -56,8 +60,13 @@ from minifloat.models.torch_gpt import PRESETS, TorchGPT, not_head  # noqa: E402
 BYTES_PER_ELEMENT = {"fp8-current": 1.0, "fp8-delayed": 1.0, "fp8-block": 1.0, "mxfp8": 1.0,
                      "nvfp4": 0.5}
 WRITTEN_PER_ELEMENT = {**BYTES_PER_ELEMENT, "mxfp8": 2.0}  # MXFP8 weights keep both copies
-# passes over the fp32 masters: the maxima, then the cast; delayed scaling casts in the first
-MASTER_READS = {name: 2 for name in BYTES_PER_ELEMENT} | {"fp8-delayed": 1}
+# reads of the fp32 masters the algorithm needs: a per-tensor amax all-reduced before the cast
+# (current scaling, NVFP4's global amax) means two passes; the others cast in the first pass
+MASTER_READS = {"fp8-current": 2, "nvfp4": 2, "fp8-delayed": 1, "fp8-block": 1, "mxfp8": 1}
+# the scale tensors the cast writes (the transposed copies' scales come after the gather)
+SCALES_WRITTEN = {"fp8-current": ("scale_inv",), "fp8-delayed": ("scale_inv",),
+                  "fp8-block": ("rowwise_scale_inv",), "nvfp4": ("rowwise_scale",),
+                  "mxfp8": ("rowwise_scale", "columnwise_scale")}
 
 
 def weight_shapes(preset: str) -> list[tuple[int, int]]:
@@ -157,12 +166,15 @@ def measure_recipe(name: str, shapes: list[tuple[int, int]], ranges: list[tuple[
            "kernel_ms": kernel_ms, "kernel_ms_by_name": per_kernel}
     row["copy_gbps"] = copy_gbps(moved, device)
     row["copy_fraction"] = row["gbps"] / row["copy_gbps"]
+    # what the algorithm must move (module docstring)
+    row["scale_bytes"] = sum(tensor.nbytes for weight in weights
+                             for field in SCALES_WRITTEN[name]
+                             if (tensor := getattr(weight.quantized_storage, field)) is not None)
+    row["required_bytes"] = (int(elements * (MASTER_READS[name] * 4 + written))
+                             + row["scale_bytes"])
     if kernel_ms:  # the cast kernels' own bandwidth (issue 16's target)
         row["kernel_copy_fraction"] = moved / (kernel_ms * 1e-3) / 1e9 / row["copy_gbps"]
-        # what the two passes must move (the maxima pass reads the masters too, before the
-        # all-reduce; MXFP8 writes both copies): their bandwidth against the copy's
-        row["two_pass_bytes"] = int(elements * (MASTER_READS[name] * 4 + written))
-        row["two_pass_copy_fraction"] = (row["two_pass_bytes"] / (kernel_ms * 1e-3) / 1e9
+        row["required_copy_fraction"] = (row["required_bytes"] / (kernel_ms * 1e-3) / 1e9
                                          / row["copy_gbps"])
     return row
 
@@ -214,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['gbps']:7.1f} GB/s = {row['copy_fraction']:.2f} of copy "
                   f"({row['copy_gbps']:.1f})  launches {row['launches']}  kernels "
                   f"{row['kernel_ms'] or 0:.3f} ms = {row.get('kernel_copy_fraction', 0):.2f} "
-                  f"of copy (two passes {row.get('two_pass_copy_fraction', 0):.2f})", flush=True)
+                  f"of copy (required bytes {row.get('required_copy_fraction', 0):.2f})",
+                  flush=True)
             for kernel, ms in row.get("kernel_ms_by_name", {}).items():
                 print(f"    {ms:8.3f} ms  {kernel}", flush=True)
     out = args.out or RESULTS / f"master_cast_{device_slug(env)}_{args.preset}.json"

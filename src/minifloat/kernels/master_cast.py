@@ -53,8 +53,8 @@ from .nvfp4_scales import block_scales, global_scales
 # Each program reads its weight's row of the plan's int64 table (master_cast_plan.py names the
 # fields): 0 master offset, 1 start, 2 end, 3 M, 4 K, 5 maxima offset, 6 base, 7 rows held,
 # 8 rowwise bytes, 9 columnwise bytes, 10 rowwise scale, 11 columnwise scale, 12 amax slot,
-# 14 first window tile row, 15 delayed scaling's scale (offsets from the byte or fp32 base;
-# -1: none).
+# 13 first cut tile row, 14 first window tile row, 15 delayed scaling's scale, 16 the cut tile
+# row after the first (offsets from the byte or fp32 base; -1: none).
 _INT32_REACH = tl.constexpr(2**30)  # range bounds relative to a tile, clamped into int32
 
 
@@ -62,10 +62,12 @@ _INT32_REACH = tl.constexpr(2**30)  # range bounds relative to a tile, clamped i
 
 
 @triton.jit
-def _tile(table_ptr, starts_ptr, n, WINDOW: tl.constexpr, STEPS: tl.constexpr,
+def _tile(table_ptr, starts_ptr, n, CUT: tl.constexpr, STEPS: tl.constexpr,
           FIELDS: tl.constexpr, COLUMNS: tl.constexpr):
     """This program's weight (its table row), M, K and tile (row, column) index: over the tile
-    rows of the rank's window (WINDOW) or of the whole weight."""
+    rows of the rank's window, or (CUT) over those of them that a range boundary or the
+    weight's edge may cut: the first such tile row, then the rows from field 16 on (the plan
+    lists at most the window's first and last, or every one where K leaves a narrow tile)."""
     pid = tl.program_id(0)
     i = _owner(starts_ptr, pid, n, STEPS)
     row = table_ptr + i * FIELDS
@@ -73,9 +75,11 @@ def _tile(table_ptr, starts_ptr, n, WINDOW: tl.constexpr, STEPS: tl.constexpr,
     K = tl.load(row + 4)
     tiles_k = tl.cdiv(K, COLUMNS)
     local = pid - tl.load(starts_ptr + i)
-    tile_row = local // tiles_k
-    if WINDOW:
-        tile_row += tl.load(row + 14)
+    band = local // tiles_k
+    if CUT:
+        tile_row = tl.where(band == 0, tl.load(row + 13), tl.load(row + 16) + band - 1)
+    else:
+        tile_row = band + tl.load(row + 14)
     return row, M, K, tile_row, local % tiles_k
 
 
@@ -321,7 +325,7 @@ def _block_maxima_kernel(master_base, maxima_bits, bytes_base, table_ptr, starts
     time right after the first (from L2, a 128 x 128 tile is 64 KiB of fp32), so the masters
     are read from memory once instead of twice; _block_cast_kernel casts only the tiles that a
     range boundary or the weight's edge cuts."""
-    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS, 128)
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS, 128)
     cols = tl.arange(0, 128)
     chunk_rows = tl.arange(0, CHUNK)
     slot = maxima_bits + tl.load(row + 5) + tile_row * tl.cdiv(K, 128) + tile_col
@@ -392,7 +396,7 @@ def _mxfp8_maxima_kernel(master_base, exponents, bytes_base, table_ptr, starts_p
     other ranks' zeros) returns these exponents unchanged. Casting while the tile is in
     registers reads most of the masters once instead of twice; _mxfp8_cast_kernel casts only
     the tiles that a range boundary or the weight's edge cuts."""
-    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS,
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS,
                                           COLUMNS)
     rows = tl.arange(0, 32)
     cols = tl.arange(0, COLUMNS)
@@ -515,7 +519,7 @@ def _mxfp8_store_copies(x, bytes_base, row, origin, offsets, inside, row_exponen
 def _nvfp4_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
                          BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
                          COLUMNS: tl.constexpr, ALIGNED: tl.constexpr):
-    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS,
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS,
                                           COLUMNS)
     origin, offsets, inside = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS,
                                           tl.arange(0, 16), tl.arange(0, COLUMNS), ALIGNED)
@@ -537,7 +541,7 @@ def _nvfp4_cast_kernel(master_base, bytes_base, maxima, table_ptr, starts_ptr, n
     the reduced maxima. Byte j of a row takes element 2j (low nibble) and 2j + 1 (high): a tile
     inside the range loads its rows whole and splits the pairs; a tile the range cuts loads the
     even and the odd elements as two masked [16, COLUMNS / 2] halves."""
-    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS,
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS,
                                           COLUMNS)
     blocks = tl.arange(0, COLUMNS // 16)
     first_block = tile_col * (COLUMNS // 16)

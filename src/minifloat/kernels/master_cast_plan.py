@@ -34,23 +34,22 @@ from .master_cast import (
     _per_tensor_cast_kernel,
     _per_tensor_maxima_kernel,
 )
+from .master_cast_tiles import CAST_IN_MAXIMA, TILE_COLUMNS, TILE_ROWS, cut_tile_rows
 from .multi_tensor import _search_steps, _starts
 from .mxfp8 import _reciprocal_bits
 
-# tiles: rows = the format's block rows; columns per program
-TILE_ROWS = {"block": 128, "mxfp8": 32, "nvfp4": 16}
-TILE_COLUMNS = {"block": 128, "mxfp8": 256, "nvfp4": 256}
 SCALE_BLOCK = 2048  # scale entries per program of the scale kernels
 NVFP4_SCALE_COLUMNS = 128  # NVFP4: scale columns per program (times the tile's 16 rows)
 PER_TENSOR = ("current", "delayed")  # per-tensor FP8: flat runs of the range, no tiles
 FLAT_BLOCK = 4096  # elements per program of the per-tensor kernels
 BLOCK_CHUNK = 32  # block FP8 sweeps its 128-row tile in chunks of this many rows
-FIELDS = 16  # int64 entries per weight in the table
+FIELDS = 17  # int64 entries per weight in the table
 # table fields
 _MASTER, _START, _END, _M, _K, _MAXIMA, _BASE, _ROWS_HELD = range(8)
 _ROW_DATA, _COL_DATA, _ROW_SCALE, _COL_SCALE, _ROW_AMAX = range(8, 13)
-_WINDOW_ROW = 14
-_SCALE_SOURCE = 15  # delayed scaling: the recipe state's scale
+_CUT_FIRST, _WINDOW_ROW, _SCALE_SOURCE, _CUT_NEXT = 13, 14, 15, 16
+# _SCALE_SOURCE: delayed scaling's recipe-state scale. _CUT_*: the tile rows the block formats'
+# cast launch covers (cut_tile_rows).
 NUM_WARPS = 4  # every launch (8 warps for the MXFP8 and NVFP4 casts measured no faster on an
 #                H200: 0.527 / 0.666 ms against 0.477 / 0.670)
 
@@ -173,7 +172,13 @@ class PartialCastPlan:
         end_tile = cdiv(cdiv(cast.start + count, columns), tile_rows)
         entry[_WINDOW_ROW] = first_tile
         window = (end_tile - first_tile) * tiles_k if count else 0
-        return entry, window, window, self._scale_programs(cast)
+        cut = cut_tile_rows(cast.start, count, rows, columns, tile_rows,
+                            TILE_COLUMNS[self.kind]) if self.kind in CAST_IN_MAXIMA else []
+        if cut:
+            entry[_CUT_FIRST] = cut[0]
+            entry[_CUT_NEXT] = cut[1] if len(cut) > 1 else cut[0]
+        cast_programs = len(cut) * tiles_k if self.kind in CAST_IN_MAXIMA else window
+        return entry, window, cast_programs, self._scale_programs(cast)
 
     def _aligned(self, entry: list[int]) -> bool:
         """Whether this weight's masters and bytes start on 16-element boundaries where the
@@ -270,6 +275,7 @@ class PartialCastPlan:
         rest = {"BF16_BITS": self.bf16_bits, "STEPS": self.steps, "FIELDS": FIELDS,
                 "ALIGNED": self.aligned, "num_warps": NUM_WARPS}
         window = (self.table, self.window_starts, self.count)
+        cut = (self.table, self.cast_starts, self.count)
         scales = (self.table, self.scale_starts, self.count)
         if self.kind == "current":
             launch(_per_tensor_cast_kernel, (self.cast_programs,), self.master_base,
@@ -283,17 +289,17 @@ class PartialCastPlan:
                    reduced.view(torch.int32), *scales, amax_epsilon, STEPS=self.steps,
                    FIELDS=FIELDS, BLOCK=SCALE_BLOCK, POW2=codes["POW2"],
                    OVERFLOW_BITS=codes["OVERFLOW_BITS"], num_warps=NUM_WARPS)
-            if self.window_programs:
-                launch(_block_cast_kernel, (self.window_programs,), self.master_base,
-                       self.bytes_base, reduced.view(torch.int32), *window,
+            if self.cast_programs:
+                launch(_block_cast_kernel, (self.cast_programs,), self.master_base,
+                       self.bytes_base, reduced.view(torch.int32), *cut,
                        amax_epsilon, CHUNK=BLOCK_CHUNK, **codes, **rest)
         elif self.kind == "mxfp8":
             launch(_mxfp8_scales_kernel, (self.scale_programs,), self.bytes_base, reduced,
                    *scales, STEPS=self.steps, FIELDS=FIELDS, BLOCK=SCALE_BLOCK,
                    num_warps=NUM_WARPS)
-            if self.window_programs:
-                launch(_mxfp8_cast_kernel, (self.window_programs,), self.master_base,
-                       self.bytes_base, reduced, *window, COLUMNS=TILE_COLUMNS["mxfp8"],
+            if self.cast_programs:
+                launch(_mxfp8_cast_kernel, (self.cast_programs,), self.master_base,
+                       self.bytes_base, reduced, *cut, COLUMNS=TILE_COLUMNS["mxfp8"],
                        **self._code_constexprs(hw), **rest)
         else:
             launch(_nvfp4_scales_kernel, (self.scale_programs,), self.bytes_base,
