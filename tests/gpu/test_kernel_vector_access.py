@@ -89,3 +89,19 @@ def test_masked_flat_casts_keep_the_coalesced_layout(name):
                                  **extra})
     layouts = set(re.findall(r"sizePerThread = \[[^\]]*\]", compiled.asm["ttgir"]))
     assert layouts == {"sizePerThread = [1]"}, layouts
+
+
+def test_mxfp8_scale_runs_copy_vectors():
+    """Whole runs of the exponent vector copy into the scale tensors 16 bytes an access."""
+    accesses = global_accesses(
+        master_cast._mxfp8_scales_kernel, "*u8 *u8 *i64 *i64 i32",
+        {"BLOCK": plan.SCALE_BLOCK, "SCALES_ALIGNED": True})
+    assert accesses["st.global.v4.b32"] >= 1 and accesses["ld.global.v4.b32"] >= 1, accesses
+
+
+def test_nvfp4_scale_rows_store_vectors():
+    """A block of 16 held rows stores its scale codes 16 bytes an access."""
+    accesses = global_accesses(
+        master_cast._nvfp4_scales_kernel, "*u8 *fp32 *fp32 *i64 *i64 i32",
+        {"BLOCK": plan.NVFP4_SCALE_COLUMNS, "SCALES_ALIGNED": True})
+    assert vectors(accesses, "st") >= 1, accesses

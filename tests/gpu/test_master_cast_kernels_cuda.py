@@ -29,7 +29,9 @@ SHAPES = {"current": [(64, 96), (128, 256), (48, 80)],
           # 160 x 512: the cut range covers whole 32 x 256 tiles, which the maxima kernel
           # casts itself (and the head case covers two tile rows)
           "mxfp8": [(160, 512), (128, 160), (64, 256)],
-          "nvfp4": [(96, 64), (48, 144), (64, 256)]}
+          # 48 x 2048: a tile row's 128 scale columns fill a scale program (the unmasked
+          # store)
+          "nvfp4": [(96, 64), (48, 144), (48, 2048)]}
 
 
 def weights(name: str) -> list[torch.Tensor]:

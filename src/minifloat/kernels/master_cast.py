@@ -255,10 +255,13 @@ def _block_scales_kernel(floats_base, maxima_bits, table_ptr, starts_ptr, n, eps
 
 @triton.jit
 def _mxfp8_scales_kernel(bytes_base, exponents, table_ptr, starts_ptr, n,
-                         STEPS: tl.constexpr, FIELDS: tl.constexpr, BLOCK: tl.constexpr):
+                         STEPS: tl.constexpr, FIELDS: tl.constexpr, BLOCK: tl.constexpr,
+                         SCALES_ALIGNED: tl.constexpr):
     """The reduced E8M0 exponents into the scale tensors: the runs of the rowwise scales
     [rows held, K/32] (the storage's rows of [M, K/32]) come first, then those of the
-    columnwise ones [M/32, K]; each laid out as the exponent vector, so a run copies a run."""
+    columnwise ones [M/32, K]; each laid out as the exponent vector, so a run copies a run.
+    A whole run copies without a mask, 16 bytes an access where the host found every run's
+    source and target 16-byte aligned (SCALES_ALIGNED): masked, every access was one byte."""
     row, M, K, first, index = _scale_run(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
     row_scale = tl.load(row + 10)
     rowwise = tl.where(row_scale >= 0, tl.load(row + 7) * (K // 32), 0)
@@ -272,17 +275,25 @@ def _mxfp8_scales_kernel(bytes_base, exponents, table_ptr, starts_ptr, n,
         source = M * (K // 32) + first - row_runs
         target = tl.load(row + 11) + first - row_runs
         left = (M // 32) * K - (first - row_runs)
-    mask = lanes < tl.minimum(left, BLOCK).to(tl.int32)
-    tl.store(bytes_base + target + lanes,
-             tl.load(exponents + (tl.load(row + 5) + source) + lanes, mask=mask), mask=mask)
+    source = tl.load(row + 5) + source
+    if left >= BLOCK:
+        values = tl.load(_at(exponents, source, True, SCALES_ALIGNED) + lanes)
+        tl.store(_at(bytes_base, target, True, SCALES_ALIGNED) + lanes, values)
+    else:
+        mask = lanes < left.to(tl.int32)
+        tl.store(bytes_base + target + lanes, tl.load(exponents + source + lanes, mask=mask),
+                 mask=mask)
 
 
 @triton.jit
 def _nvfp4_scales_kernel(bytes_base, floats_base, maxima, table_ptr, starts_ptr, n,
-                         STEPS: tl.constexpr, FIELDS: tl.constexpr, BLOCK: tl.constexpr):
+                         STEPS: tl.constexpr, FIELDS: tl.constexpr, BLOCK: tl.constexpr,
+                         SCALES_ALIGNED: tl.constexpr):
     """UE4M3 codes of the rowwise scales [rows held, K/16], one program per 16-row tile row and
     BLOCK scale columns: the tiles' codes, each stored over its 16 rows (the rows the storage
-    holds); and the global amax."""
+    holds); and the global amax. A block of 16 held rows and BLOCK columns stores without a
+    mask, 16 bytes an access where the host found the rows 16-byte aligned (SCALES_ALIGNED):
+    masked, every store was one byte."""
     pid = tl.program_id(0)
     i = _owner(starts_ptr, pid, n, STEPS)
     row = table_ptr + i * FIELDS
@@ -302,11 +313,19 @@ def _nvfp4_scales_kernel(bytes_base, floats_base, maxima, table_ptr, starts_ptr,
     code, _ = block_scales(tile_amax, factor, s_dec)
     held = tile_row * 16 - first_row  # the storage row of the tile's first row
     rows = tl.arange(0, 16)
-    tl.store(bytes_base + (tl.load(row + 10) + held * blocks_k + first_block)
-             + rows[:, None] * blocks_k.to(tl.int32) + lanes[None, :],
-             tl.broadcast_to(code.to(tl.uint8)[None, :], [16, BLOCK]),
-             mask=column_mask[None, :] & (rows[:, None] >= (-held).to(tl.int32))
-             & (rows[:, None] < (tl.load(row + 7) - held).to(tl.int32)))
+    rows_held = tl.load(row + 7)
+    codes = tl.broadcast_to(code.to(tl.uint8)[None, :], [16, BLOCK])
+    start = tl.load(row + 10) + held * blocks_k + first_block
+    stride = blocks_k.to(tl.int32)
+    if SCALES_ALIGNED:
+        stride = tl.multiple_of(stride, 16)
+    offsets = rows[:, None] * stride + lanes[None, :]
+    if (first_block + BLOCK <= blocks_k) & (held >= 0) & (held + 16 <= rows_held):
+        tl.store(_at(bytes_base, start, True, SCALES_ALIGNED) + offsets, codes)
+    else:
+        tl.store(bytes_base + start + offsets, codes,
+                 mask=column_mask[None, :] & (rows[:, None] >= (-held).to(tl.int32))
+                 & (rows[:, None] < (rows_held - held).to(tl.int32)))
     if local == 0:
         tl.store(floats_base + tl.load(row + 12), tl.load(segment))
 

@@ -37,6 +37,7 @@ from .master_cast import (
 from .master_cast_tiles import CAST_IN_MAXIMA, TILE_COLUMNS, TILE_ROWS, cut_tile_rows
 from .multi_tensor import _search_steps, _starts
 from .mxfp8 import _reciprocal_bits
+from .nvfp4 import FP_FUSION
 
 SCALE_BLOCK = 2048  # scale entries per program of the scale kernels
 NVFP4_SCALE_COLUMNS = 128  # NVFP4: scale columns per program (times the tile's 16 rows)
@@ -124,10 +125,14 @@ class PartialCastPlan:
         self.floats_base = (min(floats, key=torch.Tensor.data_ptr) if floats
                             else torch.zeros(1, device=device))
         table, window_counts, cast_counts, scale_counts = [], [], [], []
-        self.aligned = True
+        # the hints hold for base + offset only where the bases themselves are 16-byte aligned
+        bases_aligned = (self.master_base.data_ptr() % 16 == 0
+                         and self.bytes_base.data_ptr() % 16 == 0)
+        self.aligned = self.scales_aligned = bases_aligned
         for cast in casts:
             entry, window, cast_programs, scale_programs = self._entry(cast)
             self.aligned = self.aligned and self._aligned(entry)
+            self.scales_aligned = self.scales_aligned and self._scales_aligned(entry)
             table.extend(entry)
             window_counts.append(window)
             cast_counts.append(cast_programs)
@@ -197,6 +202,20 @@ class PartialCastPlan:
             data = all(entry[field] < 0 or (entry[field] - entry[_BASE]) % 16 == 0
                        for field in (_ROW_DATA, _COL_DATA))
         return entry[_K] % 16 == 0 and master and data
+
+    def _scales_aligned(self, entry: list[int]) -> bool:
+        """Whether the scale kernel's whole runs (MXFP8: the exponent vector's runs into the
+        scale tensors) and tile rows (NVFP4: rows of K/16 codes) start on 16-byte boundaries,
+        so that their SCALES_ALIGNED hints hold (the exponent vector's own address is checked
+        at launch)."""
+        scales = [entry[field] for field in (_ROW_SCALE, _COL_SCALE) if entry[field] >= 0]
+        if self.kind == "nvfp4":
+            return entry[_K] % 256 == 0 and all(offset % 16 == 0 for offset in scales)
+        if self.kind == "mxfp8":
+            rows, columns = entry[_M], entry[_K]
+            sources = (entry[_MAXIMA], entry[_BASE] // 32, rows * (columns // 32))
+            return all(offset % 16 == 0 for offset in (*sources, *scales))
+        return False
 
     def _scale_programs(self, cast: PartialCast) -> int:
         """Programs of the scale launch for this weight (as the scale kernels divide it)."""
@@ -296,6 +315,7 @@ class PartialCastPlan:
         elif self.kind == "mxfp8":
             launch(_mxfp8_scales_kernel, (self.scale_programs,), self.bytes_base, reduced,
                    *scales, STEPS=self.steps, FIELDS=FIELDS, BLOCK=SCALE_BLOCK,
+                   SCALES_ALIGNED=self.scales_aligned and reduced.data_ptr() % 16 == 0,
                    num_warps=NUM_WARPS)
             if self.cast_programs:
                 launch(_mxfp8_cast_kernel, (self.cast_programs,), self.master_base,
@@ -304,8 +324,12 @@ class PartialCastPlan:
         else:
             launch(_nvfp4_scales_kernel, (self.scale_programs,), self.bytes_base,
                    self.floats_base, reduced, *scales, STEPS=self.steps, FIELDS=FIELDS,
-                   BLOCK=NVFP4_SCALE_COLUMNS, num_warps=NUM_WARPS)
+                   BLOCK=NVFP4_SCALE_COLUMNS, SCALES_ALIGNED=self.scales_aligned,
+                   num_warps=NUM_WARPS)
             if self.window_programs:
+                # no fp contraction (nvfp4.FP_FUSION): an FMA fusing |x| * scale into the
+                # rounding add skips the reference's rounding of the product (bf16 masters
+                # whose products fall near an E2M1 tie gave other codes)
                 launch(_nvfp4_cast_kernel, (self.window_programs,), self.master_base,
                        self.bytes_base, reduced, *window, COLUMNS=TILE_COLUMNS["nvfp4"],
-                       **rest)
+                       options={"enable_fp_fusion": FP_FUSION}, **rest)
