@@ -24,8 +24,15 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
+# Files whose tests each launch torchrun (several processes, 10-75 s a test on the CPU machine):
+# run first, so that under pytest-xdist (scripts/test) none of them starts last and leaves the
+# other worker idle at the end (the suite's last minutes were these tests alone).
+LONG_FIRST = ("tests/distributed/test_train_example.py", "tests/distributed/test_train_recovery.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """MINIFLOAT_TEST_SHARD="i/n" keeps every n-th collected test starting at i (0-based).
+    """The long torchrun files first (LONG_FIRST); then MINIFLOAT_TEST_SHARD="i/n" keeps every
+    n-th collected test starting at i (0-based).
 
     Why: scripts/gpu-check runs test files as parallel processes, and the GPU tests spend most of
     their time compiling Triton kernels on one CPU core per process; one file held the whole run
@@ -33,6 +40,7 @@ def pytest_collection_modifyitems(config, items):
     exactly once (tests/test_sharding.py checks the split)."""
     import os
 
+    items.sort(key=lambda item: not item.nodeid.startswith(LONG_FIRST))  # stable: keeps order
     spec = os.environ.get("MINIFLOAT_TEST_SHARD")
     if not spec:
         return
