@@ -15,8 +15,10 @@ and the tensor (2D NVFP4); a block cut by a range boundary is shared by ranks. S
    already in step 1 and only folds the reduced amax into the state here.
    A block format writes every scale of every weight in flat runs of the scale tensors (every
    rank writes every scale: they are the same everywhere; the tensors are laid out as their
-   maxima, so a run reads a run), then casts the tiles of the rank's window, each tile's scales
-   derived from the reduced maxima again. Scales come from the single-tensor kernels' device
+   maxima, so a run reads a run), then casts the tiles of the rank's window that are still
+   uncast (NVFP4: all of them; block FP8 and MXFP8: those a range boundary or the weight's edge
+   cuts, master_cast_tiles.cut_tile_rows), each tile's scales derived from the reduced maxima
+   again. Scales come from the single-tensor kernels' device
    functions, so the bytes are theirs and so numerics'. NVFP4 packs two elements a byte: where
    the range starts or ends inside a byte, the other nibble is left as it was. Transposed
    copies that the format derives (block FP8, 2D NVFP4) are left to post_all_gather_processing,
