@@ -25,7 +25,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from minifloat.kernels import master_cast  # noqa: E402
+from minifloat.kernels import master_cast, master_cast_mx  # noqa: E402
 from minifloat.kernels import master_cast_plan as plan  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -61,7 +61,7 @@ def vectors(accesses: Counter, kind: str) -> int:
 
 def test_mxfp8_interior_tiles_store_and_load_vectors():
     accesses = global_accesses(
-        master_cast._mxfp8_maxima_kernel, "*fp32 *u8 *u8 *i64 *i64 i32",
+        master_cast_mx._mxfp8_maxima_kernel, "*fp32 *u8 *u8 *i64 *i64 i32",
         {"COLUMNS": plan.TILE_COLUMNS["mxfp8"],
          "RECIPROCAL_BITS": plan._reciprocal_bits(448.0), **E4M3_CODES})
     assert accesses["st.global.v4.b32"] >= 8, accesses  # two copies of a 32 x 256 tile
@@ -94,7 +94,7 @@ def test_masked_flat_casts_keep_the_coalesced_layout(name):
 def test_mxfp8_scale_runs_copy_vectors():
     """Whole runs of the exponent vector copy into the scale tensors 16 bytes an access."""
     accesses = global_accesses(
-        master_cast._mxfp8_scales_kernel, "*u8 *u8 *i64 *i64 i32",
+        master_cast_mx._mxfp8_scales_kernel, "*u8 *u8 *i64 *i64 i32",
         {"BLOCK": plan.SCALE_BLOCK, "SCALES_ALIGNED": True})
     assert accesses["st.global.v4.b32"] >= 1 and accesses["ld.global.v4.b32"] >= 1, accesses
 
@@ -102,6 +102,6 @@ def test_mxfp8_scale_runs_copy_vectors():
 def test_nvfp4_scale_rows_store_vectors():
     """A block of 16 held rows stores its scale codes 16 bytes an access."""
     accesses = global_accesses(
-        master_cast._nvfp4_scales_kernel, "*u8 *fp32 *fp32 *i64 *i64 i32",
+        master_cast_mx._nvfp4_scales_kernel, "*u8 *fp32 *fp32 *i64 *i64 i32",
         {"BLOCK": plan.NVFP4_SCALE_COLUMNS, "SCALES_ALIGNED": True})
     assert vectors(accesses, "st") >= 1, accesses

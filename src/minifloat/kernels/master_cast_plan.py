@@ -1,5 +1,6 @@
-"""The host side of the master-weight cast kernels (master_cast.py): a plan per format, master
-dtype and quantizer configuration, holding the int64 table its launches read.
+"""The host side of the master-weight cast kernels (master_cast.py, master_cast_mx.py): a plan
+per format, master dtype and quantizer configuration, holding the int64 table its launches
+read.
 
 A plan is built once and kept by its caller (distributed/master_cast_batched.py) while the
 ranges and buffers repeat: building the table was most of a call's host time. `maxima` launches
@@ -25,14 +26,16 @@ from .master_cast import (
     _block_scales_kernel,
     _delayed_cast_kernel,
     _delayed_fold_kernel,
+    _per_tensor_cast_kernel,
+    _per_tensor_maxima_kernel,
+)
+from .master_cast_mx import (
     _mxfp8_cast_kernel,
     _mxfp8_maxima_kernel,
     _mxfp8_scales_kernel,
     _nvfp4_cast_kernel,
     _nvfp4_maxima_kernel,
     _nvfp4_scales_kernel,
-    _per_tensor_cast_kernel,
-    _per_tensor_maxima_kernel,
 )
 from .master_cast_tiles import CAST_IN_MAXIMA, TILE_COLUMNS, TILE_ROWS, cut_tile_rows
 from .multi_tensor import _search_steps, _starts
@@ -177,13 +180,13 @@ class PartialCastPlan:
         end_tile = cdiv(cdiv(cast.start + count, columns), tile_rows)
         entry[_WINDOW_ROW] = first_tile
         window = (end_tile - first_tile) * tiles_k if count else 0
-        cut = cut_tile_rows(cast.start, count, rows, columns, tile_rows,
-                            TILE_COLUMNS[self.kind]) if self.kind in CAST_IN_MAXIMA else []
+        if self.kind not in CAST_IN_MAXIMA:  # NVFP4 casts its whole window after the all-reduce
+            return entry, window, window, self._scale_programs(cast)
+        cut = cut_tile_rows(cast.start, count, rows, columns, tile_rows, TILE_COLUMNS[self.kind])
         if cut:
             entry[_CUT_FIRST] = cut[0]
             entry[_CUT_NEXT] = cut[1] if len(cut) > 1 else cut[0]
-        cast_programs = len(cut) * tiles_k if self.kind in CAST_IN_MAXIMA else window
-        return entry, window, cast_programs, self._scale_programs(cast)
+        return entry, window, len(cut) * tiles_k, self._scale_programs(cast)
 
     def _aligned(self, entry: list[int]) -> bool:
         """Whether this weight's masters and bytes start on 16-element boundaries where the

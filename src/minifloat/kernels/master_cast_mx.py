@@ -1,0 +1,327 @@
+"""Partial master-weight casts of the microscaling formats, MXFP8 (1x32 and 32x1 blocks, E8M0
+scales) and 2D NVFP4 (16x16 tiles and a global amax, UE4M3 scales): their maxima, scale and
+cast kernels. master_cast.py holds the scheme (the plan's table, the maxima / all-reduce / cast
+passes), the device functions every format shares, and the per-tensor and block FP8 kernels.
+
+Why apart: these two formats write byte-coded scales of their own layouts and code their
+elements with their own rules (E8M0 exponents and two copies for MXFP8; nibbles, a global scale
+and a shared byte per element pair for NVFP4); the scheme around them is the same.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .element_cast import e8m0_exponent as e8m0_from_amax
+from .element_cast import expand_blocks
+from .fp8_common import abs_bits, cvt_sat_rne_fp8
+from .master_cast import (
+    _at,
+    _full_offsets,
+    _interior,
+    _load_tile,
+    _scale_run,
+    _tile,
+    _tile_range,
+)
+from .multi_tensor import _owner
+from .mxfp8 import _fp8_codes, _hw_factors
+from .nvfp4 import _e2m1_nibbles
+from .nvfp4_scales import block_scales, global_scales
+
+# ---- scales: every scale of every weight (master_cast.py: why each rank writes them all) ----
+
+
+@triton.jit
+def _mxfp8_scales_kernel(bytes_base, exponents, table_ptr, starts_ptr, n,
+                         STEPS: tl.constexpr, FIELDS: tl.constexpr, BLOCK: tl.constexpr,
+                         SCALES_ALIGNED: tl.constexpr):
+    """The reduced E8M0 exponents into the scale tensors: the runs of the rowwise scales
+    [rows held, K/32] (the storage's rows of [M, K/32]) come first, then those of the
+    columnwise ones [M/32, K]; each laid out as the exponent vector, so a run copies a run.
+    A whole run copies without a mask, 16 bytes an access where the host found every run's
+    source and target 16-byte aligned (SCALES_ALIGNED): masked, every access was one byte."""
+    row, M, K, first, index = _scale_run(table_ptr, starts_ptr, n, STEPS, FIELDS, BLOCK)
+    row_scale = tl.load(row + 10)
+    rowwise = tl.where(row_scale >= 0, tl.load(row + 7) * (K // 32), 0)
+    row_runs = tl.cdiv(rowwise, BLOCK) * BLOCK  # the columnwise runs start after these
+    lanes = tl.arange(0, BLOCK)
+    if first < row_runs:
+        source = tl.load(row + 6) // 32 + first  # the storage's first row of [M, K/32]
+        target = row_scale + first
+        left = rowwise - first
+    else:
+        source = M * (K // 32) + first - row_runs
+        target = tl.load(row + 11) + first - row_runs
+        left = (M // 32) * K - (first - row_runs)
+    source = tl.load(row + 5) + source
+    if left >= BLOCK:
+        values = tl.load(_at(exponents, source, True, SCALES_ALIGNED) + lanes)
+        tl.store(_at(bytes_base, target, True, SCALES_ALIGNED) + lanes, values)
+    else:
+        mask = lanes < left.to(tl.int32)
+        tl.store(bytes_base + target + lanes, tl.load(exponents + source + lanes, mask=mask),
+                 mask=mask)
+
+
+@triton.jit
+def _nvfp4_scales_kernel(bytes_base, floats_base, maxima, table_ptr, starts_ptr, n,
+                         STEPS: tl.constexpr, FIELDS: tl.constexpr, BLOCK: tl.constexpr,
+                         SCALES_ALIGNED: tl.constexpr):
+    """UE4M3 codes of the rowwise scales [rows held, K/16], one program per 16-row tile row and
+    BLOCK scale columns: the tiles' codes, each stored over its 16 rows (the rows the storage
+    holds); and the global amax. A block of 16 held rows and BLOCK columns stores without a
+    mask, 16 bytes an access where the host found the rows 16-byte aligned (SCALES_ALIGNED):
+    masked, every store was one byte."""
+    pid = tl.program_id(0)
+    i = _owner(starts_ptr, pid, n, STEPS)
+    row = table_ptr + i * FIELDS
+    K = tl.load(row + 4)
+    blocks_k = K // 16
+    runs_k = tl.cdiv(blocks_k, BLOCK)
+    local = pid - tl.load(starts_ptr + i)
+    first_row = tl.load(row + 6) // K
+    tile_row = first_row // 16 + local // runs_k
+    first_block = (local % runs_k) * BLOCK
+    segment = maxima + tl.load(row + 5)
+    lanes = tl.arange(0, BLOCK)
+    column_mask = lanes < (blocks_k - first_block).to(tl.int32)
+    tile_amax = tl.load(segment + (1 + tile_row * blocks_k + first_block) + lanes,
+                        mask=column_mask, other=0.0)
+    factor, s_dec = global_scales(segment)
+    code, _ = block_scales(tile_amax, factor, s_dec)
+    held = tile_row * 16 - first_row  # the storage row of the tile's first row
+    rows = tl.arange(0, 16)
+    rows_held = tl.load(row + 7)
+    codes = tl.broadcast_to(code.to(tl.uint8)[None, :], [16, BLOCK])
+    start = tl.load(row + 10) + held * blocks_k + first_block
+    stride = blocks_k.to(tl.int32)
+    if SCALES_ALIGNED:
+        stride = tl.multiple_of(stride, 16)
+    offsets = rows[:, None] * stride + lanes[None, :]
+    if (first_block + BLOCK <= blocks_k) & (held >= 0) & (held + 16 <= rows_held):
+        tl.store(_at(bytes_base, start, True, SCALES_ALIGNED) + offsets, codes)
+    else:
+        tl.store(bytes_base + start + offsets, codes,
+                 mask=column_mask[None, :] & (rows[:, None] >= (-held).to(tl.int32))
+                 & (rows[:, None] < (rows_held - held).to(tl.int32)))
+    if local == 0:
+        tl.store(floats_base + tl.load(row + 12), tl.load(segment))
+
+
+# ---- MXFP8: 1x32 and 32x1 blocks, tiles of 32 rows ----
+
+
+@triton.jit
+def _mxfp8_maxima_kernel(master_base, exponents, bytes_base, table_ptr, starts_ptr, n,
+                         BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
+                         COLUMNS: tl.constexpr, RECIPROCAL_BITS: tl.constexpr,
+                         MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+                         MAX_CODE: tl.constexpr, E5M2: tl.constexpr, HW_CAST: tl.constexpr,
+                         ALIGNED: tl.constexpr):
+    """The E8M0 exponents of the blocks' partial maxima (uint8; master_weights reduces
+    exponents, not maxima: the rule is monotone), and the codes of every tile the rank's range
+    covers whole.
+
+    Why cast here: every block of such a tile (1x32 and 32x1, aligned to the tile) lies inside
+    this rank's range, so no other rank adds to its maximum, and the all-reduce (a MAX with the
+    other ranks' zeros) returns these exponents unchanged. Casting while the tile is in
+    registers reads most of the masters once instead of twice; _mxfp8_cast_kernel casts only
+    the tiles that a range boundary or the weight's edge cuts."""
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS,
+                                          COLUMNS)
+    rows = tl.arange(0, 32)
+    cols = tl.arange(0, COLUMNS)
+    blocks = tl.arange(0, COLUMNS // 32)
+    first_block = tile_col * (COLUMNS // 32)
+    segment = exponents + tl.load(row + 5)
+    row_grid = segment + (tile_row * 32) * (K // 32) + first_block  # [M, K/32] from the tile
+    row_cells = rows[:, None] * (K // 32).to(tl.int32) + blocks[None, :]
+    column_grid = segment + M * (K // 32) + tile_row * K + tile_col * COLUMNS  # [M/32, K]
+    if _interior(row, M, K, tile_row * 32, tile_col * COLUMNS, 32, COLUMNS):
+        origin = (tile_row * 32) * K + tile_col * COLUMNS
+        offsets = _full_offsets(K, rows, cols, ALIGNED)
+        x = _load_tile(master_base, row, origin, offsets, None, BF16_BITS, ALIGNED)
+        row_exponent, col_exponent = _mxfp8_exponents(abs_bits(x), COLUMNS, RECIPROCAL_BITS)
+        tl.store(row_grid + row_cells, row_exponent.to(tl.uint8))
+        tl.store(column_grid + cols, col_exponent.to(tl.uint8))
+        _mxfp8_store_copies(x, bytes_base, row, origin, offsets, None, row_exponent,
+                            col_exponent, COLUMNS, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE, E5M2,
+                            HW_CAST, ALIGNED)
+    else:
+        origin, offsets, inside = _tile_range(row, M, K, tile_row * 32, tile_col * COLUMNS,
+                                              rows, cols, ALIGNED)
+        x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)
+        row_exponent, col_exponent = _mxfp8_exponents(abs_bits(x), COLUMNS, RECIPROCAL_BITS)
+        tl.store(row_grid + row_cells, row_exponent.to(tl.uint8),
+                 mask=(rows[:, None] < (M - tile_row * 32).to(tl.int32))
+                 & (blocks[None, :] < (K // 32 - first_block).to(tl.int32)))
+        tl.store(column_grid + cols, col_exponent.to(tl.uint8),
+                 mask=cols < (K - tile_col * COLUMNS).to(tl.int32))
+
+
+@triton.jit
+def _mxfp8_exponents(magnitude, COLUMNS: tl.constexpr, RECIPROCAL_BITS: tl.constexpr):
+    """E8M0 exponents (int32) of a 32-row tile's 1x32 blocks [32, COLUMNS / 32] and 32x1
+    blocks [COLUMNS], from its magnitudes' bits."""
+    row_max = tl.max(tl.reshape(magnitude, [32, COLUMNS // 32, 32]), axis=2)
+    column_max = tl.max(magnitude, axis=0)
+    return (e8m0_from_amax(row_max.to(tl.float32, bitcast=True), RECIPROCAL_BITS),
+            e8m0_from_amax(column_max.to(tl.float32, bitcast=True), RECIPROCAL_BITS))
+
+
+@triton.jit
+def _mxfp8_codes(x, exponent, ROWS: tl.constexpr, COLUMNS: tl.constexpr,
+                 EXPAND: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+                 MAX_CODE: tl.constexpr, E5M2: tl.constexpr, HW_CAST: tl.constexpr):
+    """FP8 codes of x [ROWS, COLUMNS] * 2^(127 - e): mxfp8_tile's two paths, the per-block
+    values computed once a block and then spread (EXPAND: exponents [ROWS, COLUMNS / 32] over
+    their 32 columns; otherwise [1, COLUMNS], broadcast over the rows)."""
+    if HW_CAST:
+        f, h = _hw_factors(exponent)
+        if EXPAND:
+            f = expand_blocks(f, ROWS, COLUMNS, 32)
+            h = expand_blocks(h, ROWS, COLUMNS, 32)
+        codes = cvt_sat_rne_fp8(x * f * h, E5M2)
+    else:
+        if EXPAND:
+            exponent = expand_blocks(exponent, ROWS, COLUMNS, 32)
+        codes = _fp8_codes(x, exponent, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE)
+    return codes
+
+
+@triton.jit
+def _mxfp8_cast_kernel(master_base, bytes_base, exponents, table_ptr, starts_ptr, n,
+                       BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
+                       COLUMNS: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+                       MIN_EXPONENT: tl.constexpr, MAX_CODE: tl.constexpr,
+                       E5M2: tl.constexpr, HW_CAST: tl.constexpr, ALIGNED: tl.constexpr):
+    """The rank's elements of one window tile that a range boundary or the weight's edge cuts,
+    both copies, with the tile's reduced exponents (_mxfp8_maxima_kernel cast the others)."""
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, True, STEPS, FIELDS,
+                                          COLUMNS)
+    if not _interior(row, M, K, tile_row * 32, tile_col * COLUMNS, 32, COLUMNS):
+        rows = tl.arange(0, 32)
+        cols = tl.arange(0, COLUMNS)
+        blocks = tl.arange(0, COLUMNS // 32)
+        first_block = tile_col * (COLUMNS // 32)
+        segment = exponents + tl.load(row + 5)
+        block_mask = ((rows[:, None] < (M - tile_row * 32).to(tl.int32))
+                      & (blocks[None, :] < (K // 32 - first_block).to(tl.int32)))
+        row_grid = segment + (tile_row * 32) * (K // 32) + first_block
+        row_exponent = tl.load(row_grid + rows[:, None] * (K // 32).to(tl.int32)
+                               + blocks[None, :], mask=block_mask, other=0).to(tl.int32)
+        column_grid = segment + M * (K // 32) + tile_row * K + tile_col * COLUMNS
+        col_exponent = tl.load(column_grid + cols,
+                               mask=cols < (K - tile_col * COLUMNS).to(tl.int32),
+                               other=0).to(tl.int32)  # [COLUMNS]
+        origin, offsets, inside = _tile_range(row, M, K, tile_row * 32, tile_col * COLUMNS,
+                                              rows, cols, ALIGNED)
+        x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)
+        _mxfp8_store_copies(x, bytes_base, row, origin, offsets, inside, row_exponent,
+                            col_exponent, COLUMNS, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE, E5M2,
+                            HW_CAST, ALIGNED)
+
+
+@triton.jit
+def _mxfp8_store_copies(x, bytes_base, row, origin, offsets, inside, row_exponent, col_exponent,
+                        COLUMNS: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+                        MIN_EXPONENT: tl.constexpr, MAX_CODE: tl.constexpr,
+                        E5M2: tl.constexpr, HW_CAST: tl.constexpr, ALIGNED: tl.constexpr):
+    """A tile's codes into the copies the weight keeps (inside: the element mask, or None for
+    a tile the range covers whole)."""
+    row_data = tl.load(row + 8)
+    if row_data >= 0:
+        codes = _mxfp8_codes(x, row_exponent, 32, COLUMNS, True, MANTISSA_BITS, MIN_EXPONENT,
+                             MAX_CODE, E5M2, HW_CAST)
+        tl.store(_at(bytes_base, row_data - tl.load(row + 6) + origin, inside is None, ALIGNED)
+                 + offsets, codes, mask=inside)
+    col_data = tl.load(row + 9)
+    if col_data >= 0:
+        codes = _mxfp8_codes(x, col_exponent[None, :], 32, COLUMNS, False, MANTISSA_BITS,
+                             MIN_EXPONENT, MAX_CODE, E5M2, HW_CAST)
+        tl.store(_at(bytes_base, col_data - tl.load(row + 6) + origin, inside is None, ALIGNED)
+                 + offsets, codes, mask=inside)
+
+
+# ---- 2D NVFP4: 16x16 tiles and a global amax, tiles of 16 rows ----
+
+
+@triton.jit
+def _nvfp4_maxima_kernel(master_base, maxima_bits, table_ptr, starts_ptr, n,
+                         BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
+                         COLUMNS: tl.constexpr, ALIGNED: tl.constexpr):
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS,
+                                          COLUMNS)
+    origin, offsets, inside = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS,
+                                          tl.arange(0, 16), tl.arange(0, COLUMNS), ALIGNED)
+    x = _load_tile(master_base, row, origin, offsets, inside, BF16_BITS, ALIGNED)
+    tiles = tl.max(tl.max(tl.reshape(abs_bits(x), [16, COLUMNS // 16, 16]), axis=2), axis=0)
+    segment = maxima_bits + tl.load(row + 5)
+    blocks = tl.arange(0, COLUMNS // 16)
+    first_block = tile_col * (COLUMNS // 16)
+    tl.store(segment + (1 + tile_row * (K // 16) + first_block) + blocks, tiles,
+             mask=blocks < (K // 16 - first_block).to(tl.int32))
+    tl.atomic_max(segment, tl.max(tiles, axis=0))
+
+
+@triton.jit
+def _nvfp4_cast_kernel(master_base, bytes_base, maxima, table_ptr, starts_ptr, n,
+                       BF16_BITS: tl.constexpr, STEPS: tl.constexpr, FIELDS: tl.constexpr,
+                       COLUMNS: tl.constexpr, ALIGNED: tl.constexpr):
+    """The rank's elements of one window tile, nibble by nibble, with the tiles' scales from
+    the reduced maxima. Byte j of a row takes element 2j (low nibble) and 2j + 1 (high): a tile
+    inside the range loads its rows whole and splits the pairs; a tile the range cuts loads the
+    even and the odd elements as two masked [16, COLUMNS / 2] halves."""
+    row, M, K, tile_row, tile_col = _tile(table_ptr, starts_ptr, n, False, STEPS, FIELDS,
+                                          COLUMNS)
+    blocks = tl.arange(0, COLUMNS // 16)
+    first_block = tile_col * (COLUMNS // 16)
+    segment = maxima + tl.load(row + 5)
+    factor, s_dec = global_scales(segment)
+    tile_amax = tl.load(segment + (1 + tile_row * (K // 16) + first_block) + blocks,
+                        mask=blocks < (K // 16 - first_block).to(tl.int32), other=0.0)
+    _, element_scale = block_scales(tile_amax, factor, s_dec)  # [COLUMNS / 16]
+    rows = tl.arange(0, 16)
+    scale = expand_blocks(tl.broadcast_to(element_scale[None, :], [16, COLUMNS // 16]), 16,
+                          COLUMNS // 2, 8)
+    keep = scale == scale  # NaN tiles encode as +0 (the reference)
+    if _interior(row, M, K, tile_row * 16, tile_col * COLUMNS, 16, COLUMNS):
+        origin = (tile_row * 16) * K + tile_col * COLUMNS
+        x = _load_tile(master_base, row, origin,
+                       _full_offsets(K, rows, tl.arange(0, COLUMNS), ALIGNED), None, BF16_BITS,
+                       ALIGNED)
+        x_even, x_odd = tl.split(tl.reshape(x, [16, COLUMNS // 2, 2]))
+        byte = _nvfp4_bytes(x_even, x_odd, scale, keep)
+        first_byte = tl.load(row + 8) + (origin - tl.load(row + 6)) // 2
+        columns = (K // 2).to(tl.int32)
+        if ALIGNED:  # the plan checked the bytes' offset and K (master_cast_plan._aligned)
+            first_byte = tl.multiple_of(first_byte, 8)
+            columns = tl.multiple_of(columns, 8)
+        tl.store(bytes_base + first_byte + rows[:, None] * columns
+                 + tl.arange(0, COLUMNS // 2)[None, :], byte.to(tl.uint8))
+    else:
+        pairs = tl.arange(0, COLUMNS // 2) * 2
+        origin, even, low_in = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS, rows,
+                                           pairs, ALIGNED)
+        _odd_origin, odd, high_in = _tile_range(row, M, K, tile_row * 16, tile_col * COLUMNS,
+                                                rows, pairs + 1, ALIGNED)
+        x_even = _load_tile(master_base, row, origin, even, low_in, BF16_BITS, ALIGNED)
+        x_odd = _load_tile(master_base, row, origin, odd, high_in, BF16_BITS, ALIGNED)
+        packed = _nvfp4_bytes(x_even, x_odd, scale, keep)
+        # origin and base are even (K is), so byte = (element - base) / 2
+        target = bytes_base + (tl.load(row + 8) + (origin - tl.load(row + 6)) // 2) + even // 2
+        # a byte the range covers half of keeps its other nibble
+        old = tl.load(target, mask=low_in != high_in, other=0).to(tl.int32)
+        byte = tl.where(low_in, packed & 0xF, old & 0xF) | tl.where(high_in, packed, old) & 0xF0
+        tl.store(target, byte.to(tl.uint8), mask=low_in | high_in)
+
+
+@triton.jit
+def _nvfp4_bytes(x_even, x_odd, scale, keep):
+    """Packed bytes (int32) of element pairs: the even element's nibble low, the odd's high;
+    +0 where the tile's scale is NaN."""
+    low = tl.where(keep, _e2m1_nibbles(x_even, scale, 0.0, False), 0)
+    high = tl.where(keep, _e2m1_nibbles(x_odd, scale, 0.0, False), 0)
+    return low | (high << 4)
