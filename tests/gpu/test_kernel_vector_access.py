@@ -95,7 +95,7 @@ def test_mxfp8_scale_runs_copy_vectors():
     """Whole runs of the exponent vector copy into the scale tensors 16 bytes an access."""
     accesses = global_accesses(
         master_cast_mx._mxfp8_scales_kernel, "*u8 *u8 *i64 *i64 i32",
-        {"BLOCK": plan.SCALE_BLOCK, "SCALES_ALIGNED": True})
+        {"BLOCK": plan.MXFP8_SCALE_BLOCK, "SCALES_ALIGNED": True})
     assert accesses["st.global.v4.b32"] >= 1 and accesses["ld.global.v4.b32"] >= 1, accesses
 
 
@@ -103,5 +103,6 @@ def test_nvfp4_scale_rows_store_vectors():
     """A block of 16 held rows stores its scale codes 16 bytes an access."""
     accesses = global_accesses(
         master_cast_mx._nvfp4_scales_kernel, "*u8 *fp32 *fp32 *i64 *i64 i32",
-        {"BLOCK": plan.NVFP4_SCALE_COLUMNS, "SCALES_ALIGNED": True})
+        {"BLOCK": plan.NVFP4_SCALE_COLUMNS, "TILE_ROWS": plan.NVFP4_SCALE_TILE_ROWS,
+         "SCALES_ALIGNED": True})
     assert vectors(accesses, "st") >= 1, accesses

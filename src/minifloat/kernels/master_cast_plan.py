@@ -42,8 +42,10 @@ from .multi_tensor import _search_steps, _starts
 from .mxfp8 import _reciprocal_bits
 from .nvfp4 import FP_FUSION
 
-SCALE_BLOCK = 2048  # scale entries per program of the scale kernels
+SCALE_BLOCK = 2048  # scale entries per program of block FP8's scale kernel
+MXFP8_SCALE_BLOCK = 8192  # exponents per program of MXFP8's scale kernel
 NVFP4_SCALE_COLUMNS = 128  # NVFP4: scale columns per program (times the tile's 16 rows)
+NVFP4_SCALE_TILE_ROWS = 8  # NVFP4: 16-row tile rows per program of the scale kernel
 PER_TENSOR = ("current", "delayed")  # per-tensor FP8: flat runs of the range, no tiles
 FLAT_BLOCK = 4096  # elements per program of the per-tensor kernels
 BLOCK_CHUNK = 32  # block FP8 sweeps its 128-row tile in chunks of this many rows
@@ -228,10 +230,11 @@ class PartialCastPlan:
         if self.kind == "nvfp4":  # 16-row tile rows the held rows touch x column runs
             first_row = cast.base // columns
             tile_rows = cdiv(first_row + cast.rows_held, 16) - first_row // 16
-            return tile_rows * cdiv(columns // 16, NVFP4_SCALE_COLUMNS)
+            return (cdiv(tile_rows, NVFP4_SCALE_TILE_ROWS)
+                    * cdiv(columns // 16, NVFP4_SCALE_COLUMNS))
         rowwise = cast.rows_held * (columns // 32) if cast.row_scale is not None else 0
         columnwise = (rows // 32) * columns if cast.col_scale is not None else 0
-        return cdiv(rowwise, SCALE_BLOCK) + cdiv(columnwise, SCALE_BLOCK)
+        return cdiv(rowwise, MXFP8_SCALE_BLOCK) + cdiv(columnwise, MXFP8_SCALE_BLOCK)
 
     def maxima(self, maxima: torch.Tensor) -> None:
         """Write this rank's maxima into `maxima` (fp32, zeros where the range touches no
@@ -317,7 +320,7 @@ class PartialCastPlan:
                        amax_epsilon, CHUNK=BLOCK_CHUNK, **codes, **rest)
         elif self.kind == "mxfp8":
             launch(_mxfp8_scales_kernel, (self.scale_programs,), self.bytes_base, reduced,
-                   *scales, STEPS=self.steps, FIELDS=FIELDS, BLOCK=SCALE_BLOCK,
+                   *scales, STEPS=self.steps, FIELDS=FIELDS, BLOCK=MXFP8_SCALE_BLOCK,
                    SCALES_ALIGNED=self.scales_aligned and reduced.data_ptr() % 16 == 0,
                    num_warps=NUM_WARPS)
             if self.cast_programs:
@@ -327,7 +330,8 @@ class PartialCastPlan:
         else:
             launch(_nvfp4_scales_kernel, (self.scale_programs,), self.bytes_base,
                    self.floats_base, reduced, *scales, STEPS=self.steps, FIELDS=FIELDS,
-                   BLOCK=NVFP4_SCALE_COLUMNS, SCALES_ALIGNED=self.scales_aligned,
+                   BLOCK=NVFP4_SCALE_COLUMNS, TILE_ROWS=NVFP4_SCALE_TILE_ROWS,
+                   SCALES_ALIGNED=self.scales_aligned,
                    num_warps=NUM_WARPS)
             if self.window_programs:
                 # no fp contraction (nvfp4.FP_FUSION): an FMA fusing |x| * scale into the
