@@ -144,18 +144,17 @@ def general_gemm(
         product = gemm_paths.blockwise_scaled_mm_gemm(a_storage, a_columnwise, b_storage,
                                                       b_columnwise, out_dtype=product_dtype,
                                                       bias=bias)
+    elif path == "bf16":  # the two factors are multiplied inside the epilogue's pass
+        product = gemm_paths.bf16_gemm(a_values, b_values, alpha=a_alpha, alpha2=b_alpha,
+                                       bias=bias, out_dtype=product_dtype)
     else:
         alpha = None
         if a_alpha is not None:
             alpha = a_alpha.float()
         if b_alpha is not None:
             alpha = b_alpha.float() if alpha is None else alpha * b_alpha.float()
-        if path == "bf16":
-            product = gemm_paths.bf16_gemm(a_values, b_values, alpha=alpha, bias=bias,
-                                           out_dtype=product_dtype)
-        else:
-            product = numerics.emulated_gemm_tn(a_values, b_values, alpha=alpha, bias=bias,
-                                                out_dtype=product_dtype)
+        product = numerics.emulated_gemm_tn(a_values, b_values, alpha=alpha, bias=bias,
+                                            out_dtype=product_dtype)
     if accumulate_into is not None:
         accumulate_into.add_(product)
         return accumulate_into

@@ -231,9 +231,12 @@ def bf16_gemm(
     alpha: torch.Tensor | None,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    alpha2: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The emulation with bf16 operands (exact conversions) and fp32 accumulation and output."""
-    if alpha is None and bias is None and out_dtype == torch.bfloat16:
+    """The emulation with bf16 operands (exact conversions) and fp32 accumulation and output.
+    alpha and alpha2: the operands' per-tensor factors (None: none), multiplied in fp32 as the
+    emulation multiplies them, inside the epilogue's one pass where the kernels run."""
+    if alpha is None and alpha2 is None and bias is None and out_dtype == torch.bfloat16:
         # cuBLAS accumulates in fp32 and rounds once to bf16: the emulation's own last step
         return torch.mm(a_values.to(torch.bfloat16), b_values.to(torch.bfloat16).t())
     product = torch.mm(a_values.to(torch.bfloat16), b_values.to(torch.bfloat16).t(),
@@ -241,7 +244,11 @@ def bf16_gemm(
     if kernels.available(product) and out_dtype in (torch.bfloat16, torch.float16,
                                                     torch.float32):
         epilogue = kernel_module("epilogue")  # Triton: fast path only
-        return epilogue.scale_bias_cast(product, alpha, bias, out_dtype)
+        return epilogue.scale_bias_cast(product, alpha, bias, out_dtype, alpha2=alpha2)
+    if alpha is not None and alpha2 is not None:
+        alpha = alpha.float() * alpha2.float()
+    elif alpha is None:
+        alpha = alpha2
     if alpha is not None:
         product = product * alpha.float()
     if bias is not None:

@@ -315,3 +315,28 @@ def test_nvfp4_gemm_operand_is_bf16_kernel_output(two_dimensional):
         assert_bits_equal(values, expected, prefix)
         torch.testing.assert_close(alpha.cpu(), numerics.global_decode_scale(amax), rtol=0,
                                    atol=0)
+
+
+@pytest.mark.parametrize("amax", [0.0, 2.0**-149, 1e-30, 0.37, 2688.0, 3e38, float("inf"),
+                                  float("nan")])
+def test_nvfp4_operand_decode_scale_is_the_references(amax):
+    """S_dec from the decode's own launch equals numerics.global_decode_scale bit for bit, at
+    the rule's edges (0 and inf give S_enc 1; a tiny amax caps S_enc at FLT_MAX; NaN stays)."""
+    data = random_bytes((32, 48), seed=5).to(DEVICE)
+    scale = random_bytes((32, 6), seed=6, high=0x7F).view(E4M3).to(DEVICE)
+    amax_tensor = torch.tensor([amax], device=DEVICE)
+    values, s_dec = dequantize.dequantize_nvfp4_operand(data, scale, amax_tensor)
+    assert_bits_equal(values, numerics.dequantize_nvfp4_blocks(data.cpu(), scale.cpu()), "values")
+    expected = numerics.global_decode_scale(amax_tensor.cpu())
+    assert s_dec.shape == expected.shape and s_dec.dtype == torch.float32
+    assert s_dec.cpu().view(torch.int32).tolist() == expected.view(torch.int32).tolist() or (
+        s_dec.isnan().all() and expected.isnan().all()), (s_dec, expected)
+
+
+def test_nvfp4_operand_of_an_empty_copy_still_gives_its_decode_scale():
+    data = torch.empty((0, 8), dtype=torch.uint8, device=DEVICE)
+    scale = torch.empty((0, 1), dtype=torch.uint8, device=DEVICE)
+    values, s_dec = dequantize.dequantize_nvfp4_operand(data, scale,
+                                                        torch.tensor([6.0], device=DEVICE))
+    assert values.shape == (0, 16)
+    assert s_dec.item() == numerics.global_decode_scale(torch.tensor([6.0])).item()

@@ -81,6 +81,21 @@ def test_special_alphas(alpha_value):
                      reference(product, alpha, None, torch.bfloat16))
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("factors", [(0.3712, 1.7), (3e30, 3e30), (2.0**-100, 2.0**-60),
+                                     (float("nan"), 1.0), (None, 0.25)])
+def test_two_factors_are_multiplied_as_the_reference_does(with_bias, factors):
+    """alpha * alpha2 is rounded to fp32 once before it scales the product (gemm.py's order),
+    also where the product of the factors overflows or underflows; a second factor alone acts
+    as the only one."""
+    product = wide_product((33, 70), seed=11)
+    bias = torch.randn(70, device=DEVICE) if with_bias else None
+    alpha, alpha2 = (None if f is None else torch.tensor([f], device=DEVICE) for f in factors)
+    combined = alpha2 if alpha is None else alpha.float() * alpha2.float()
+    assert_same_bits(scale_bias_cast(product, alpha, bias, torch.bfloat16, alpha2=alpha2),
+                     reference(product, combined, bias, torch.bfloat16))
+
+
 def test_fp32_bias_and_empty_product():
     product = wide_product((5, 40), seed=3)
     bias = torch.randn(40, device=DEVICE)

@@ -40,6 +40,7 @@ import triton.language as tl
 from ..numerics.mxfp8 import BLOCK as MX_BLOCK
 from ..numerics.nvfp4 import BLOCK as NV_BLOCK
 from .launch import launch
+from .nvfp4_scales import global_scales
 
 # Tile shapes (elements), picked on an H100 at 16384 x 8192 (benchmarks/dequantize_bench.py):
 # MXFP8 rowwise 16 x 256 codes, 8 warps; MXFP8 columnwise transposed 32 (along M) x 128 (along
@@ -229,13 +230,19 @@ def _e2m1_float(nibble):
 
 @triton.jit
 def _nvfp4_kernel(
-    data_ptr, scale_ptr, out_ptr, R, C_BYTES,
+    data_ptr, scale_ptr, out_ptr, amax_ptr, s_dec_ptr, R, C_BYTES,
     BLOCK_R: tl.constexpr, BLOCK_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+    DECODE_SCALE: tl.constexpr,
 ):
     """out[r, 2j], out[r, 2j + 1] = bf16 of both nibbles of byte data[r, j] times
     fp32(s[r, j // 8]), written as one int32 word (little-endian: element 2j in the low half)
     of out viewed as int32 [R, C/2]. Tiles [BLOCK_R, BLOCK_BYTES] are viewed as
-    [BLOCK_R, BLOCK_BYTES // 8, 8]."""
+    [BLOCK_R, BLOCK_BYTES // 8, 8]. DECODE_SCALE: program (0, 0) also writes S_dec of the
+    global amax, the GEMM's factor (the reference's rule, nvfp4_scales.global_scales)."""
+    if DECODE_SCALE:  # noqa: SIM102 (a constexpr branch: compiled out where False)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            _, s_dec = global_scales(amax_ptr)
+            tl.store(s_dec_ptr, s_dec)
     row_start = tl.program_id(0) * BLOCK_R
     col_start = tl.program_id(1) * BLOCK_BYTES
     NB: tl.constexpr = BLOCK_BYTES // SCALE_BYTES
@@ -359,6 +366,20 @@ def dequantize_nvfp4_blocks_bf16(
     .to(bfloat16)`: packed E2M1 data [..., C/2] (uint8), UE4M3 scale [..., C/16] (float8_e4m3fn
     or its bytes) -> bf16 [..., C], contiguous. `out` (optional) receives the result;
     `block_shape` (rows, packed bytes) overrides the tile (benchmarks)."""
+    return _decode_nvfp4(data, scale, None, out, block_shape)[0]
+
+
+def dequantize_nvfp4_operand(
+    data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An NVFP4 copy as a GEMM operand: (dequantize_nvfp4_blocks_bf16's values, S_dec of the
+    global amax), the pair `numerics` gives as (dequantize_nvfp4_blocks, global_decode_scale),
+    in one launch. Computed as torch ops, S_dec took five tiny kernels an operand (a division,
+    two compares, a select, a clamp, a reciprocal): about half the kernels of an NVFP4 step."""
+    return _decode_nvfp4(data, scale, amax, None, None)
+
+
+def _decode_nvfp4(data, scale, amax, out, block_shape):
     c_bytes = data.shape[-1] if data.dim() else 0
     data2d = data.reshape(-1, c_bytes).contiguous().view(torch.uint8)
     rows = data2d.shape[0]
@@ -370,10 +391,18 @@ def dequantize_nvfp4_blocks_bf16(
     block_r, block_c = block_shape or (NV_BLOCK_R, NV_BLOCK_BYTES)
     if block_c % block_bytes:
         raise ValueError(f"block_shape {(block_r, block_c)} must hold whole {NV_BLOCK}-blocks")
-    if rows * c_bytes:
-        grid = (triton.cdiv(rows, block_r), triton.cdiv(c_bytes, block_c))
+    s_dec = None
+    if amax is not None:
+        if amax.numel() != 1:
+            raise ValueError(f"NVFP4's global amax must be one value, got {amax.numel()}")
+        amax = amax.float()  # as numerics.global_encode_scale reads it (no copy when fp32)
+        s_dec = torch.empty_like(amax)
+    grid = (max(triton.cdiv(rows, block_r), 1), max(triton.cdiv(c_bytes, block_c), 1))
+    if rows * c_bytes or s_dec is not None:
         launch(
-            _nvfp4_kernel, grid, data2d, scale2d, result.view(torch.int32), rows, c_bytes,
-            BLOCK_R=block_r, BLOCK_BYTES=block_c, SCALE_BYTES=block_bytes, num_warps=NV_WARPS,
+            _nvfp4_kernel, grid, data2d, scale2d, result.view(torch.int32),
+            result if amax is None else amax, result if s_dec is None else s_dec, rows, c_bytes,
+            BLOCK_R=block_r, BLOCK_BYTES=block_c, SCALE_BYTES=block_bytes,
+            DECODE_SCALE=amax is not None, num_warps=NV_WARPS,
         )
-    return result
+    return result, s_dec

@@ -47,14 +47,13 @@ class NVFP4Storage(QuantizedStorage):
 
         The columnwise operand of an RHT tensor is RHT(x^T): only another RHT operand may meet it.
         With the kernels (CUDA) the values come as bf16 in one pass (exact: q * s_b has at most
-        6 significant bits).
+        6 significant bits), and S_dec from the same launch.
         """
         data = self.columnwise_data if columnwise else self.rowwise_data
-        if kernels.available(data):
+        if kernels.available(data):  # Triton: fast path only
             scale = self.columnwise_scale if columnwise else self.rowwise_scale
             amax = self.amax_columnwise if columnwise else self.amax_rowwise
-            values = kernel_module("dequantize").dequantize_nvfp4_blocks_bf16(data, scale)
-            return values, numerics.global_decode_scale(amax)  # Triton above: fast path only
+            return kernel_module("dequantize").dequantize_nvfp4_operand(data, scale, amax)
         if columnwise:
             values = numerics.dequantize_nvfp4_blocks(self.columnwise_data, self.columnwise_scale)
             return values, numerics.global_decode_scale(self.amax_columnwise)
