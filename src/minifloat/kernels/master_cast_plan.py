@@ -45,7 +45,7 @@ from .nvfp4 import FP_FUSION
 SCALE_BLOCK = 2048  # scale entries per program of block FP8's scale kernel
 MXFP8_SCALE_BLOCK = 8192  # exponents per program of MXFP8's scale kernel
 NVFP4_SCALE_COLUMNS = 128  # NVFP4: scale columns per program (times the tile's 16 rows)
-NVFP4_SCALE_TILE_ROWS = 8  # NVFP4: 16-row tile rows per program of the scale kernel
+NVFP4_SCALE_TILE_ROWS = 32  # NVFP4: 16-row tile rows per program of the scale kernel
 PER_TENSOR = ("current", "delayed")  # per-tensor FP8: flat runs of the range, no tiles
 FLAT_BLOCK = 4096  # elements per program of the per-tensor kernels
 BLOCK_CHUNK = 32  # block FP8 sweeps its 128-row tile in chunks of this many rows
