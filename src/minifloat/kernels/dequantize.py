@@ -39,6 +39,7 @@ import triton.language as tl
 
 from ..numerics.mxfp8 import BLOCK as MX_BLOCK
 from ..numerics.nvfp4 import BLOCK as NV_BLOCK
+from .fp8_common import cdiv
 from .launch import launch
 from .nvfp4_scales import global_scales
 
@@ -347,7 +348,7 @@ def dequantize_mxfp8_bf16(
     if (block_m if columnwise else block_k) % MX_BLOCK:
         raise ValueError(f"block_shape {(block_m, block_k)} must hold whole {MX_BLOCK}-blocks")
     if m * k:
-        grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+        grid = (cdiv(m, block_m), cdiv(k, block_k))
         launch(
             kernel, grid, data2d, scale2d, result.view(torch.int16), m, k, **constants,
             BLOCK_M=block_m, BLOCK_K=block_k, SCALE_BLOCK=MX_BLOCK, num_warps=warps,
@@ -397,7 +398,7 @@ def _decode_nvfp4(data, scale, amax, out, block_shape):
             raise ValueError(f"NVFP4's global amax must be one value, got {amax.numel()}")
         amax = amax.float()  # as numerics.global_encode_scale reads it (no copy when fp32)
         s_dec = torch.empty_like(amax)
-    grid = (max(triton.cdiv(rows, block_r), 1), max(triton.cdiv(c_bytes, block_c), 1))
+    grid = (max(cdiv(rows, block_r), 1), max(cdiv(c_bytes, block_c), 1))
     if rows * c_bytes or s_dec is not None:
         launch(
             _nvfp4_kernel, grid, data2d, scale2d, result.view(torch.int32),

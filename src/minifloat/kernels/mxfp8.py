@@ -39,7 +39,7 @@ from .element_cast import (
     split_magnitude,
 )
 from .element_cast import e8m0_exponent as e8m0_from_amax
-from .fp8_common import _capability, cvt_sat_rne_fp8, hw_cast, sat_rne_fp8
+from .fp8_common import _capability, cdiv, cvt_sat_rne_fp8, hw_cast, sat_rne_fp8
 from .halfwise import max_halves as _max_halves
 from .halfwise import max_halves_pairs as _max_halves_pairs
 from .halfwise import max_u16x2 as _max_u16x2
@@ -535,7 +535,7 @@ def quantize_mxfp8(
             words_k = WORDS_BLOCK_K
             hw = hw_cast(x2d)
             launch(
-                _mxfp8_words_kernel, (m // BLOCK, triton.cdiv(k, words_k)),
+                _mxfp8_words_kernel, (m // BLOCK, cdiv(k, words_k)),
                 x2d.view(torch.int64), _int32_view(row_data), row_scale, _int32_view(col_data),
                 _int32_view(col_scale), m, k,
                 ROWWISE=rowwise, COLUMNWISE=columnwise, MANTISSA_BITS=mantissa_bits,
@@ -547,7 +547,7 @@ def quantize_mxfp8(
                 num_warps=WORDS_NUM_WARPS,
             )
             return out
-        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))
+        grid = (cdiv(m, BLOCK_M), cdiv(k, BLOCK_K))
         x_view, bf16_bits = kernel_view(x2d)
         launch(
             _mxfp8_kernel, grid, x_view, row_data, row_scale, col_data, col_scale, m, k,

@@ -29,7 +29,7 @@ from ..numerics.blocks import as_2d, require_divisible
 from ..numerics.formats import fp8_format
 from ..numerics.mxfp8 import BLOCK
 from .element_cast import E4M3_CONSTANTS, E5M2_CONSTANTS, kernel_view
-from .fp8_common import hw_cast, needs_wide_offsets
+from .fp8_common import cdiv, hw_cast, needs_wide_offsets
 from .launch import launch
 from .multi_tensor import (
     ALIGN,
@@ -160,7 +160,7 @@ def quantize_mxfp8_multi(
     base, x_offsets = _input_offsets(inputs)
     data_offsets, data_total = _aligned_offsets([m * k for m, k in shapes], ALIGN)
     scale_offsets, scale_total = _aligned_offsets([m * k // BLOCK for m, k in shapes], ALIGN)
-    tile_counts = [triton.cdiv(m, BLOCK_M) * triton.cdiv(k, BLOCK_K) for m, k in shapes]
+    tile_counts = [cdiv(m, BLOCK_M) * cdiv(k, BLOCK_K) for m, k in shapes]
 
     def buffer(wanted: bool, total: int) -> torch.Tensor | None:
         return torch.empty(max(total, 1), dtype=torch.uint8, device=device) if wanted else None

@@ -32,7 +32,7 @@ import triton.language as tl
 from ..numerics.blocks import as_2d, require_divisible
 from ..numerics.nvfp4 import BLOCK
 from .element_cast import expand_blocks, kernel_view, load_as_float, magnitude_bits, pack_nibbles
-from .fp8_common import hw_cast
+from .fp8_common import cdiv, hw_cast
 from .hadamard import rht16_peak_bits, rht16_slices
 from .launch import launch
 from .nvfp4_scales import MAGIC, block_scales, e2m1_magic_bits, global_scales
@@ -445,7 +445,7 @@ def quantize_nvfp4(
     device = x.device
     need_plain = rowwise or two_dimensional or not with_rht
     need_rht = columnwise and with_rht and not two_dimensional
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))
+    grid = (cdiv(m, BLOCK_M), cdiv(k, BLOCK_K))
 
     x_view, bf16_bits = kernel_view(x2d)
     amax_bits = torch.zeros(2, dtype=torch.int32, device=device)
@@ -482,7 +482,7 @@ def quantize_nvfp4(
                 WORDS_BLOCK_M_2D, WORDS_BLOCK_K_2D, WORDS_NUM_WARPS_2D, hw_cast(x2d), FP_FUSION,
             )
         elif two_dimensional:
-            grid_2d = (triton.cdiv(m, BLOCK_M_2D), triton.cdiv(k, BLOCK_K_2D))
+            grid_2d = (cdiv(m, BLOCK_M_2D), cdiv(k, BLOCK_K_2D))
             launch(
                 _nvfp4_2d_kernel, grid_2d, x_view, row_data, row_scale, col_data, col_scale,
                 plain_amax, seeds, m, k,

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..numerics.blocks import as_2d, require_divisible
 from .element_cast import kernel_view
-from .fp8_common import hw_cast
+from .fp8_common import cdiv, hw_cast
 from .multi_tensor import _owner, _search_steps
 from .nvfp4 import (
     AMAX_NUM_WARPS,
@@ -206,7 +206,7 @@ def quantize_nvfp4_multi(
         ]
         table.append([kernel_view(x2d)[0].data_ptr(), *addresses, m, k, 0])
         starts.append(programs)
-        programs += max(1, triton.cdiv(m, BLOCK_M) * triton.cdiv(k, BLOCK_K))
+        programs += max(1, cdiv(m, BLOCK_M) * cdiv(k, BLOCK_K))
     x_view, bf16_bits = kernel_view(views[0])
     x_dtype = TORCH_TO_TRITON[x_view.dtype]
     tensor_table = _to_device(table, torch.int64, device)

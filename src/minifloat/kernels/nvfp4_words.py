@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_common import _capability
+from .fp8_common import _capability, cdiv
 from .halfwise import max_halves as _max_halves
 from .halfwise import max_u16x2 as _max_u16x2
 from .launch import launch
@@ -316,7 +316,7 @@ def launch_2d_words(
     row_words = row_data.view(torch.int32) if row_data.numel() else row_data
     col_words = col_data.view(torch.int64) if col_data.numel() else col_data
     launch(
-        _nvfp4_2d_words_kernel, (triton.cdiv(m, block_m), triton.cdiv(k, block_k)),
+        _nvfp4_2d_words_kernel, (cdiv(m, block_m), cdiv(k, block_k)),
         x2d.view(torch.int64), row_words, row_scale, col_words, col_scale, amax, m, k,
         ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_M=block_m, BLOCK_K=block_k,
         MAX_U16X2=hw and _capability(x2d.device.index or 0) >= (9, 0), HW=hw,
