@@ -19,8 +19,15 @@ def _losses(output: str) -> list[float]:
                                                  flags=re.MULTILINE)]
 
 
-@functools.cache  # tests that need the same run share it (each takes ~10 s)
 def _run(*args: str, recipe: str = "fp8-delayed", mode: str = "hp", tp: int = 1) -> str:
+    """The trainer's stdout for one torchrun launch; tests that need the same run share it
+    (each takes 10-20 s; the cache key is every option spelled out, so a default given
+    explicitly is the same run)."""
+    return _run_once(args, recipe, mode, tp)
+
+
+@functools.cache
+def _run_once(args: tuple[str, ...], recipe: str, mode: str, tp: int) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", *args, "-m",
                "minifloat.lab.train", "--preset", "tiny", "--recipe", recipe, "--mode", mode,
                "--steps", "3", "--tp", str(tp)]
