@@ -380,7 +380,12 @@ def dequantize_nvfp4_operand(
     return _decode_nvfp4(data, scale, amax, None, None)
 
 
-def _decode_nvfp4(data, scale, amax, out, block_shape):
+def _decode_nvfp4(
+    data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None,
+    out: torch.Tensor | None, block_shape: tuple[int, int] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The one launch behind both entries: the bf16 values, and S_dec where `amax` is given
+    (the launch then runs even for an empty copy, whose S_dec the GEMM still multiplies)."""
     c_bytes = data.shape[-1] if data.dim() else 0
     data2d = data.reshape(-1, c_bytes).contiguous().view(torch.uint8)
     rows = data2d.shape[0]
