@@ -148,13 +148,9 @@ def general_gemm(
         product = gemm_paths.bf16_gemm(a_values, b_values, alpha=a_alpha, alpha2=b_alpha,
                                        bias=bias, out_dtype=product_dtype)
     else:
-        alpha = None
-        if a_alpha is not None:
-            alpha = a_alpha.float()
-        if b_alpha is not None:
-            alpha = b_alpha.float() if alpha is None else alpha * b_alpha.float()
-        product = numerics.emulated_gemm_tn(a_values, b_values, alpha=alpha, bias=bias,
-                                            out_dtype=product_dtype)
+        product = numerics.emulated_gemm_tn(a_values, b_values,
+                                            alpha=gemm_paths.combined_factor(a_alpha, b_alpha),
+                                            bias=bias, out_dtype=product_dtype)
     if accumulate_into is not None:
         accumulate_into.add_(product)
         return accumulate_into

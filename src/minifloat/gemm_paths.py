@@ -224,6 +224,15 @@ def scaled_mm_bytes(
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
+def combined_factor(alpha: torch.Tensor | None, alpha2: torch.Tensor | None
+                    ) -> torch.Tensor | None:
+    """A GEMM's per-tensor factor from its two operands' (None where an operand has none): their
+    product in fp32, as the emulation applies it after the accumulation."""
+    if alpha is None:
+        return None if alpha2 is None else alpha2.float()
+    return alpha.float() if alpha2 is None else alpha.float() * alpha2.float()
+
+
 def bf16_gemm(
     a_values: torch.Tensor,
     b_values: torch.Tensor,
@@ -245,12 +254,9 @@ def bf16_gemm(
                                                     torch.float32):
         epilogue = kernel_module("epilogue")  # Triton: fast path only
         return epilogue.scale_bias_cast(product, alpha, bias, out_dtype, alpha2=alpha2)
-    if alpha is not None and alpha2 is not None:
-        alpha = alpha.float() * alpha2.float()
-    elif alpha is None:
-        alpha = alpha2
+    alpha = combined_factor(alpha, alpha2)
     if alpha is not None:
-        product = product * alpha.float()
+        product = product * alpha
     if bias is not None:
         product = product + bias.float()
     return product.to(out_dtype)
