@@ -21,8 +21,8 @@ normal factor 2^(e-bias), one exact fp32 multiply (Triton emits mul.rn.f32 witho
 subnormal operands are kept; the CUDA tests cover every code under every scale). Any other
 program takes the general path, integer only: the exact fp32 bits of the product, then bf16
 round-to-nearest-even on the bits, as torch rounds. NVFP4 products (E2M1 x UE4M3) are fp32
-normals with at most 6 significant bits: one fp32 multiply of exactly decoded normal operands
-gives them, and the bf16 value is the top half of its bits. NaN comes out as the bf16 NaN 0x7FC0
+normals with at most 6 significant bits: exact fp32 multiplies of exactly decoded operands give
+them, and the bf16 value is the top half of its bits. NaN comes out as the bf16 NaN 0x7FC0
 (or the product's NaN for NVFP4); tests compare NaN positions, not payloads.
 
 Measured on an H100 at 16384 x 8192 (benchmarks/dequantize_bench.py; a bf16 copy of the same
@@ -47,16 +47,20 @@ from .nvfp4_scales import global_scales
 # MXFP8 rowwise 16 x 256 codes, 8 warps; MXFP8 columnwise transposed 32 (along M) x 128 (along
 # K) codes, 8 warps, each output row (one k) a 64-byte run of bf16; untransposed 32 x 128
 # (the Linear step measured slower with the columnwise operands as .t() views of it, 11.6-12.0
-# against 10.9-11.0 ms); NVFP4 16 rows x 128 packed bytes (256 elements), 4 warps.
+# against 10.9-11.0 ms). NVFP4 (read as 8-byte words, one per 16-element block, since the
+# eighteenth session): 32 rows x 256 packed bytes, 4 warps (sm_90 SASS: 10.6 instructions an
+# element against 24 for the byte-wise kernel's 16 x 128 tiles; timed on the GPU in
+# BENCHMARKS.md).
 MX_ROW_BLOCK_M, MX_ROW_BLOCK_K, MX_ROW_WARPS = 16, 256, 8
 MX_COL_BLOCK_M, MX_COL_BLOCK_K, MX_COL_WARPS = 32, 128, 8
 MX_COLNT_BLOCK_M, MX_COLNT_BLOCK_K, MX_COLNT_WARPS = 32, 128, 8
-NV_BLOCK_R, NV_BLOCK_BYTES, NV_WARPS = 16, 128, 4
+NV_BLOCK_R, NV_BLOCK_BYTES, NV_WARPS = 32, 256, 4
 
 BF16_NAN = tl.constexpr(0x7FC0)
 BF16_INF = tl.constexpr(0x7F80)
 FP32_INF_BITS = tl.constexpr(0x7F800000)
 FP32_NAN_BITS = tl.constexpr(0x7FC00000)
+TWO_TO_126 = tl.constexpr(2.0 ** 126)
 
 # Per format: (MANTISSA_BITS, EXPONENT_BIAS, FAST_MIN_SCALE, FAST_MAX_SCALE). With every E8M0
 # byte e of a program in [FAST_MIN_SCALE, FAST_MAX_SCALE], the short path is exact: its factor
@@ -221,45 +225,59 @@ def _mxfp8_columnwise_kernel(
 
 
 @triton.jit
-def _e2m1_float(nibble):
-    """fp32 value of E2M1 codes 0..15 from bits: magnitudes 0 and 0.5 (k = 0, 1) are k * 0.5's
-    bits, the normals k = 2..7 are (1 + (k & 1) / 2) * 2^((k >> 1) - 1); bit 3 is the sign."""
-    k = nibble & 7
-    bits = tl.where(k < 2, k * 0x3F000000, (k << 22) + 0x3F000000)
-    return (bits | ((nibble & 8) << 28)).to(tl.float32, bitcast=True)
+def _e2m1_raw(part, SHIFT: tl.constexpr):
+    """fp32 bits of E2M1 code c = nibble (part >> SHIFT) & 0xF times 2^-126 (exact): the
+    magnitude bits placed at fp32 bits 22-24 make exponent field c >> 1 and top mantissa bit
+    c & 1, a normal (1 + m / 2) 2^(e - 127) for e >= 1 and the subnormal m 2^-127 for e = 0,
+    which is E2M1's own rule shifted by 2^-126; bit 3 of the nibble is the sign."""
+    # SHIFT is a constexpr multiple of 4 up to 28: the sign (bit SHIFT + 3) always moves left
+    magnitude = (((part >> (SHIFT - 22)) if SHIFT >= 22 else (part << (22 - SHIFT)))
+                 & 0x01C00000)
+    sign = (part << (28 - SHIFT)) & -2147483648
+    return (magnitude | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nvfp4_block_words(packed, s_value):
+    """The eight int32 words of bf16 pairs (element 2 i in the low half of word i) of the 16
+    elements one int64 word of packed nibbles holds (element 2 j in the low nibble of byte j),
+    each q * s_value: two exact fp32 products, (q 2^-126) 2^126 (the subnormal operand is kept:
+    Triton's mul.f32 does not flush) and then times the block scale, whose top half is the bf16
+    value (q s has at most 6 significant bits)."""
+    words = ()
+    for half in tl.static_range(2):
+        part = (packed >> (32 * half)).to(tl.int32)
+        for byte in tl.static_range(4):
+            low = ((_e2m1_raw(part, 8 * byte) * TWO_TO_126) * s_value).to(tl.int32,
+                                                                         bitcast=True)
+            high = ((_e2m1_raw(part, 8 * byte + 4) * TWO_TO_126) * s_value).to(tl.int32,
+                                                                              bitcast=True)
+            words = words + (((low >> 16) & 0xFFFF) | (high & -65536),)
+    return words
 
 
 @triton.jit
 def _nvfp4_kernel(
-    data_ptr, scale_ptr, out_ptr, amax_ptr, s_dec_ptr, R, C_BYTES,
-    BLOCK_R: tl.constexpr, BLOCK_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
-    DECODE_SCALE: tl.constexpr,
+    data_ptr, scale_ptr, out_ptr, amax_ptr, s_dec_ptr, R, C_WORDS,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, DECODE_SCALE: tl.constexpr,
 ):
-    """out[r, 2j], out[r, 2j + 1] = bf16 of both nibbles of byte data[r, j] times
-    fp32(s[r, j // 8]), written as one int32 word (little-endian: element 2j in the low half)
-    of out viewed as int32 [R, C/2]. Tiles [BLOCK_R, BLOCK_BYTES] are viewed as
-    [BLOCK_R, BLOCK_BYTES // 8, 8]. DECODE_SCALE: program (0, 0) also writes S_dec of the
-    global amax, the GEMM's factor (the reference's rule, nvfp4_scales.global_scales)."""
+    """out[r, 16 w + e] = bf16 of element e of block w of row r times fp32(s[r, w]). data_ptr:
+    the packed data as int64 [R, C_WORDS], one word per 16-element block (its 8 bytes), so the
+    block's scale is one byte per word and every step is elementwise over [BLOCK_R, BLOCK_W]
+    (byte-wise tiles took ~24 SASS instructions an element on sm_90, with byte loads; ~10
+    this way); out_ptr: the bf16 output as int32 [R, 8 C_WORDS], eight words per block, stored
+    as 32 contiguous bytes. DECODE_SCALE: program (0, 0) also writes S_dec of the global amax,
+    the GEMM's factor (the reference's rule, nvfp4_scales.global_scales)."""
     if DECODE_SCALE:  # noqa: SIM102 (a constexpr branch: compiled out where False)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             _, s_dec = global_scales(amax_ptr)
             tl.store(s_dec_ptr, s_dec)
-    row_start = tl.program_id(0) * BLOCK_R
-    col_start = tl.program_id(1) * BLOCK_BYTES
-    NB: tl.constexpr = BLOCK_BYTES // SCALE_BYTES
-    rows = tl.arange(0, BLOCK_R)[:, None, None]
-    blocks = tl.arange(0, NB)[None, :, None]
-    lanes = tl.arange(0, SCALE_BYTES)[None, None, :]
-    cols = blocks * SCALE_BYTES + lanes
-    mask = ((row_start + rows) < R) & ((col_start + cols) < C_BYTES)  # whole 8-byte blocks
-    origin = row_start.to(tl.int64) * C_BYTES + col_start
-    offsets = rows * C_BYTES + cols
-    packed = tl.load(data_ptr + origin + offsets, mask=mask, other=0).to(tl.int32)
-    scale_cols = C_BYTES // SCALE_BYTES
-    scale_mask = ((row_start + rows) < R) & ((col_start // SCALE_BYTES + blocks) < scale_cols)
-    scale_origin = row_start.to(tl.int64) * scale_cols + col_start // SCALE_BYTES
-    s = tl.load(scale_ptr + scale_origin + rows * scale_cols + blocks, mask=scale_mask,
-                other=0x38).to(tl.int32)  # [BLOCK_R, NB, 1]
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    blocks = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)[None, :]
+    mask = (rows < R) & (blocks < C_WORDS)
+    offsets = rows.to(tl.int64) * C_WORDS + blocks
+    packed = tl.load(data_ptr + offsets, mask=mask, other=0)
+    s = tl.load(scale_ptr + offsets, mask=mask, other=0x38).to(tl.int32)
     # UE4M3 byte -> fp32 (exact; subnormals m * 2^-9 through a normal multiply; 0x7F is NaN)
     magnitude = s & 0x7F
     exponent_field = magnitude >> 3
@@ -271,10 +289,14 @@ def _nvfp4_kernel(
     # the sign by its bit (negation is 0 - x in Triton, which loses -0)
     s_value = (s_value.to(tl.int32, bitcast=True) | ((s & 0x80) << 24)).to(tl.float32,
                                                                             bitcast=True)
-    low = (_e2m1_float(packed & 0xF) * s_value).to(tl.int32, bitcast=True)
-    high = (_e2m1_float(packed >> 4) * s_value).to(tl.int32, bitcast=True)
-    word = ((low >> 16) & 0xFFFF) | (high & -65536)
-    tl.store(out_ptr + origin + offsets, word, mask=mask)
+    w = _nvfp4_block_words(packed, s_value)
+    # [BLOCK_R, BLOCK_W, 8] in element order: join(a, b)[..., k] is a for k = 0, b for k = 1,
+    # so the innermost join pairs words 4 apart and the outermost words 1 apart
+    out = tl.join(tl.join(tl.join(w[0], w[4]), tl.join(w[2], w[6])),
+                  tl.join(tl.join(w[1], w[5]), tl.join(w[3], w[7])))
+    out = tl.reshape(out, [BLOCK_R, BLOCK_W, 8])
+    out_offsets = (8 * offsets)[:, :, None] + tl.arange(0, 8)[None, None, :]
+    tl.store(out_ptr + out_offsets, out, mask=tl.broadcast_to(mask[:, :, None], out.shape))
 
 
 def _mx_constants(data: torch.Tensor) -> dict:
@@ -403,12 +425,15 @@ def _decode_nvfp4(
             raise ValueError(f"NVFP4's global amax must be one value, got {amax.numel()}")
         amax = amax.float()  # as numerics.global_encode_scale reads it (no copy when fp32)
         s_dec = torch.empty_like(amax)
+    if data2d.data_ptr() % 8:  # a view at an odd offset: the kernel reads 8-byte words
+        data2d = data2d.clone()
+    c_words = c_bytes // block_bytes
     grid = (max(cdiv(rows, block_r), 1), max(cdiv(c_bytes, block_c), 1))
     if rows * c_bytes or s_dec is not None:
         launch(
-            _nvfp4_kernel, grid, data2d, scale2d, result.view(torch.int32),
-            result if amax is None else amax, result if s_dec is None else s_dec, rows, c_bytes,
-            BLOCK_R=block_r, BLOCK_BYTES=block_c, SCALE_BYTES=block_bytes,
-            DECODE_SCALE=amax is not None, num_warps=NV_WARPS,
+            _nvfp4_kernel, grid, data2d.view(torch.int64), scale2d, result.view(torch.int32),
+            result if amax is None else amax, result if s_dec is None else s_dec, rows, c_words,
+            BLOCK_R=block_r, BLOCK_W=block_c // block_bytes, DECODE_SCALE=amax is not None,
+            num_warps=NV_WARPS,
         )
     return result, s_dec
