@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..numerics.blocks import as_2d, require_divisible
 from ..numerics.nvfp4 import BLOCK
-from .element_cast import kernel_view, load_as_float, magnitude_bits, pack_nibbles
+from .element_cast import expand_blocks, kernel_view, load_as_float, magnitude_bits, pack_nibbles
 from .fp8_common import cdiv, hw_cast
 from .hadamard import rht16_peak_bits, rht16_slices
 from .launch import launch
@@ -126,24 +126,18 @@ def _row_dithers(seed, rows, col_start, C, ROWS: tl.constexpr, COLS: tl.constexp
 
 
 @triton.jit
-def _run_dithers(seed, counters):
-    """Dithers of the 16 elements of aligned runs of 16 (offset o .. o + 15 of the layout,
-    o a multiple of 16), elementwise over `counters` = o // 8 of each run: two Philox calls per
-    run, element 8 q + 2 k + h taking half h of output k of call q (_row_dithers' rule)."""
+def _column_dithers(seed, cols, row_start, M, R: tl.constexpr):
+    """Dithers of the 16 row slices of a tile in the columnwise [K, M] layout (slice j holds
+    rows 16 r + j): the same counter rule as _row_dithers (offset c * M + m, divided by 8), so
+    run (r, c) takes two Philox calls, slices 8q + 2k + h half h of output k of call q."""
+    runs = row_start // 8 + 2 * tl.arange(0, R)
+    counters = cols[None, :].to(tl.int64) * (M // 8) + runs[:, None]
     dithers = ()
     for q in tl.static_range(2):
         draws = tl.randint4x(seed, counters + q)
         for k in tl.static_range(4):
             dithers = dithers + (_dither(draws[k], False), _dither(draws[k], True))
     return dithers
-
-
-@triton.jit
-def _column_dithers(seed, cols, row_start, M, R: tl.constexpr):
-    """Dithers of the 16 row slices of a tile in the columnwise [K, M] layout (slice j holds
-    rows 16 r + j): the same counter rule as _row_dithers (offset c * M + m, divided by 8)."""
-    runs = row_start // 8 + 2 * tl.arange(0, R)
-    return _run_dithers(seed, cols[None, :].to(tl.int64) * (M // 8) + runs[:, None])
 
 
 @triton.jit
@@ -154,72 +148,21 @@ def _load_seed(seed_ptr, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
-def _load_column_slices(
-    x_ptr, M, K, tile_m, tile_k, BF16_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+def _quantize_rows_1x16(
+    v, amax_ptr, seed, rows, col_start, C, ROWS: tl.constexpr, COLS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
 ):
-    """Tile (tile_m, tile_k) of x as a 16-tuple of fp32 slices [BLOCK_M, BLOCK_K // 16], slice j
-    holding columns col_start + 16 b + j, so that element (r, b) across the slices is the
-    rowwise 1x16 block b of row r: block amaxes, scales and nibble words are then elementwise
-    (the reshaped tile's reductions and nibble pairing cost ~100 SASS instructions an element
-    on sm_90, against ~20 this way; KERNEL_NOTES.md). With its row and block indices. Masking
-    as in _load_tile."""
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    blocks = tile_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-    mask = (rows[:, None] < M) & (blocks[None, :] < K // 16)
-    offsets = rows[:, None].to(tl.int64) * K + 16 * blocks[None, :]
-    slices = ()
-    for j in tl.static_range(16):
-        slices = slices + (load_as_float(x_ptr, offsets + j, mask, BF16_BITS),)
-    return slices, rows, blocks
-
-
-@triton.jit
-def _nibble_words(slices, element_scale, dithers, STOCHASTIC: tl.constexpr):
-    """The 16 nibbles of each block held across 16 slices as two int32 words (element j at bits
-    4 j of the low word, j < 8, or 4 (j - 8) of the high word: byte order of the packed
-    layouts, element 2 i in the low nibble of byte i); a NaN block (NaN element scale) encodes
-    as +0 nibbles."""
-    low = tl.zeros(element_scale.shape, tl.int32)
-    high = tl.zeros(element_scale.shape, tl.int32)
-    for j in tl.static_range(16):
-        nibble = _e2m1_nibbles(slices[j], element_scale, dithers[j], STOCHASTIC)
-        if j < 8:
-            low = low | (nibble << (4 * j))
-        else:
-            high = high | (nibble << (4 * (j - 8)))
-    keep = element_scale == element_scale
-    return tl.where(keep, low, 0), tl.where(keep, high, 0)
-
-
-@triton.jit
-def _quantize_row_slices(
-    slices, amax_ptr, seed, rows, blocks, K, STOCHASTIC: tl.constexpr,
-):
-    """NVFP4 1x16 along K of the blocks held across 16 column slices [ROWS, BLOCKS]
-    (_load_column_slices): (low, high) nibble words and scale codes, all [ROWS, BLOCKS]."""
+    """NVFP4 1x16 along the last dim of fp32 v [ROWS, COLS] (rows `rows`, columns from
+    col_start of an [R, C] tensor): (packed data [ROWS, COLS // 2] uint8, scale codes
+    [ROWS, COLS // 16] uint8)."""
     factor, s_dec = global_scales(amax_ptr)
-    block_amax = _slices_peak_bits(slices).to(tl.float32, bitcast=True)
+    runs = tl.reshape(magnitude_bits(v), [ROWS, COLS // 16, 16])
+    block_amax = tl.max(runs, axis=2).to(tl.float32, bitcast=True)
     scale_code, element_scale = block_scales(block_amax, factor, s_dec)
-    dithers = slices
-    if STOCHASTIC:
-        dithers = _run_dithers(seed, rows[:, None].to(tl.int64) * (K // 8)
-                               + 2 * blocks[None, :])
-    low, high = _nibble_words(slices, element_scale, dithers, STOCHASTIC)
-    return low, high, scale_code.to(tl.uint8)
-
-
-@triton.jit
-def _store_row_words(data_ptr, scale_ptr, low, high, scale, rows, blocks, M, K):
-    """Store _quantize_row_slices' words and scales into the [M, K / 2] data (block b of row r:
-    the int64 word b of the row's K / 16) and [M, K / 16] scale layouts."""
-    ok = (rows[:, None] < M) & (blocks[None, :] < K // 16)
-    # one 8-byte word per block: a block starts at byte 8 b of its row, and rows are K / 2
-    # bytes, a multiple of 8 (torch's allocations are aligned further)
-    words = low.to(tl.uint32).to(tl.int64) | (high.to(tl.int64) << 32)
-    offsets = rows[:, None].to(tl.int64) * (K // 16) + blocks[None, :]
-    tl.store(data_ptr.to(tl.pointer_type(tl.int64)) + offsets, words, mask=ok)
-    tl.store(scale_ptr + offsets, scale, mask=ok)
+    dither = _row_dithers(seed, rows, col_start, C, ROWS, COLS) if STOCHASTIC else 0.0
+    codes = _e2m1_nibbles(v, expand_blocks(element_scale, ROWS, COLS, 16), dither, STOCHASTIC)
+    keep = expand_blocks(element_scale == element_scale, ROWS, COLS // 2, 8)  # not NaN
+    return tl.where(keep, pack_nibbles(codes, ROWS, COLS), 0), scale_code.to(tl.uint8)
 
 
 @triton.jit
@@ -284,8 +227,16 @@ def _quantize_column_slices(
     run_amax = _slices_peak_bits(slices).to(tl.float32, bitcast=True)
     scale_code, element_scale = block_scales(run_amax, factor, s_dec)
     dithers = _column_dithers(seed, cols, row_start, M, R) if STOCHASTIC else slices
-    low, high = _nibble_words(slices, element_scale, dithers, STOCHASTIC)
-    return low, high, scale_code.to(tl.uint8)
+    low = tl.zeros([R, BLOCK_K], tl.int32)
+    high = tl.zeros([R, BLOCK_K], tl.int32)
+    for j in tl.static_range(16):
+        nibble = _e2m1_nibbles(slices[j], element_scale, dithers[j], STOCHASTIC)
+        if j < 8:
+            low = low | (nibble << (4 * j))
+        else:
+            high = high | (nibble << (4 * (j - 8)))
+    keep = element_scale == element_scale  # a NaN run encodes as +0 nibbles
+    return tl.where(keep, low, 0), tl.where(keep, high, 0), scale_code.to(tl.uint8)
 
 
 @triton.jit
@@ -360,14 +311,14 @@ def quantize_1d_tile(
     the RHT (from the tile's row slices: elementwise runs, no transpose of the values).
     seed_ptr[0] keys the rowwise draws, seed_ptr[1] the columnwise ones."""
     if ROWWISE:
-        slices, rows, blocks = _load_column_slices(
+        x, rows, cols, row_start, col_start = _load_tile(
             x_ptr, M, K, tile_m, tile_k, BF16_BITS, BLOCK_M, BLOCK_K
         )
         seed = _load_seed(seed_ptr, STOCHASTIC)
-        low, high, scale = _quantize_row_slices(
-            slices, row_amax_ptr, seed, rows, blocks, K, STOCHASTIC
+        data, scale = _quantize_rows_1x16(
+            x, row_amax_ptr, seed, rows, col_start, K, BLOCK_M, BLOCK_K, STOCHASTIC
         )
-        _store_row_words(row_data_ptr, row_scale_ptr, low, high, scale, rows, blocks, M, K)
+        _store_packed(row_data_ptr, row_scale_ptr, data, scale, rows, col_start, M, K, BLOCK_K)
     if COLUMNWISE:
         slices, cols, row_start, col_start = _load_slices(
             x_ptr, M, K, tile_m, tile_k, BF16_BITS, BLOCK_M, BLOCK_K
