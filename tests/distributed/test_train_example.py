@@ -1,8 +1,15 @@
-"""The README's distributed example runs as a user runs it: torchrun, 2 processes, gloo."""
+"""The README's distributed example runs as a user runs it: torchrun, 2 processes, gloo.
+
+One torchrun launch (14 s on the CI machine, mostly three interpreters importing torch and
+minifloat) checks the command itself; the runs the other tests compare are the same trainer
+(`train.train`) on ranks forked by launch.run_ranks (about 3 s each), which initialize the
+process group the trainer then uses."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 import re
 import subprocess
@@ -13,24 +20,26 @@ import torch
 
 from minifloat.lab import train
 
+from .launch import run_ranks
+
 
 def _losses(output: str) -> list[float]:
     return [float(value) for value in re.findall(r"^step +\d+ +loss ([0-9.]+)$", output,
                                                  flags=re.MULTILINE)]
 
 
-def _run(*args: str, recipe: str = "fp8-delayed", mode: str = "hp", tp: int = 1) -> str:
-    """The trainer's stdout for one torchrun launch; tests that need the same run share it
-    (each takes 10-20 s; the cache key is every option spelled out, so a default given
-    explicitly is the same run)."""
-    return _run_once(args, recipe, mode, tp)
+def _options(recipe: str, mode: str, tp: int, steps: int = 3) -> list[str]:
+    return ["--preset", "tiny", "--recipe", recipe, "--mode", mode, "--steps", str(steps),
+            "--tp", str(tp)]
 
 
 @functools.cache
-def _run_once(args: tuple[str, ...], recipe: str, mode: str, tp: int) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", *args, "-m",
-               "minifloat.lab.train", "--preset", "tiny", "--recipe", recipe, "--mode", mode,
-               "--steps", "3", "--tp", str(tp)]
+def _torchrun(processes: int, recipe: str = "fp8-delayed", mode: str = "hp", tp: int = 1
+              ) -> str:
+    """The trainer's stdout for one torchrun launch."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(processes), "-m", "minifloat.lab.train",
+               *_options(recipe, mode, tp)]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=120,
                           env=environment)
@@ -38,9 +47,24 @@ def _run_once(args: tuple[str, ...], recipe: str, mode: str, tp: int) -> str:
     return done.stdout
 
 
+def _train_on_rank(rank: int, world_size: int, argv: list[str]) -> str:
+    """train.train in a forked rank (its process group already initialized): rank 0's stdout."""
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        train.train(train._parser().parse_args(argv))
+    return output.getvalue()
+
+
+@functools.cache
+def _run(processes: int, recipe: str = "fp8-delayed", mode: str = "hp", tp: int = 1) -> str:
+    """Rank 0's stdout of the trainer on `processes` forked ranks; tests that need the same run
+    share it (the cache key is every option spelled out)."""
+    return run_ranks(_train_on_rank, processes, _options(recipe, mode, tp))[0]
+
+
 def test_torchrun_two_processes_train_like_one():
-    two = _losses(_run("--standalone", "--nproc-per-node", "2"))
-    one = _losses(_run("--standalone", "--nproc-per-node", "1"))
+    two = _losses(_torchrun(2))
+    one = _losses(_run(1))
     assert len(two) == len(one) == 3
     # step 0 is the same model on the same global batch: the ranks' mean of their halves'
     # losses equals the whole batch's loss up to summation order (activations are quantized
@@ -60,9 +84,9 @@ def test_low_precision_all_gather_trains_exactly_like_high_precision():
     quantizes bf16-rounded weights while lp and qw quantize the fp32 values themselves (one
     rounding fewer, as torchao's float8 all-gather does): there lp equals qw and is within
     0.5% of hp (measured on two H200s: 0.1%)."""
-    high = _losses(_run("--standalone", "--nproc-per-node", "2", recipe="nvfp4"))
-    low = _losses(_run("--standalone", "--nproc-per-node", "2", recipe="nvfp4", mode="lp"))
-    stored = _losses(_run("--standalone", "--nproc-per-node", "2", recipe="nvfp4", mode="qw"))
+    high = _losses(_run(2, recipe="nvfp4"))
+    low = _losses(_run(2, recipe="nvfp4", mode="lp"))
+    stored = _losses(_run(2, recipe="nvfp4", mode="qw"))
     assert len(low) == 3 and stored == low
     if torch.cuda.is_available():
         assert all(abs(a - b) <= 5e-3 * b for a, b in zip(low, high, strict=True))
@@ -81,18 +105,16 @@ def test_tensor_parallel_trains_like_one_process():
     slices) in bf16 is the one-process run up to summation order (the printed 6 digits
     agree); and 2 x 2 (FSDP2 x TP) under FP8 delayed scaling trains as 2 data-parallel
     processes do, within fp32 summation order of the row-parallel reductions."""
-    one = _losses(_run("--standalone", "--nproc-per-node", "1", recipe="bf16"))
-    tp = _losses(_run("--standalone", "--nproc-per-node", "2", recipe="bf16", tp=2))
+    one = _losses(_run(1, recipe="bf16"))
+    tp = _losses(_run(2, recipe="bf16", tp=2))
     # on GPUs (the trainer takes NCCL and bf16 there) each rank's partial sums are rounded to
     # bf16 before the all-reduce: measured 3.2e-5 on two H200s
     bound = 1e-4 if torch.cuda.is_available() else 2e-6
     assert len(tp) == 3 and max(abs(a - b) for a, b in zip(tp, one, strict=True)) <= bound
     if torch.cuda.is_available() and torch.cuda.device_count() < 4:
         pytest.skip("the 2 x 2 run needs 4 GPUs under NCCL (the TP part above passed)")
-    two_d = _losses(_run("--standalone", "--nproc-per-node", "4", recipe="fp8-delayed",
-                         tp=2))
-    data_parallel = _losses(_run("--standalone", "--nproc-per-node", "2",
-                                 recipe="fp8-delayed"))
+    two_d = _losses(_run(4, recipe="fp8-delayed", tp=2))
+    data_parallel = _losses(_run(2, recipe="fp8-delayed"))
     assert len(two_d) == 3
     # on GPUs the row-parallel partial sums are bf16 and FP8 re-quantizes what they feed:
     # measured 3.7e-4 relative on four H200s after 3 steps (a wrong split or a missing

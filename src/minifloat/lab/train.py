@@ -76,8 +76,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _init_process_group() -> torch.device:
-    """From torchrun's environment, or a one-process group when run directly."""
+    """From torchrun's environment, or a one-process group when run directly. A default
+    group the caller initialized already (its own launcher, a notebook) is used as it is, on
+    the current CUDA device."""
     cuda = torch.cuda.is_available()
+    if dist.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if "RANK" not in os.environ:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
