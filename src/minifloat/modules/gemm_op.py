@@ -270,16 +270,19 @@ def gemms_forward_impl(
     x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
     has_bias: list[bool], state: list[torch.Tensor], plan: int, gemms: list[int],
     m_splits: list[int], need_dgrad: bool, need_wgrad: bool, rebuild: bool, save_original: bool,
+    input_amax: list[torch.Tensor],
 ) -> list[torch.Tensor]:
     """[y, the buffers backward keeps (present ones, in order), delayed scales carried]; with
     `rebuild` no weight copy is kept, with `save_original` no input copy (backward quantizes
     them again; the autograd context keeps the weights and the input themselves, and under
-    delayed scaling the forward scales: _carried_counts)."""
+    delayed scaling the forward scales: _carried_counts). `input_amax`: [max|x|] where the
+    traced graph computed it for the lean path's cast (lean_ops.compiled_amax), else []."""
     if not state and not is_fake(x):  # one FP8 current-scaling GEMM: kernel calls only
         lean = lean_ops.lean_plan(plan, gemms, _PLANS[plan].stateless)
         if lean is not None and lean_ops.forward_applies(x, weights, save_original):
             y, *kept = lean_ops.lean_forward(x, weights[0], biases[0] if has_bias[0] else None,
-                                             lean, need_dgrad, need_wgrad, rebuild)
+                                             lean, need_dgrad, need_wgrad, rebuild,
+                                             input_amax[0] if input_amax else None)
             return [y.contiguous()] + _unaliased(kept, [x, *_buffers(weights), *biases])
     if state and not is_fake(x):
         pair = _DELAYED_BY_STATE.get(state[0].data_ptr())
@@ -364,17 +367,19 @@ def gemms_backward_impl(
     grad_output: torch.Tensor, saved: list[torch.Tensor], state: list[torch.Tensor], plan: int,
     gemms: list[int], m_splits: list[int], x_shape: list[int], weight_shapes: list[int],
     has_bias: list[bool], need_dgrad: bool, need_wgrad: bool, rebuild_from: list[torch.Tensor],
-    rebuild_scales: list[torch.Tensor],
+    rebuild_scales: list[torch.Tensor], grad_output_amax: list[torch.Tensor],
 ) -> list[torch.Tensor]:
     """[dx if need_dgrad] + [dW_i if need_wgrad] + [db_i where has_bias]; `rebuild_from`: the
     weights, when forward kept no copy of them (empty otherwise), `rebuild_scales`: their
-    forward scales under delayed scaling (empty otherwise). `saved` is in the layout of a
-    forward that kept the input's copy (with save_original_input, _backward made it)."""
+    forward scales under delayed scaling (empty otherwise); `grad_output_amax`: as
+    gemms_forward_impl's input_amax, for grad_output. `saved` is in the layout of a forward
+    that kept the input's copy (with save_original_input, _backward made it)."""
     if not state and not is_fake(grad_output):  # one FP8 current-scaling GEMM (lean_ops.py)
         lean = lean_ops.lean_plan(plan, gemms, _PLANS[plan].stateless)
         if lean is not None and lean_ops.backward_applies(grad_output, x_shape, weight_shapes):
             outputs = lean_ops.lean_backward(grad_output, saved, lean, x_shape, has_bias[0],
-                                             need_dgrad, need_wgrad, rebuild_from)
+                                             need_dgrad, need_wgrad, rebuild_from,
+                                             grad_output_amax[0] if grad_output_amax else None)
             return _unaliased([t.contiguous() for t in outputs],
                               [grad_output, *saved, *_buffers(rebuild_from)])
     rebuild = bool(rebuild_from)
@@ -407,7 +412,7 @@ def gemms_backward_impl(
 
 def gemms_backward_fake(grad_output, saved, state, plan, gemms, m_splits, x_shape,
                          weight_shapes, has_bias, need_dgrad, need_wgrad, rebuild_from,
-                         rebuild_scales):
+                         rebuild_scales, grad_output_amax):
     outputs = []
     if need_dgrad:
         outputs.append(grad_output.new_empty(x_shape))
@@ -424,7 +429,7 @@ _gemms_backward_op = define_op("gemms_backward", gemms_backward_impl, gemms_back
 
 def _setup_context(ctx, inputs, output) -> None:
     (x, weights, biases, has_bias, state, plan, gemms, m_splits, need_dgrad, need_wgrad,
-     rebuild, save_original) = inputs
+     rebuild, save_original, input_amax) = inputs
     rebuild_from = list(weights) if rebuild and need_dgrad else []
     originals = [x] if save_original and need_wgrad else []
     ctx.carried = _carried_counts(plan, gemms, need_dgrad, need_wgrad, rebuild, save_original)
@@ -440,6 +445,7 @@ def _setup_context(ctx, inputs, output) -> None:
                      [d for w in weights for d in w.shape], list(has_bias), need_dgrad,
                      need_wgrad)
     ctx.weight_count, ctx.state_count = len(weights), len(state)
+    ctx.amax_count = len(input_amax)
 
 
 def _backward(ctx, grads):
@@ -457,15 +463,61 @@ def _backward(ctx, grads):
     if originals:  # save_original_input: the input's copies, made here (input_recast.py)
         saved = input_copy_buffers(originals[0], _slot_quantizers(plan, gemms, 0),
                                    scales) + saved
-    outputs = iter(_gemms_backward_op(grads[0].contiguous(), saved, state, plan, gemms,
+    grad_output = grads[0].contiguous()
+    outputs = iter(_gemms_backward_op(grad_output, saved, state, plan, gemms,
                                       m_splits, x_shape, weight_shapes, has_bias, need_dgrad,
-                                      need_wgrad, rebuild_from, rebuild_scales))
+                                      need_wgrad, rebuild_from, rebuild_scales,
+                                      _lean_amax_backward(grad_output, state, plan, gemms,
+                                                          x_shape, weight_shapes)))
     grad_x = next(outputs) if need_dgrad else None
     grad_weights = ([next(outputs) for _ in range(ctx.weight_count)] if need_wgrad
                     else [None] * ctx.weight_count)
     grad_biases = [next(outputs) for _ in range(ctx.bias_count)]
     return (grad_x, grad_weights, grad_biases, None, [None] * ctx.state_count, None, None,
-            None, None, None, None, None)
+            None, None, None, None, None, [None] * ctx.amax_count)
+
+
+INPUT_CURRENT, GRAD_OUTPUT_CURRENT = 1, 2
+
+
+@torch._dynamo.assume_constant_result
+def _lean_current_casts(plan: int, gemm: int) -> int:
+    """Which casts of GEMM `gemm`'s lean path (the ops' implementations take it for a
+    stateless plan of one GEMM) use current scaling: INPUT_CURRENT | GRAD_OUTPUT_CURRENT bits.
+    A constant to dynamo, which does not trace the plan cache this fills."""
+    lean = lean_ops.lean_plan(plan, [gemm], _PLANS[plan].stateless)
+    if lean is None:
+        return 0
+    return ((INPUT_CURRENT if lean.input.scale is None else 0)
+            | (GRAD_OUTPUT_CURRENT if lean.grad_output.scale is None else 0))
+
+
+def _lean_amax_forward(x: torch.Tensor, weights: list[torch.Tensor], state: list[torch.Tensor],
+                       plan: int, gemms: list[int], save_original: bool) -> list[torch.Tensor]:
+    """[max|x|] in traced torch ops (lean_ops.compiled_amax) where the forward op's lean path
+    casts x with current scaling, else []. The device and shape rules are checked here; the
+    op's own check (lean_ops.forward_applies) decides, and ignores an amax it does not use."""
+    if state or save_original or len(gemms) != 1 or len(weights) != 1 or x.dim() == 0:
+        return []
+    if not _lean_current_casts(plan, gemms[0]) & INPUT_CURRENT:
+        return []
+    n, k = weights[0].shape
+    if not lean_ops.shapes_apply(x.device.type, x.dtype, x.numel() // k if k else 0, k, n):
+        return []
+    return lean_ops.compiled_amax(x)
+
+
+def _lean_amax_backward(grad_output: torch.Tensor, state: list[torch.Tensor], plan: int,
+                        gemms: list[int], x_shape: list[int], weight_shapes: list[int]
+                        ) -> list[torch.Tensor]:
+    """As _lean_amax_forward, for the backward op's cast of grad_output."""
+    if state or len(gemms) != 1:
+        return []
+    if not _lean_current_casts(plan, gemms[0]) & GRAD_OUTPUT_CURRENT:
+        return []
+    if not lean_ops.backward_applies(grad_output, x_shape, weight_shapes):
+        return []
+    return lean_ops.compiled_amax(grad_output)
 
 
 torch.library.register_autograd("minifloat::gemms_forward", _backward,
@@ -492,13 +544,16 @@ def compiled_gemms(
                 "let autograd produce weight.grad")
     has_bias = [b is not None for b in biases]
     present = [b for b in biases if b is not None]
+    save_original = save_original_input and save_original_applies(plan, gemms)
     outputs = _gemms_forward_op(x, list(weights), present, has_bias, list(state),
                                 plan, list(gemms), [int(m) for m in m_splits],
                                 need_dgrad, need_wgrad,
                                 # quantized weights: backward derives their columnwise copies
                                 # from them (quantized_weight_ops.py)
                                 any(quantized) or (rebuild and rebuild_applies(plan, gemms)),
-                                save_original_input and save_original_applies(plan, gemms))
+                                save_original,
+                                _lean_amax_forward(x, list(weights), list(state), plan,
+                                                   list(gemms), save_original))
     return outputs[0]
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import kernels
+from .. import kernels, numerics
 from ..gemm_paths import scaled_mm_bytes
 from ..quantizers import (
     Float8CurrentScalingQuantizer,
@@ -88,20 +88,30 @@ class Cast:
             return self
         return Cast(self.fp8_dtype, scale=forward_scale, amax=torch.zeros_like(self.amax))
 
-    def __call__(self, x2d: torch.Tensor, *, rowwise: bool, columnwise: bool
+    def __call__(self, x2d: torch.Tensor, *, rowwise: bool, columnwise: bool,
+                 amax: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-        """(data [M, K] or None, data_t [K, M] or None, scale_inv): the quantizer's bytes."""
+        """(data [M, K] or None, data_t [K, M] or None, scale_inv): the quantizer's bytes.
+        `amax`: max|x2d| as a 1-element fp32 tensor, computed already (the compiled ops take
+        it from inductor, which fuses it into the kernel that produced x2d); current scaling's
+        cast then skips its own amax pass. The same maximum gives the same bytes."""
         if kernels.available(x2d):
             per_tensor_fp8 = kernel_module("per_tensor_fp8")
             if self.scale is None:
                 return per_tensor_fp8.quantize_current_scaling(
-                    x2d, self.fp8_dtype, amax_epsilon=self.amax_epsilon,
+                    x2d, self.fp8_dtype, amax=amax, amax_epsilon=self.amax_epsilon,
                     power_2_scale=self.power_2_scale, rowwise=rowwise, columnwise=columnwise)
             if per_tensor_fp8.kernel_input(x2d, self.scale, self.amax):
                 return per_tensor_fp8.quantize_delayed_scaling(
                     x2d, self.scale, self.amax, self.fp8_dtype, rowwise=rowwise,
                     columnwise=columnwise)
         # no kernels (the CPU tests), or state elsewhere: the quantizer's own path, same bytes
+        if self.scale is None and amax is not None:  # the reference's cast with this amax
+            data, scale_inv = numerics.quantize_current_scaling(
+                x2d, self.fp8_dtype, amax=amax.reshape(()), amax_epsilon=self.amax_epsilon,
+                power_2_scale=self.power_2_scale)
+            return (data if rowwise else None, data.t().contiguous() if columnwise else None,
+                    scale_inv.reshape(1))
         if self.scale is None:
             quantizer = Float8CurrentScalingQuantizer(
                 self.fp8_dtype, rowwise=rowwise, columnwise=columnwise,
@@ -174,15 +184,17 @@ def shapes_apply(device_type: str, dtype: torch.dtype, m: int, k: int, n: int) -
 
 def forward_gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  plan: LeanPlan, *, input_columnwise: bool, keep_weight: bool,
-                 weight_copies: weight_cast_batch.Copies | None = None
+                 weight_copies: weight_cast_batch.Copies | None = None,
+                 input_amax: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, tuple, tuple, bool]:
     """Fprop of one lean GEMM, shared by LeanFP8Gemm and the compiled ops (lean_ops.py):
     (y [M, N], (x_t, x_scale_inv), (w_t, w_scale_inv), whether the weight was already FP8).
     The input is cast (with its columnwise copy if asked), the weight's own bytes are read when
     it is FP8 already (the transpose derived onto it, as LinearGemms does, if kept), and cast
     otherwise, unless `weight_copies` (data, data_t, scale_inv) brings that cast made already
-    (weight_cast_batch.py)."""
-    x_data, x_t, x_scale_inv = plan.input(x2d, rowwise=True, columnwise=input_columnwise)
+    (weight_cast_batch.py). `input_amax`: max|x2d|, computed already (Cast.__call__)."""
+    x_data, x_t, x_scale_inv = plan.input(x2d, rowwise=True, columnwise=input_columnwise,
+                                          amax=input_amax)
     stored = fp8_weight_storage(weight)
     if weight_copies is not None:
         w_data, w_t, w_scale_inv = weight_copies

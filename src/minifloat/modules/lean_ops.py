@@ -45,14 +45,15 @@ def lean_plan(plan_id: int, gemms: list[int], stateless) -> LeanPlan | None:
 
 
 def lean_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 plan: LeanPlan, need_dgrad: bool, need_wgrad: bool, rebuild: bool
-                 ) -> list[torch.Tensor]:
-    """[y, x_t, x_scale_inv (if need_wgrad), w_t, w_scale_inv (if need_dgrad, not rebuild)]."""
+                 plan: LeanPlan, need_dgrad: bool, need_wgrad: bool, rebuild: bool,
+                 input_amax: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """[y, x_t, x_scale_inv (if need_wgrad), w_t, w_scale_inv (if need_dgrad, not rebuild)];
+    `input_amax`: max|x|, computed already (compiled_amax)."""
     n, k = weight.shape
     keep_weight = need_dgrad and not rebuild
     y, (x_t, x_scale_inv), (w_t, w_scale_inv), _ = forward_gemm(
         x.reshape(-1, k), weight, bias, plan, input_columnwise=need_wgrad,
-        keep_weight=keep_weight)
+        keep_weight=keep_weight, input_amax=input_amax)
     outputs = [y.reshape(*x.shape[:-1], n)]
     if need_wgrad:
         outputs += [x_t, x_scale_inv.reshape(1)]
@@ -63,16 +64,19 @@ def lean_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def lean_backward(grad_output: torch.Tensor, saved: list[torch.Tensor], plan: LeanPlan,
                   x_shape: list[int], has_bias: bool, need_dgrad: bool, need_wgrad: bool,
-                  rebuild_from: list[torch.Tensor]) -> list[torch.Tensor]:
+                  rebuild_from: list[torch.Tensor], grad_output_amax: torch.Tensor | None = None
+                  ) -> list[torch.Tensor]:
     """[dx if need_dgrad] + [dW if need_wgrad] + [db if has_bias], from what lean_forward (or
-    the general forward) kept; `rebuild_from`: [the weight] when forward kept no copy of it."""
+    the general forward) kept; `rebuild_from`: [the weight] when forward kept no copy of it;
+    `grad_output_amax`: max|grad_output|, computed already (compiled_amax)."""
     dy2d = grad_output.reshape(-1, grad_output.shape[-1])
     outputs = []
     grad_bias = dy2d.sum(dim=0) if has_bias else None  # as the general path sums it
     if need_dgrad or need_wgrad:
         dy2d = dy2d.contiguous()
         dy_data, dy_t, dy_scale_inv = plan.grad_output(dy2d, rowwise=need_dgrad,
-                                                       columnwise=need_wgrad)
+                                                       columnwise=need_wgrad,
+                                                       amax=grad_output_amax)
     kept = iter(saved)
     if need_wgrad:
         x_t, x_scale_inv = next(kept), next(kept)
@@ -92,6 +96,21 @@ def lean_backward(grad_output: torch.Tensor, saved: list[torch.Tensor], plan: Le
     if grad_bias is not None:
         outputs.append(grad_bias)
     return outputs
+
+
+def compiled_amax(x: torch.Tensor) -> list[torch.Tensor]:
+    """[max|x| as fp32] in torch ops for a current-scaling cast of x inside the compiled ops
+    ([] for an empty x).
+
+    Why: the one-launch cast reads x twice, once for its amax and once to cast (about 1.5x the
+    bytes of a delayed-scaling cast: 11.7 against 7.1 ms a step at the 1b preset on an H200,
+    BENCHMARKS.md). Written as torch ops in the traced graph, the maximum is fused by inductor
+    into the kernel that produces x (the norm, the GELU, their backward, the concatenation of
+    attention's gradients), which then reads nothing more, and the cast reads x once. A maximum
+    is exact however it is computed, so the bytes do not change."""
+    if x.numel() == 0:
+        return []
+    return [torch.amax(x.abs()).float().reshape(1)]
 
 
 def forward_applies(x: torch.Tensor, weights: list[torch.Tensor], save_original: bool) -> bool:
