@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_compile import _step
 
 import minifloat as mf
 from minifloat.modules import lean_fp8, lean_ops
@@ -55,14 +56,9 @@ class Block(torch.nn.Module):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
 
 
-def _step(model, x, dy, recipe):
-    x = x.clone().requires_grad_(True)
-    with mf.autocast(recipe=recipe):
-        y = model(x)
-    y.backward(dy)
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    return [y.detach(), x.grad, *grads]
+def _results(model, x, dy, recipe):
+    y, dx, grads = _step(model, recipe, x, dy, seed=0)
+    return [y, dx, *grads]
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -73,10 +69,10 @@ def test_compiled_casts_take_the_graphs_amax_and_keep_the_bytes(given_amaxes, ba
     x = torch.randn(4, 16, 64, generator=generator) * 3
     dy = torch.randn(4, 16, 64, generator=generator)
     recipe = mf.Float8CurrentScaling()
-    eager = _step(model, x, dy, recipe)
+    eager = _results(model, x, dy, recipe)
     assert given_amaxes["forward"] == [] and given_amaxes["backward"] == []  # eager: no ops
     compiled = torch.compile(model, backend=backend, fullgraph=True)
-    got = _step(compiled, x, dy, recipe)
+    got = _results(compiled, x, dy, recipe)
     for name, a, b in zip(["y", "dx", "norm", "fc1.w", "fc1.b", "fc2.w", "fc2.b"], got, eager,
                           strict=True):
         if backend == "aot_eager":  # the same ops as eager: bit for bit
@@ -96,6 +92,6 @@ def test_delayed_scaling_is_given_no_amax(given_amaxes):
     x, dy = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
     recipe = mf.DelayedScaling()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    _step(compiled, x, dy, recipe)
+    _results(compiled, x, dy, recipe)
     # delayed scaling takes the general path (state tensors): the lean ops are not called
     assert all(a is None for a in given_amaxes["forward"] + given_amaxes["backward"])
