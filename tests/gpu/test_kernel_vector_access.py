@@ -25,7 +25,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from minifloat.kernels import master_cast, master_cast_mx  # noqa: E402
+from minifloat.kernels import master_cast, master_cast_mx, nvfp4  # noqa: E402
 from minifloat.kernels import master_cast_plan as plan  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -35,23 +35,28 @@ E4M3_CODES = {"MANTISSA_BITS": MANTISSA_BITS, "MIN_EXPONENT": MIN_EXPONENT,
               "MAX_CODE": MAX_CODE, "E5M2": False, "HW_CAST": True}
 
 
-def compile_for_sm90(kernel, runtime_types: str, constexprs: dict):
+def compile_for_sm90(kernel, runtime_types: str, constexprs: dict,
+                     divisible: tuple[str, ...] = ()):
     """`kernel` compiled for sm_90, pointer arguments 16-byte aligned (as Triton specialises
-    them for the plan's tensors)."""
+    them for the plan's tensors), and the integer arguments named in `divisible` marked as
+    multiples of 16, as a launch specialises such values (M and K of an NVFP4 or FP8 operand):
+    without that, tile masks cannot be proven constant, loads stay scalar, and instruction
+    counts mislead (KERNEL_NOTES.md, eighteenth session: 101 SASS an element against 30.5)."""
     names = list(kernel.arg_names)
     constexprs = {**{k: v for k, v in COMMON.items() if k in names}, **constexprs}
     runtime = [name for name in names if name not in constexprs]
     signature = dict(zip(runtime, runtime_types.split(), strict=True))
     signature.update({name: "constexpr" for name in constexprs})
     aligned = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(names)
-               if signature[name].startswith("*")}
+               if signature[name].startswith("*") or name in divisible}
     return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
                                     attrs=aligned), target=SM90, options={"num_warps": 4})
 
 
-def global_accesses(kernel, runtime_types: str, constexprs: dict) -> Counter:
+def global_accesses(kernel, runtime_types: str, constexprs: dict,
+                    divisible: tuple[str, ...] = ()) -> Counter:
     """ld.global / st.global instructions of the kernel's sm_90 PTX."""
-    compiled = compile_for_sm90(kernel, runtime_types, constexprs)
+    compiled = compile_for_sm90(kernel, runtime_types, constexprs, divisible)
     return Counter(re.findall(r"\b((?:ld|st)\.global[\w.]*)", compiled.asm["ptx"]))
 
 
@@ -106,3 +111,16 @@ def test_nvfp4_scale_rows_store_vectors():
         {"BLOCK": plan.NVFP4_SCALE_COLUMNS, "TILE_ROWS": plan.NVFP4_SCALE_TILE_ROWS,
          "SCALES_ALIGNED": True})
     assert vectors(accesses, "st") >= 1, accesses
+
+
+def test_nvfp4_1x16_rowwise_tile_loads_vectors_when_launch_specialised():
+    """The NVFP4 1x16 quantize reads its bf16 tile 16 bytes an access once M and K are known
+    multiples of 16 (as every launch specialises them); compiled without that fact, the same
+    kernel loads two bytes an access, which is why SASS counts need `divisible`."""
+    types = "*i16 *u8 *u8 *fp32 *u8 *u8 *fp32 *i64 i32 i32"
+    flags = {"BF16_BITS": True, "ROWWISE": True, "COLUMNWISE": False, "RHT": False,
+             "STOCHASTIC": False, "BLOCK_M": nvfp4.BLOCK_M, "BLOCK_K": nvfp4.BLOCK_K, "HW": True}
+    specialised = global_accesses(nvfp4._nvfp4_1d_kernel, types, flags, divisible=("M", "K"))
+    assert specialised["ld.global.v4.b32"] >= 1 and specialised["ld.global.b16"] == 0, specialised
+    unspecialised = global_accesses(nvfp4._nvfp4_1d_kernel, types, flags)
+    assert unspecialised["ld.global.b16"] > 0, unspecialised
