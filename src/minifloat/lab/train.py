@@ -314,10 +314,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minifloat.lab.train: --mode {args.mode} gathers quantized weights and needs a "
               "recipe; bf16 has none (use --mode hp)", file=sys.stderr)
         return 2
+    owns_group = not dist.is_initialized()  # a caller's own group outlives this run
     try:
         train(args)
     finally:
-        destroy_process_group()
+        if owns_group and dist.is_initialized():
+            destroy_process_group()
     return 0
 
 
