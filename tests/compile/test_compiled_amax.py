@@ -86,12 +86,23 @@ def test_compiled_casts_take_the_graphs_amax_and_keep_the_bytes(given_amaxes, ba
         assert torch.equal(amax, actual.reshape(1))
 
 
-def test_delayed_scaling_is_given_no_amax(given_amaxes):
+@pytest.mark.parametrize("recipe, expected", [(mf.Float8CurrentScaling(), 2),
+                                              (mf.DelayedScaling(), 0)],
+                         ids=["current", "delayed"])
+def test_the_forward_graph_holds_one_maximum_per_current_scaling_gemm(given_amaxes, recipe,
+                                                                      expected):
+    """Dynamo's forward graph takes max|x| for each GEMM whose input is cast with current
+    scaling (two here), and none under delayed scaling, whose casts use the recipe state's
+    scales."""
+    graphs = []
+
+    def recording(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
     torch.manual_seed(0)
-    model = Block()
-    x, dy = torch.randn(2, 16, 64), torch.randn(2, 16, 64)
-    recipe = mf.DelayedScaling()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    _results(compiled, x, dy, recipe)
-    # delayed scaling takes the general path (state tensors): the lean ops are not called
-    assert all(a is None for a in given_amaxes["forward"] + given_amaxes["backward"])
+    compiled = torch.compile(Block(), backend=recording, fullgraph=True)
+    _results(compiled, torch.randn(2, 16, 64), torch.randn(2, 16, 64), recipe)
+    (graph,) = graphs
+    maxima = [node for node in graph.graph.nodes if node.target in (torch.amax, "amax")]
+    assert len(maxima) == expected, graph.code

@@ -427,13 +427,13 @@ def _decode_nvfp4(
         s_dec = torch.empty_like(amax)
     if data2d.data_ptr() % 8:  # a view at an odd offset: the kernel reads 8-byte words
         data2d = data2d.clone()
-    c_words = c_bytes // block_bytes
-    grid = (max(cdiv(rows, block_r), 1), max(cdiv(c_bytes, block_c), 1))
+    c_words, block_w = c_bytes // block_bytes, block_c // block_bytes  # one word per block
+    grid = (max(cdiv(rows, block_r), 1), max(cdiv(c_words, block_w), 1))
     if rows * c_bytes or s_dec is not None:
         launch(
             _nvfp4_kernel, grid, data2d.view(torch.int64), scale2d, result.view(torch.int32),
             result if amax is None else amax, result if s_dec is None else s_dec, rows, c_words,
-            BLOCK_R=block_r, BLOCK_W=block_c // block_bytes, DECODE_SCALE=amax is not None,
+            BLOCK_R=block_r, BLOCK_W=block_w, DECODE_SCALE=amax is not None,
             num_warps=NV_WARPS,
         )
     return result, s_dec

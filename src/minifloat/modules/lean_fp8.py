@@ -105,20 +105,16 @@ class Cast:
                 return per_tensor_fp8.quantize_delayed_scaling(
                     x2d, self.scale, self.amax, self.fp8_dtype, rowwise=rowwise,
                     columnwise=columnwise)
-        # no kernels (the CPU tests), or state elsewhere: the quantizer's own path, same bytes
-        if self.scale is None and amax is not None:  # the reference's cast with this amax
+        # no kernels (the CPU tests), or state elsewhere: the reference's cast, as the
+        # quantizers make it without kernels (current scaling: with `amax` where given)
+        if self.scale is None:
             data, scale_inv = numerics.quantize_current_scaling(
-                x2d, self.fp8_dtype, amax=amax.reshape(()), amax_epsilon=self.amax_epsilon,
-                power_2_scale=self.power_2_scale)
+                x2d, self.fp8_dtype, amax=None if amax is None else amax.reshape(()),
+                amax_epsilon=self.amax_epsilon, power_2_scale=self.power_2_scale)
             return (data if rowwise else None, data.t().contiguous() if columnwise else None,
                     scale_inv.reshape(1))
-        if self.scale is None:
-            quantizer = Float8CurrentScalingQuantizer(
-                self.fp8_dtype, rowwise=rowwise, columnwise=columnwise,
-                amax_epsilon=self.amax_epsilon, power_2_scale=self.power_2_scale)
-        else:
-            quantizer = Float8Quantizer(self.scale, self.amax, self.fp8_dtype, rowwise=rowwise,
-                                        columnwise=columnwise)
+        quantizer = Float8Quantizer(self.scale, self.amax, self.fp8_dtype, rowwise=rowwise,
+                                    columnwise=columnwise)
         quantizer.internal = True
         storage = quantizer(x2d)
         return storage.data, storage.data_transpose, storage.scale_inv

@@ -106,8 +106,10 @@ def compiled_amax(x: torch.Tensor) -> list[torch.Tensor]:
     bytes of a delayed-scaling cast: 11.7 against 7.1 ms a step at the 1b preset on an H200,
     BENCHMARKS.md). Written as torch ops in the traced graph, the maximum is fused by inductor
     into the kernel that produces x (the norm, the GELU, their backward, the concatenation of
-    attention's gradients), which then reads nothing more, and the cast reads x once. A maximum
-    is exact however it is computed, so the bytes do not change."""
+    attention's gradients), and the cast reads x once. Those kernels become split reductions
+    and slow down by about what the second read cost; the step gained about 1 ms (GPU time
+    72.8 -> 71.7 ms, KERNEL_NOTES.md, eighteenth session). A maximum is exact however it is
+    computed, so the bytes do not change."""
     if x.numel() == 0:
         return []
     return [torch.amax(x.abs()).float().reshape(1)]
