@@ -48,7 +48,12 @@ def _torchrun(processes: int, recipe: str = "fp8-delayed", mode: str = "hp", tp:
 
 
 def _train_on_rank(rank: int, world_size: int, argv: list[str]) -> str:
-    """train.train in a forked rank (its process group already initialized): rank 0's stdout."""
+    """train.train in a forked rank (its process group already initialized): rank 0's stdout.
+
+    The trainer places its tensors on its own device, as a user's script does; the default
+    device that tests/distributed/launch.py sets under NCCL (cuda:rank) is reset, or the
+    trainer's CPU corpus and CPU generator would meet on different devices."""
+    torch.set_default_device(None)
     output = io.StringIO()
     with contextlib.redirect_stdout(output):
         train.train(train._parser().parse_args(argv))
