@@ -61,10 +61,18 @@ def _results(model, x, dy, recipe):
     return [y, dx, *grads]
 
 
+def _low_memory(model: torch.nn.Module) -> torch.nn.Module:
+    return mf.rebuild_weight_copies_in_backward(mf.save_original_inputs(model))
+
+
+@pytest.mark.parametrize("low_memory", [False, True], ids=["copies", "low-memory"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_casts_take_the_graphs_amax_and_keep_the_bytes(given_amaxes, backend):
+def test_compiled_casts_take_the_graphs_amax_and_keep_the_bytes(given_amaxes, backend,
+                                                                low_memory):
+    """Also with the memory options, where forward casts its input rowwise only and the
+    backward formula makes the columnwise copy from forward's amax (input_recast.py)."""
     torch.manual_seed(0)
-    model = Block()
+    model = _low_memory(Block()) if low_memory else Block()
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(4, 16, 64, generator=generator) * 3
     dy = torch.randn(4, 16, 64, generator=generator)
@@ -106,3 +114,32 @@ def test_the_forward_graph_holds_one_maximum_per_current_scaling_gemm(given_amax
     (graph,) = graphs
     maxima = [node for node in graph.graph.nodes if node.target in (torch.amax, "amax")]
     assert len(maxima) == expected, graph.code
+
+
+def test_the_low_memory_backward_takes_no_maximum_of_the_recomputed_input(given_amaxes):
+    """With save_original_input, backward casts the input again; forward's max|x| is handed
+    to it, so the backward graph takes only the two grad_outputs' maxima (four before: each
+    recast took the maximum of the recomputed input again)."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(graph, _inputs):
+            graphs[name] = graph
+            return make_boxed_func(graph.forward)
+        return compiler
+
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                           partition_fn=min_cut_rematerialization_partition)
+    torch.manual_seed(0)
+    compiled = torch.compile(_low_memory(Block()), backend=backend, fullgraph=True)
+    _results(compiled, torch.randn(2, 16, 64), torch.randn(2, 16, 64), mf.Float8CurrentScaling())
+
+    def maxima(graph):
+        return [node for node in graph.graph.nodes
+                if node.target in (torch.ops.aten.amax.default, torch.ops.aten.max.default)]
+
+    assert len(maxima(graphs["forward"])) == 2, graphs["forward"].code
+    assert len(maxima(graphs["backward"])) == 2, graphs["backward"].code

@@ -279,10 +279,11 @@ def gemms_forward_impl(
     traced graph computed it for the lean path's cast (lean_ops.compiled_amax), else []."""
     if not state and not is_fake(x):  # one FP8 current-scaling GEMM: kernel calls only
         lean = lean_ops.lean_plan(plan, gemms, _PLANS[plan].stateless)
-        if lean is not None and lean_ops.forward_applies(x, weights, save_original):
+        if lean is not None and lean_ops.forward_applies(x, weights):
+            # save_original: no input copy kept; _backward makes it (input_recast.py)
             y, *kept = lean_ops.lean_forward(x, weights[0], biases[0] if has_bias[0] else None,
-                                             lean, need_dgrad, need_wgrad, rebuild,
-                                             input_amax[0] if input_amax else None)
+                                             lean, need_dgrad, need_wgrad and not save_original,
+                                             rebuild, input_amax[0] if input_amax else None)
             return [y.contiguous()] + _unaliased(kept, [x, *_buffers(weights), *biases])
     if state and not is_fake(x):
         pair = _DELAYED_BY_STATE.get(state[0].data_ptr())
@@ -432,15 +433,18 @@ def _setup_context(ctx, inputs, output) -> None:
      rebuild, save_original, input_amax) = inputs
     rebuild_from = list(weights) if rebuild and need_dgrad else []
     originals = [x] if save_original and need_wgrad else []
+    # forward's max|x| (current scaling, lean_ops.compiled_amax): the recast's amax
+    original_amax = list(input_amax) if originals else []
     ctx.carried = _carried_counts(plan, gemms, need_dgrad, need_wgrad, rebuild, save_original)
     carried = sum(ctx.carried)
     kept = output[1:len(output) - carried]
     # state: aliases, see detached_alias; weights (rebuild) and input (save_original): as
     # F.linear keeps them
-    ctx.save_for_backward(*kept, *state, *rebuild_from, *originals,
+    ctx.save_for_backward(*kept, *state, *rebuild_from, *originals, *original_amax,
                           *output[len(output) - carried:])
     ctx.saved_count, ctx.bias_count = len(kept), len(biases)
     ctx.rebuild_count, ctx.original_count = len(rebuild_from), len(originals)
+    ctx.original_amax_count = len(original_amax)
     ctx.constants = (plan, list(gemms), list(m_splits), list(x.shape),
                      [d for w in weights for d in w.shape], list(has_bias), need_dgrad,
                      need_wgrad)
@@ -457,12 +461,13 @@ def _backward(ctx, grads):
     rest = iter(tensors[ctx.saved_count + ctx.state_count:])
     rebuild_from = [next(rest) for _ in range(ctx.rebuild_count)]
     originals = [next(rest) for _ in range(ctx.original_count)]
+    original_amax = next(rest) if ctx.original_amax_count else None
     weight_scales, input_scales = ctx.carried
     rebuild_scales = [next(rest) for _ in range(weight_scales)]
     scales = tuple(next(rest) for _ in range(input_scales)) or None
     if originals:  # save_original_input: the input's copies, made here (input_recast.py)
         saved = input_copy_buffers(originals[0], _slot_quantizers(plan, gemms, 0),
-                                   scales) + saved
+                                   scales, original_amax) + saved
     grad_output = grads[0].contiguous()
     outputs = iter(_gemms_backward_op(grad_output, saved, state, plan, gemms,
                                       m_splits, x_shape, weight_shapes, has_bias, need_dgrad,
@@ -493,11 +498,12 @@ def _lean_current_casts(plan: int, gemm: int) -> int:
 
 
 def _lean_amax_forward(x: torch.Tensor, weights: list[torch.Tensor], state: list[torch.Tensor],
-                       plan: int, gemms: list[int], save_original: bool) -> list[torch.Tensor]:
+                       plan: int, gemms: list[int]) -> list[torch.Tensor]:
     """[max|x|] in traced torch ops (lean_ops.compiled_amax) where the forward op's lean path
     casts x with current scaling, else []. The device and shape rules are checked here; the
-    op's own check (lean_ops.forward_applies) decides, and ignores an amax it does not use."""
-    if state or save_original or len(gemms) != 1 or len(weights) != 1 or x.dim() == 0:
+    op's own check (lean_ops.forward_applies) decides, and ignores an amax it does not use
+    (under save_original_input the backward's recast of x uses it either way)."""
+    if state or len(gemms) != 1 or len(weights) != 1 or x.dim() == 0:
         return []
     if not _lean_current_casts(plan, gemms[0]) & INPUT_CURRENT:
         return []
@@ -553,7 +559,7 @@ def compiled_gemms(
                                 any(quantized) or (rebuild and rebuild_applies(plan, gemms)),
                                 save_original,
                                 _lean_amax_forward(x, list(weights), list(state), plan,
-                                                   list(gemms), save_original))
+                                                   list(gemms)))
     return outputs[0]
 
 

@@ -56,11 +56,14 @@ def _per_tensor_scales_fake(amax, e5m2, amax_epsilon, power_2_scale):
 
 
 def per_tensor_copy(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer | Float8Quantizer,
-                    scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> Float8Storage:
+                    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    amax: torch.Tensor | None = None) -> Float8Storage:
     """The columnwise copy of per-tensor scaling: data_transpose [K, M] and scale_inv, as the
     quantizer makes them; the amax and the cast in fusible torch ops. `scales`: (scale,
     scale_inv) forward cast with (delayed scaling: forward's, carried by the forward op; no
-    amax is taken or recorded), else current scaling's from this tensor's amax.
+    amax is taken or recorded), else current scaling's from this tensor's amax: `amax` where
+    forward's graph took it already (max|x| of the same x; saves backward a pass over the
+    recomputed input), else taken here.
 
     The reference rounds on the format's grid in fp32 arithmetic, then encodes; torch's
     conversion to an FP8 dtype rounds to nearest even itself, so after clamping to +-max
@@ -70,7 +73,9 @@ def per_tensor_copy(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer 
     if scales is not None:
         scale, scale_inv = scales
     else:
-        if x2d.numel() == 0:
+        if amax is not None:
+            amax = amax.reshape(())
+        elif x2d.numel() == 0:
             amax = torch.zeros((), dtype=torch.float32, device=x2d.device)
         else:
             amax = torch.amax(x2d.abs()).float()
@@ -97,11 +102,12 @@ def recasts(quantizers: list[Quantizer]) -> bool:
 
 
 def input_copy_buffers(x: torch.Tensor, quantizers: list[Quantizer],
-                       scales: tuple[torch.Tensor, torch.Tensor] | None = None
-                       ) -> list[torch.Tensor]:
+                       scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       amax: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The buffers of the input copy that a forward keeping it would have handed to backward,
     in that order (keep_for_backward's); for quantizers that `recasts`, with forward's scales
-    under delayed scaling."""
-    x_qs = [per_tensor_copy(x.reshape(-1, x.shape[-1]), quantizers[0], scales)]
+    under delayed scaling, and with forward's max|x| under current scaling where its graph
+    took one (lean_ops.compiled_amax)."""
+    x_qs = [per_tensor_copy(x.reshape(-1, x.shape[-1]), quantizers[0], scales, amax)]
     kept = keep_for_backward(x_qs, [], need_dgrad=False, need_wgrad=True)
     return [t.contiguous() for t in kept.tensors if t is not None]

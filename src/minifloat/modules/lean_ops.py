@@ -15,7 +15,9 @@ general path's (the same kernels and the same torch._scaled_mm call, gemm_paths.
 the GPU tests compare the paths bit for bit).
 
 Serves stateless plans only (current scaling: no recipe-state tensors to read or record into),
-one GEMM, no save_original_input, and the per-call conditions of lean_fp8.applies.
+one GEMM, and the per-call conditions of lean_fp8.applies. Under save_original_input the
+forward casts the input rowwise only; the autograd formula makes its columnwise copy in
+backward (input_recast.py) from forward's amax.
 """
 
 from __future__ import annotations
@@ -115,8 +117,8 @@ def compiled_amax(x: torch.Tensor) -> list[torch.Tensor]:
     return [torch.amax(x.abs()).float().reshape(1)]
 
 
-def forward_applies(x: torch.Tensor, weights: list[torch.Tensor], save_original: bool) -> bool:
-    return len(weights) == 1 and not save_original and applies(x, weights[0])
+def forward_applies(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    return len(weights) == 1 and applies(x, weights[0])
 
 
 def backward_applies(grad_output: torch.Tensor, x_shape: list[int],
