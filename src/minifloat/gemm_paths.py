@@ -175,8 +175,9 @@ def _fp32(scale: torch.Tensor) -> torch.Tensor:
     op then: host time), a view into a packed scale buffer may not be (one tiny copy)."""
     if scale.dtype != torch.float32:
         return scale.float()
-    if kernels.is_fake(scale):  # tracing (torch.compile): shapes only, no address to check
-        return scale
+    if kernels.is_fake(scale) or torch.compiler.is_compiling():
+        return scale  # tracing (torch.compile): no address to check (graph_casts.py's scales
+        #               are per_tensor_scales outputs, buffers of their own)
     return scale if scale.data_ptr() % 16 == 0 else scale.clone()
 
 

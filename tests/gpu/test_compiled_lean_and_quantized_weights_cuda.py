@@ -5,7 +5,10 @@
   for bit over two optimizer steps (a stack of minifloat Linears: inductor adds no arithmetic);
 - FP8 current scaling compiled runs the lean ops (lean_ops.py): their results equal the eager
   *general* path (LinearGemms, lean path off) bit for bit, with plain and FP8 weights, with and
-  without the weight copy kept for backward.
+  without the weight copy kept for backward;
+- with MINIFLOAT_GRAPH_CASTS (graph_casts.py) inductor generates the casts itself: the results
+  equal the eager lean path's (the Triton kernels) bit for bit, with and without the memory
+  options, and under CUDA graphs.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 from torch import nn
 
 import minifloat as mf
-from minifloat.modules import lean_fp8
+from minifloat.modules import graph_casts, lean_fp8
 from recipe_factories import FORMAT_RECIPES
 from train_steps import optimizer_step
 
@@ -95,3 +98,23 @@ def test_quantized_weights_under_cuda_graphs_follow_the_optimizer(name):
         got = [t.clone() for t in _step(compiled, optimizers[1], recipe, step)]
         for index, (a, b) in enumerate(zip(got, want, strict=True)):
             assert torch.equal(a, b), (name, step, index)
+
+
+@pytest.mark.parametrize("mode", ["default", "low-memory", "reduce-overhead"])
+def test_graph_casts_with_inductor_equal_the_kernels(mode, monkeypatch):
+    recipe = mf.Float8CurrentScaling()
+    low_memory = mode == "low-memory"
+    eager, model = _stack(None, low_memory), _stack(None, low_memory)
+    if low_memory:
+        mf.save_original_inputs(model)
+    monkeypatch.setattr(graph_casts, "ENABLED", True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True,
+                             mode="reduce-overhead" if mode == "reduce-overhead" else None)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, model)]
+    for step in range(3):
+        want = _step(eager, optimizers[0], recipe, step)  # eager: the lean path's kernels
+        torch.compiler.cudagraph_mark_step_begin()
+        got = [t.clone() for t in _step(compiled, optimizers[1], recipe, step)]
+        for index, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(a, b), (mode, step, index, (a.float() - b.float()).abs().max())

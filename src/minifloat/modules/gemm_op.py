@@ -54,7 +54,7 @@ from ..compile_cache import tag_compile_caches
 from ..kernels import is_fake
 from ..quantizers import Float8Quantizer, QuantizedStorage, QuantizedTensor, Quantizer
 from ..recipe_state import RecipeState
-from . import lean_ops
+from . import graph_casts, lean_ops
 from .input_recast import input_copy_buffers, recasts
 from .linear_function import (
     FORWARD_SLOTS,
@@ -497,6 +497,13 @@ def _lean_current_casts(plan: int, gemm: int) -> int:
             | (GRAD_OUTPUT_CURRENT if lean.grad_output.scale is None else 0))
 
 
+@torch._dynamo.assume_constant_result
+def _graph_cast_spec(plan: int, gemm: int) -> int:
+    """graph_casts.spec_of the lean plan of GEMM `gemm` (0: not served), a constant to dynamo
+    as _lean_current_casts is."""
+    return graph_casts.spec_of(lean_ops.lean_plan(plan, [gemm], _PLANS[plan].stateless))
+
+
 def _lean_amax_forward(x: torch.Tensor, weights: list[torch.Tensor], state: list[torch.Tensor],
                        plan: int, gemms: list[int]) -> list[torch.Tensor]:
     """[max|x|] in traced torch ops (lean_ops.compiled_amax) where the forward op's lean path
@@ -548,6 +555,12 @@ def compiled_gemms(
             raise NotImplementedError(
                 "weight.main_grad accumulation does not run under torch.compile yet; "
                 "let autograd produce weight.grad")
+    if graph_casts.ENABLED and not state and len(gemms) == 1 and len(weights) == 1:
+        spec = _graph_cast_spec(plan, gemms[0])
+        if graph_casts.applies(spec, x, weights[0]):  # every cast in the traced graph
+            return graph_casts.GraphCastGemm.apply(
+                x, weights[0], biases[0], spec, need_dgrad, need_wgrad,
+                rebuild and rebuild_applies(plan, gemms), save_original_input)
     has_bias = [b is not None for b in biases]
     present = [b for b in biases if b is not None]
     save_original = save_original_input and save_original_applies(plan, gemms)

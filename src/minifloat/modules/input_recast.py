@@ -55,21 +55,22 @@ def _per_tensor_scales_fake(amax, e5m2, amax_epsilon, power_2_scale):
     return (amax.new_empty((), dtype=torch.float32), amax.new_empty((), dtype=torch.float32))
 
 
-def per_tensor_copy(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer | Float8Quantizer,
+def per_tensor_cast(x2d: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float = 0.0,
+                    power_2_scale: bool = False, *, rowwise: bool, columnwise: bool,
                     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    amax: torch.Tensor | None = None) -> Float8Storage:
-    """The columnwise copy of per-tensor scaling: data_transpose [K, M] and scale_inv, as the
-    quantizer makes them; the amax and the cast in fusible torch ops. `scales`: (scale,
-    scale_inv) forward cast with (delayed scaling: forward's, carried by the forward op; no
+                    amax: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """(data [M, K] or None, data_t [K, M] or None, scale_inv [1]) of per-tensor FP8 scaling,
+    as the quantizer makes them, in fusible torch ops (the scale in one small op). `scales`:
+    (scale, scale_inv) to cast with (delayed scaling: forward's, carried by the forward op; no
     amax is taken or recorded), else current scaling's from this tensor's amax: `amax` where
-    forward's graph took it already (max|x| of the same x; saves backward a pass over the
-    recomputed input), else taken here.
+    the graph took it already (max|x| of the same x), else taken here.
 
     The reference rounds on the format's grid in fp32 arithmetic, then encodes; torch's
     conversion to an FP8 dtype rounds to nearest even itself, so after clamping to +-max
     (saturation; NaN passes through) one conversion gives the same bytes. A maximum is exact
     however it is computed; the scale comes from per_tensor_scales."""
-    fmt = numerics.fp8_format(quantizer.fp8_dtype)
+    fmt = numerics.fp8_format(fp8_dtype)
     if scales is not None:
         scale, scale_inv = scales
     else:
@@ -79,12 +80,26 @@ def per_tensor_copy(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer 
             amax = torch.zeros((), dtype=torch.float32, device=x2d.device)
         else:
             amax = torch.amax(x2d.abs()).float()
-        scale, scale_inv = per_tensor_scales(amax, quantizer.fp8_dtype == torch.float8_e5m2,
-                                             quantizer.amax_epsilon, quantizer.power_2_scale)
-    data = torch.clamp(x2d.float() * scale, -fmt.max_value, fmt.max_value).to(
-        quantizer.fp8_dtype)
+        scale, scale_inv = per_tensor_scales(amax, fp8_dtype == torch.float8_e5m2, amax_epsilon,
+                                             power_2_scale)
+    data = torch.clamp(x2d.float() * scale, -fmt.max_value, fmt.max_value).to(fp8_dtype)
+    return (data if rowwise else None, data.t().contiguous() if columnwise else None,
+            scale_inv.reshape(1))
+
+
+def per_tensor_copy(x2d: torch.Tensor, quantizer: Float8CurrentScalingQuantizer | Float8Quantizer,
+                    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    amax: torch.Tensor | None = None) -> Float8Storage:
+    """The columnwise copy of per-tensor scaling as the quantizer makes it (data_transpose
+    [K, M] and scale_inv), by per_tensor_cast: with `scales` under delayed scaling, with
+    forward's max|x| where its graph took one (saves backward a pass over the recomputed
+    input)."""
+    _, data_t, scale_inv = per_tensor_cast(
+        x2d, quantizer.fp8_dtype, quantizer.amax_epsilon if scales is None else 0.0,
+        quantizer.power_2_scale if scales is None else False, rowwise=False, columnwise=True,
+        scales=scales, amax=amax)
     return Float8Storage(shape=x2d.shape, dtype=x2d.dtype, quantizer=quantizer, data=None,
-                         data_transpose=data.t().contiguous(), scale_inv=scale_inv.reshape(1),
+                         data_transpose=data_t, scale_inv=scale_inv,
                          fp8_dtype=quantizer.fp8_dtype)
 
 

@@ -1,0 +1,144 @@
+"""FP8 current scaling under torch.compile with every cast in the traced graph (opt-in:
+MINIFLOAT_GRAPH_CASTS=1, until a GPU run decides between it and the Triton casts).
+
+Why: in the compiled 1b step the casts of GEMM inputs and gradients run at the copy bandwidth
+already (5.6 ms a step for 160 casts on an H200), yet each reads a tensor that its producer
+wrote in bf16 only for that cast: the GELU's output (fc2's input), the norms' outputs (the QKV
+and fc1 inputs), the GELU backward's output and the attention's concatenated gradients (the
+fc1 and QKV output gradients). Written as torch ops in the traced graph, the cast can be fused
+by inductor into the producer, and the bf16 tensor is never written or read: about 0.4 GB a
+block, 8 GB a step at the 1b preset (estimated from the shapes; not yet measured).
+
+What runs: `GraphCastGemm`, an autograd.Function dynamo traces through, makes the casts with
+input_recast.per_tensor_cast (the reference's bytes in torch ops: clamp, then one rounding
+conversion; the scale by the per_tensor_scales op) and the GEMMs with
+gemm_paths.scaled_mm_bytes (the same torch._scaled_mm call as every other path), so the bytes
+and the results are those of the lean path and of eager (tests/compile/test_graph_casts.py).
+The weight is cast in the graph too (a weight is a leaf: no producer to fuse into; inductor
+makes its maximum and its two copies).
+
+Serves what the compiled lean path serves with current scaling on every cast: a stateless plan
+of one GEMM, high-precision weights, no amax reduction group, amax_epsilon 0, and
+lean_fp8.shapes_apply. `save_original_input` keeps the input instead of its columnwise copy,
+`rebuild_weight_copy_in_backward` the weight instead of its copy; backward casts them again,
+with forward's amax. Everything else takes gemm_op's ops.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..gemm_paths import scaled_mm_bytes
+from . import lean_fp8
+from .input_recast import per_tensor_cast
+
+ENABLED = os.environ.get("MINIFLOAT_GRAPH_CASTS", "0") == "1"
+
+# the spec's bits: the plan applies; E5M2 (else E4M3) and power-of-2 scales per cast
+APPLIES = 1
+_E5M2 = {"input": 2, "weight": 4, "grad_output": 8}
+_POW2 = {"input": 16, "weight": 32, "grad_output": 64}
+
+
+def spec_of(plan: lean_fp8.LeanPlan | None) -> int:
+    """The plan's casts as an int (dynamo takes it as a constant; no quantizer reaches a
+    guard), or 0 where this path does not serve them."""
+    if plan is None:
+        return 0
+    spec = APPLIES
+    for role in ("input", "weight", "grad_output"):
+        cast = getattr(plan, role)
+        if cast.scale is not None or cast.amax_epsilon != 0.0:  # delayed scaling, epsilon
+            return 0
+        spec |= (_E5M2[role] if cast.fp8_dtype == torch.float8_e5m2 else 0)
+        spec |= (_POW2[role] if cast.power_2_scale else 0)
+    return spec
+
+
+def applies(spec: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a call takes this path (trace-time facts only: constants, shapes, types)."""
+    if not (ENABLED and spec & APPLIES) or type(weight) not in (torch.nn.Parameter,
+                                                                torch.Tensor):
+        return False
+    n, k = weight.shape
+    return (x.dim() > 0 and x.dtype == weight.dtype
+            and lean_fp8.shapes_apply(x.device.type, x.dtype, x.numel() // k if k else 0, k, n))
+
+
+def _cast(spec: int, role: str, x2d: torch.Tensor, *, rowwise: bool, columnwise: bool,
+          amax: torch.Tensor | None = None):
+    fp8_dtype = torch.float8_e5m2 if spec & _E5M2[role] else torch.float8_e4m3fn
+    return per_tensor_cast(x2d, fp8_dtype, 0.0, bool(spec & _POW2[role]), rowwise=rowwise,
+                           columnwise=columnwise, amax=amax)
+
+
+def _maximum(x2d: torch.Tensor) -> torch.Tensor:
+    if x2d.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x2d.device)
+    return torch.amax(x2d.abs()).float()
+
+
+class GraphCastGemm(torch.autograd.Function):
+    """y = x W^T + b with per-tensor FP8 current scaling, casts and GEMMs in torch ops."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                spec: int, need_dgrad: bool, need_wgrad: bool, rebuild: bool,
+                save_original: bool) -> torch.Tensor:
+        n, k = weight.shape
+        x2d = x.reshape(-1, k)
+        keep_input_copy = need_wgrad and not save_original
+        keep_weight_copy = need_dgrad and not rebuild
+        x_amax, w_amax = _maximum(x2d), _maximum(weight)
+        x_data, x_t, x_scale_inv = _cast(spec, "input", x2d, rowwise=True,
+                                         columnwise=keep_input_copy, amax=x_amax)
+        w_data, w_t, w_scale_inv = _cast(spec, "weight", weight, rowwise=True,
+                                         columnwise=keep_weight_copy, amax=w_amax)
+        y = scaled_mm_bytes(x_data, w_data, x_scale_inv, w_scale_inv, out_dtype=x.dtype,
+                            bias=bias, fast_accumulation=True)
+        # what backward reads: the copies, or (memory options) the tensors and their maxima
+        input_kept = ((x_t, x_scale_inv) if keep_input_copy
+                      else (x2d, x_amax) if need_wgrad else ())
+        weight_kept = ((w_t, w_scale_inv) if keep_weight_copy
+                       else (weight, w_amax) if need_dgrad else ())
+        ctx.save_for_backward(*input_kept, *weight_kept)
+        ctx.counts = (len(input_kept), len(weight_kept))
+        ctx.flags = (spec, need_dgrad, need_wgrad, keep_input_copy, keep_weight_copy,
+                     bias is not None)
+        ctx.x_shape = x.shape
+        return y.reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        spec, need_dgrad, need_wgrad, keep_input_copy, keep_weight_copy, has_bias = ctx.flags
+        saved = ctx.saved_tensors
+        input_kept, weight_kept = saved[:ctx.counts[0]], saved[ctx.counts[0]:]
+        dy2d = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_bias = dy2d.sum(dim=0) if has_bias else None  # as the other paths sum it
+        grad_x = grad_weight = None
+        if need_dgrad or need_wgrad:
+            dy_data, dy_t, dy_scale_inv = _cast(spec, "grad_output", dy2d, rowwise=need_dgrad,
+                                                columnwise=need_wgrad)
+        if need_dgrad:
+            if keep_weight_copy:
+                w_t, w_scale_inv = weight_kept
+            else:  # the copy forward would have kept, from forward's maximum
+                weight, w_amax = weight_kept
+                _, w_t, w_scale_inv = _cast(spec, "weight", weight, rowwise=False,
+                                            columnwise=True, amax=w_amax)
+            grad_x = scaled_mm_bytes(dy_data, w_t, dy_scale_inv, w_scale_inv,
+                                     out_dtype=grad_output.dtype, bias=None,
+                                     fast_accumulation=False).reshape(ctx.x_shape)
+        if need_wgrad:
+            if keep_input_copy:
+                x_t, x_scale_inv = input_kept
+            else:
+                x2d, x_amax = input_kept
+                _, x_t, x_scale_inv = _cast(spec, "input", x2d, rowwise=False,
+                                            columnwise=True, amax=x_amax)
+            grad_weight = scaled_mm_bytes(dy_t, x_t, dy_scale_inv, x_scale_inv,
+                                          out_dtype=grad_output.dtype, bias=None,
+                                          fast_accumulation=False)
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None
