@@ -114,3 +114,47 @@ def test_compiled_blocks_train_like_eager_with_low_precision_gathers():
         assert "delayed-scaling weights does not run under torch.compile" in result["delayed"]
         assert "gather MXFP8 weights in high precision" in result["mxfp8"]
         assert "hybrid quantized weights (a format per direction)" in result["hybrid"]
+
+
+def _graph_casts_worker(rank: int, world_size: int) -> list[list[torch.Tensor]]:
+    """FSDP2 gathering in high precision, each block compiled, with the casts in the traced
+    graph (modules/graph_casts.py; on the CPU the lean path is widened to it): losses of two
+    steps, eager then compiled."""
+    from torch.distributed.fsdp import fully_shard
+
+    from minifloat.modules import graph_casts, lean_fp8
+
+    lean_fp8.DEVICES = ("cuda", "cpu")
+    graph_casts.ENABLED = True
+    recipe = mf.Float8CurrentScaling()
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(mf.LayerNormMLP(64, 128, normalization="RMSNorm"),
+                              mf.LayerNormLinear(64, 64, normalization="RMSNorm"))
+        mesh = device_mesh((world_size,))
+        for block in model:
+            if compiled:
+                block.compile(backend="aot_eager", fullgraph=True)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        generator = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(2):
+            x = cpu_randn(world_size * 32, 64, generator=generator).chunk(world_size)[rank]
+            with mf.autocast(recipe=recipe):
+                loss = model(x.requires_grad_(True)).float().pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach().clone())
+        runs.append(losses)
+    return runs
+
+
+def test_graph_casts_under_fsdp2_train_like_eager():
+    for eager, compiled in run_ranks(_graph_casts_worker, 2, timeout=240):
+        for step, (a, b) in enumerate(zip(compiled, eager, strict=True)):
+            assert torch.equal(a, b), step
