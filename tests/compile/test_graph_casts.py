@@ -65,10 +65,9 @@ def _recording_backend(graphs: list):
 
 
 @pytest.mark.parametrize("low_memory", [False, True], ids=["copies", "low-memory"])
-@pytest.mark.parametrize("recipe", [mf.Float8CurrentScaling(),
-                                    mf.Float8CurrentScaling(fp8_format=mf.Format.E4M3)],
-                         ids=["hybrid", "e4m3"])
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("recipe, bias", [
+    (mf.Float8CurrentScaling(), True),  # HYBRID: E5M2 gradients
+    (mf.Float8CurrentScaling(fp8_format=mf.Format.E4M3), False)], ids=["hybrid-bias", "e4m3"])
 def test_graph_casts_equal_eager_bitwise(low_memory, recipe, bias):
     torch.manual_seed(0)
     model = Block(bias)
