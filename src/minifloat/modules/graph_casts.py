@@ -63,7 +63,7 @@ def applies(spec: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
                                                                 torch.Tensor):
         return False
     n, k = weight.shape
-    return (x.dim() > 0 and x.dtype == weight.dtype
+    return (x.dim() > 0 and x.dtype == weight.dtype and x.is_contiguous()
             and lean_fp8.shapes_apply(x.device.type, x.dtype, x.numel() // k if k else 0, k, n))
 
 
@@ -115,7 +115,8 @@ class GraphCastGemm(torch.autograd.Function):
         spec, need_dgrad, need_wgrad, keep_input_copy, keep_weight_copy, has_bias = ctx.flags
         saved = ctx.saved_tensors
         input_kept, weight_kept = saved[:ctx.counts[0]], saved[ctx.counts[0]:]
-        dy2d = grad_output.reshape(-1, grad_output.shape[-1])
+        # row-major, as torch._scaled_mm takes its first operand (a no-op when it is already)
+        dy2d = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         grad_bias = dy2d.sum(dim=0) if has_bias else None  # as the other paths sum it
         grad_x = grad_weight = None
         if need_dgrad or need_wgrad:
