@@ -28,13 +28,17 @@ RECIPES = {
 
 
 def _build(recipe: mf.Recipe, world_size: int, compiled: bool) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
     torch.manual_seed(0)
     model = nn.Sequential(
         mf.LayerNormLinear(HIDDEN, HIDDEN, normalization="RMSNorm", name="qkv"),
         mf.LayerNormMLP(HIDDEN, HIDDEN, normalization="RMSNorm", name="mlp"))
     enable_low_precision_all_gather(model, recipe)
+    return _sharded(model, world_size, compiled)
+
+
+def _sharded(model: nn.Sequential, world_size: int, compiled: bool) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
     mesh = device_mesh((world_size,))
     for block in model:
         if compiled:  # as users of FSDP2 compile: each block, then shard it
@@ -44,23 +48,36 @@ def _build(recipe: mf.Recipe, world_size: int, compiled: bool) -> nn.Module:
     return model
 
 
-def _train(rank: int, world_size: int, name: str, compiled: bool) -> dict:
-    recipe = RECIPES[name]()
-    model = _build(recipe, world_size, compiled)
+def _losses(model: nn.Module, recipe: mf.Recipe, rank: int, world_size: int, rows: int,
+            hidden: int, after_step=None) -> list[torch.Tensor]:
+    """Two AdamW steps on this rank's rows of a global batch; `after_step()` after each."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(1)
-    losses, params = [], []
+    losses = []
     for _ in range(2):
-        x = cpu_randn(world_size * 64, HIDDEN, generator=generator).chunk(world_size)[rank]
+        x = cpu_randn(world_size * rows, hidden, generator=generator).chunk(world_size)[rank]
         with mf.autocast(recipe=recipe):
             loss = model(x.requires_grad_(True)).float().pow(2).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach().clone())
+        if after_step is not None:
+            after_step()
+    return losses
+
+
+def _train(rank: int, world_size: int, name: str, compiled: bool) -> dict:
+    recipe = RECIPES[name]()
+    model = _build(recipe, world_size, compiled)
+    params = []
+
+    def keep_params() -> None:
         params.append([p.to_local()._inner.clone() for p in model.parameters()
                        if hasattr(p.to_local(), "_inner")])
-    return {"losses": losses, "params": params}
+
+    return {"losses": _losses(model, recipe, rank, world_size, 64, HIDDEN, keep_params),
+            "params": params}
 
 
 def _refusal(recipe: mf.Recipe, world_size: int) -> str:
@@ -120,8 +137,6 @@ def _graph_casts_worker(rank: int, world_size: int) -> list[list[torch.Tensor]]:
     """FSDP2 gathering in high precision, each block compiled, with the casts in the traced
     graph (modules/graph_casts.py; on the CPU the lean path is widened to it): losses of two
     steps, eager then compiled."""
-    from torch.distributed.fsdp import fully_shard
-
     from minifloat.modules import graph_casts, lean_fp8
 
     lean_fp8.DEVICES = ("cuda", "cpu")
@@ -131,25 +146,9 @@ def _graph_casts_worker(rank: int, world_size: int) -> list[list[torch.Tensor]]:
     for compiled in (False, True):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = nn.Sequential(mf.LayerNormMLP(64, 128, normalization="RMSNorm"))
-        mesh = device_mesh((world_size,))
-        for block in model:
-            if compiled:
-                block.compile(backend="aot_eager", fullgraph=True)
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        generator = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(2):
-            x = cpu_randn(world_size * 32, 64, generator=generator).chunk(world_size)[rank]
-            with mf.autocast(recipe=recipe):
-                loss = model(x.requires_grad_(True)).float().pow(2).mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach().clone())
-        runs.append(losses)
+        model = _sharded(nn.Sequential(mf.LayerNormMLP(64, 128, normalization="RMSNorm")),
+                         world_size, compiled)
+        runs.append(_losses(model, recipe, rank, world_size, 32, 64))
     return runs
 
 
