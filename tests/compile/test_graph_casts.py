@@ -118,3 +118,20 @@ def test_inductor_runs_the_graph_casts_close_to_eager():
     compiled = _results(torch.compile(model, backend="inductor", fullgraph=True), recipe)
     for index, (a, b) in enumerate(zip(compiled, eager, strict=True)):
         assert torch.allclose(a, b, rtol=0.05, atol=0.05), f"tensor {index}"
+
+
+def test_the_partitioner_keeps_the_copies_or_with_the_memory_options_none():
+    """By default backward reads forward's FP8 copies (the weights' from the weight_cast op,
+    which the partitioner cannot recompute); with the memory options nothing one byte wide is
+    kept, and the inputs are recomputed rather than kept in high precision
+    (test_compile_memory.py asks the same of gemm_op's ops)."""
+    from test_compile import _build
+    from test_compile_memory import _kept_for_backward, _lowest_memory
+
+    recipe = mf.Float8CurrentScaling()
+    default = _kept_for_backward(_build("convert_model"), recipe)
+    lowest = _kept_for_backward(_lowest_memory(_build("convert_model")), recipe)
+    assert len([t for t in default if t.element_size() == 1]) == 4  # two inputs', two weights'
+    assert [t for t in lowest if t.element_size() == 1] == []
+    assert (sum(t.numel() * t.element_size() for t in lowest)
+            < sum(t.numel() * t.element_size() for t in default))

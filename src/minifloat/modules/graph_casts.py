@@ -14,14 +14,15 @@ input_recast.per_tensor_cast (the reference's bytes in torch ops: clamp, then on
 conversion; the scale by the per_tensor_scales op) and the GEMMs with
 gemm_paths.scaled_mm_bytes (the same torch._scaled_mm call as every other path), so the bytes
 and the results are those of the lean path and of eager (tests/compile/test_graph_casts.py).
-The weight is cast in the graph too (a weight is a leaf: no producer to fuse into; inductor
-makes its maximum and its two copies).
+The weight, a leaf with no producer to fuse into, keeps the one-launch Triton cast (the
+`minifloat::weight_cast` op: one kernel where inductor would make three, and a copy the
+partitioner keeps rather than recomputes).
 
 Serves what the compiled lean path serves with current scaling on every cast: a stateless plan
 of one GEMM, high-precision weights, no amax reduction group, amax_epsilon 0, and
 lean_fp8.shapes_apply. `save_original_input` keeps the input instead of its columnwise copy,
-`rebuild_weight_copy_in_backward` the weight instead of its copy; backward casts them again,
-with forward's amax. Everything else takes gemm_op's ops.
+`rebuild_weight_copy_in_backward` the weight instead of its copy; backward casts them again
+(the input with forward's amax). Everything else takes gemm_op's ops.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from ..gemm_paths import scaled_mm_bytes
 from . import lean_fp8
 from .input_recast import per_tensor_cast
+from .op_define import define_op
 
 ENABLED = os.environ.get("MINIFLOAT_GRAPH_CASTS", "0") == "1"
 
@@ -74,6 +76,39 @@ def _cast(spec: int, role: str, x2d: torch.Tensor, *, rowwise: bool, columnwise:
                            columnwise=columnwise, amax=amax)
 
 
+def _fp8_dtype(e5m2: bool) -> torch.dtype:
+    return torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+
+
+def weight_cast_impl(weight: torch.Tensor, e5m2: bool, power_2_scale: bool, rowwise: bool,
+                     columnwise: bool) -> list[torch.Tensor]:
+    """[data (if rowwise), data_t (if columnwise), scale_inv]: a weight's current-scaling
+    copies, as lean_fp8.Cast makes them (the one-launch kernel where the kernels run)."""
+    data, data_t, scale_inv = lean_fp8.Cast(_fp8_dtype(e5m2), 0.0, power_2_scale)(
+        weight.detach(), rowwise=rowwise, columnwise=columnwise)
+    return [t for t in (data, data_t) if t is not None] + [scale_inv.reshape(1)]
+
+
+def _weight_cast_fake(weight, e5m2, power_2_scale, rowwise, columnwise):
+    n, k = weight.shape
+    dtype = _fp8_dtype(e5m2)
+    return ([weight.new_empty((n, k), dtype=dtype)] if rowwise else []) + (
+        [weight.new_empty((k, n), dtype=dtype)] if columnwise else []) + [
+        weight.new_empty((1,), dtype=torch.float32)]
+
+
+_weight_cast = define_op("weight_cast", weight_cast_impl, _weight_cast_fake)
+
+
+def _weight_copies(spec: int, weight: torch.Tensor, *, rowwise: bool, columnwise: bool):
+    """(data or None, data_t or None, scale_inv) of the weight, through the op."""
+    outputs = iter(_weight_cast(weight, bool(spec & _E5M2["weight"]),
+                                bool(spec & _POW2["weight"]), rowwise, columnwise))
+    data = next(outputs) if rowwise else None
+    data_t = next(outputs) if columnwise else None
+    return data, data_t, next(outputs)
+
+
 def _maximum(x2d: torch.Tensor) -> torch.Tensor:
     if x2d.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x2d.device)
@@ -91,18 +126,19 @@ class GraphCastGemm(torch.autograd.Function):
         x2d = x.reshape(-1, k)
         keep_input_copy = need_wgrad and not save_original
         keep_weight_copy = need_dgrad and not rebuild
-        x_amax, w_amax = _maximum(x2d), _maximum(weight)
+        x_amax = _maximum(x2d)
         x_data, x_t, x_scale_inv = _cast(spec, "input", x2d, rowwise=True,
                                          columnwise=keep_input_copy, amax=x_amax)
-        w_data, w_t, w_scale_inv = _cast(spec, "weight", weight, rowwise=True,
-                                         columnwise=keep_weight_copy, amax=w_amax)
+        w_data, w_t, w_scale_inv = _weight_copies(spec, weight, rowwise=True,
+                                                  columnwise=keep_weight_copy)
         y = scaled_mm_bytes(x_data, w_data, x_scale_inv, w_scale_inv, out_dtype=x.dtype,
                             bias=bias, fast_accumulation=True)
-        # what backward reads: the copies, or (memory options) the tensors and their maxima
+        # what backward reads: the copies, or (memory options) the input and its maximum, the
+        # weight itself
         input_kept = ((x_t, x_scale_inv) if keep_input_copy
                       else (x2d, x_amax) if need_wgrad else ())
         weight_kept = ((w_t, w_scale_inv) if keep_weight_copy
-                       else (weight, w_amax) if need_dgrad else ())
+                       else (weight,) if need_dgrad else ())
         ctx.save_for_backward(*input_kept, *weight_kept)
         ctx.counts = (len(input_kept), len(weight_kept))
         ctx.flags = (spec, need_dgrad, need_wgrad, keep_input_copy, keep_weight_copy,
@@ -125,20 +161,23 @@ class GraphCastGemm(torch.autograd.Function):
         if need_dgrad:
             if keep_weight_copy:
                 w_t, w_scale_inv = weight_kept
-            else:  # the copy forward would have kept, from forward's maximum
-                weight, w_amax = weight_kept
-                _, w_t, w_scale_inv = _cast(spec, "weight", weight, rowwise=False,
-                                            columnwise=True, amax=w_amax)
+            else:  # the copy forward would have kept: the same weight, the same bytes
+                _, w_t, w_scale_inv = _weight_copies(spec, weight_kept[0], rowwise=False,
+                                                     columnwise=True)
             grad_x = scaled_mm_bytes(dy_data, w_t, dy_scale_inv, w_scale_inv,
                                      out_dtype=grad_output.dtype, bias=None,
                                      fast_accumulation=False).reshape(ctx.x_shape)
         if need_wgrad:
             if keep_input_copy:
                 x_t, x_scale_inv = input_kept
-            else:
+            else:  # the copy forward would have kept, cast from the transposed input: the
+                #      same bytes, an expression the joint graph cannot merge with forward's
+                #      rowwise cast (the partitioner would then keep that one-byte copy
+                #      instead of recomputing the input where it is free to)
                 x2d, x_amax = input_kept
-                _, x_t, x_scale_inv = _cast(spec, "input", x2d, rowwise=False,
-                                            columnwise=True, amax=x_amax)
+                x_t, _, x_scale_inv = _cast(spec, "input", x2d.t(), rowwise=True,
+                                            columnwise=False, amax=x_amax)
+                x_t = x_t.contiguous()
             grad_weight = scaled_mm_bytes(dy_t, x_t, dy_scale_inv, x_scale_inv,
                                           out_dtype=grad_output.dtype, bias=None,
                                           fast_accumulation=False)
