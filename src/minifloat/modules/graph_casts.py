@@ -71,8 +71,8 @@ def applies(spec: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _cast(spec: int, role: str, x2d: torch.Tensor, *, rowwise: bool, columnwise: bool,
           amax: torch.Tensor | None = None):
-    fp8_dtype = torch.float8_e5m2 if spec & _E5M2[role] else torch.float8_e4m3fn
-    return per_tensor_cast(x2d, fp8_dtype, 0.0, bool(spec & _POW2[role]), rowwise=rowwise,
+    return per_tensor_cast(x2d, _fp8_dtype(bool(spec & _E5M2[role])), 0.0,
+                           bool(spec & _POW2[role]), rowwise=rowwise,
                            columnwise=columnwise, amax=amax)
 
 
