@@ -19,6 +19,9 @@ in one process, from the same seed (equal initial weights) on the same random to
                                          rebuild_weight_copies_in_backward; under torch.compile
                                          the norm and GELU outputs are then recomputed in
                                          backward instead of kept, as torchao's are)
+  fp8-current[-lowmem]-graphcasts-<mode>  the same with the casts in the traced graph
+                                         (minifloat.modules.graph_casts, switched on for the
+                                         row's steps; MINIFLOAT_GRAPH_CASTS=1 does it for all)
   <any>-compiled-reduce-overhead         the same with torch.compile(mode="reduce-overhead")
                                          (--compile-mode reduce-overhead|both adds them)
   <kind>-graphed                         eager, forward+loss+backward captured as CUDA graphs
@@ -103,8 +106,10 @@ def not_head(name: str, module: torch.nn.Module) -> bool:
 
 RECIPE_NAMES = ("fp8-current", "fp8-delayed", "fp8-block", "mxfp8", "nvfp4")
 LOW_MEMORY = "-lowmem"
+GRAPH_CASTS = "-graphcasts"
 KINDS = ("bf16", "torchao-tensorwise", *RECIPE_NAMES,
-         *(name + LOW_MEMORY for name in RECIPE_NAMES))
+         *(name + LOW_MEMORY for name in RECIPE_NAMES),
+         *(name + GRAPH_CASTS for name in ("fp8-current", "fp8-current" + LOW_MEMORY)))
 # each recipe eager, eager with CUDA graphs, and compiled with CUDA graphs (default-mode compiled
 # rows are host-bound, BENCHMARKS.md 2026-11-25: ask for them by name)
 DEFAULT_ROWS = ["bf16-eager", "bf16-graphed", "bf16-compiled", "torchao-tensorwise-compiled"] + [
@@ -173,6 +178,7 @@ class TrainStep:
     loss_fn: Callable[[torch.Tensor], torch.Tensor]
     optimizer: torch.optim.Optimizer
     recipe: object | None = None
+    graph_casts: bool = False  # the casts in the traced graph during this row's steps
     mark_step: bool = False
     host16: bool = True  # whether the 16-token forward+backward is measured for this row
     keep: list = field(default_factory=list)  # objects that must outlive the step (graphs)
@@ -184,8 +190,13 @@ class TrainStep:
         if self.recipe is None:
             return contextlib.nullcontext()
         import minifloat as mf
+        from minifloat.modules import graph_casts
 
-        return mf.autocast(recipe=self.recipe)
+        context = contextlib.ExitStack()
+        if self.graph_casts:
+            context.enter_context(graph_casts.switched(True))
+        context.enter_context(mf.autocast(recipe=self.recipe))
+        return context
 
     def forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.mark_step:
@@ -257,12 +268,13 @@ def prepare_row(spec: RowSpec, model: torch.nn.Module, device: str,
     if spec.kind not in ("bf16", "torchao-tensorwise"):
         import minifloat as mf
 
-        recipe = minifloat_recipe(spec.kind.removesuffix(LOW_MEMORY))
+        kind = spec.kind.removesuffix(GRAPH_CASTS)
+        recipe = minifloat_recipe(kind.removesuffix(LOW_MEMORY))
         mf.convert_model(model, recipe=recipe, filter_fn=not_head)
         report = model.minifloat_conversion
         conversion = {"converted": len(report.converted),
                       "skipped": [list(entry) for entry in report.skipped]}
-        if spec.kind.endswith(LOW_MEMORY):
+        if kind.endswith(LOW_MEMORY):
             mf.rebuild_weight_copies_in_backward(mf.save_original_inputs(model))
     loss_fn = model.loss
     if spec.graphed:
@@ -271,6 +283,7 @@ def prepare_row(spec: RowSpec, model: torch.nn.Module, device: str,
         loss_fn = torch.compile(model.loss, mode=None if spec.compile_mode == "default"
                                 else spec.compile_mode)
     return TrainStep(model, loss_fn, make_optimizer(model), recipe=recipe,
+                     graph_casts=spec.kind.endswith(GRAPH_CASTS),
                      mark_step=spec.compile_mode == "reduce-overhead",
                      host16=not (spec.compiled or spec.graphed), conversion=conversion)
 

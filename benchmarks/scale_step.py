@@ -16,6 +16,9 @@ of one mesh, each rank on its own random token batches (data parallel):
   fp8-current-fp8-gather-eager / -compiled   the same with FP8 all-gather
   mxfp8-lp-gather-eager, nvfp4-lp-gather-eager  MXFP8 / NVFP4 weights gathered quantized (on
                                              Hopper their GEMMs are emulated: see BENCHMARKS.md)
+  fp8-current-bf16-gather-compiled-graphcasts  the casts in the traced graph
+                                             (minifloat.modules.graph_casts): the compiled
+                                             blocks then run no minifloat op's Python a call
 
 Measured per row (after --warmup steps), on every rank, reported for rank 0 with the slowest
 rank's median alongside:
@@ -83,7 +86,10 @@ ROWS = {  # name: (kind, low-precision all-gather, compiled)
     "fp8-current-fp8-gather-compiled": ("fp8-current", True, True),
     "mxfp8-lp-gather-eager": ("mxfp8", True, False),
     "nvfp4-lp-gather-eager": ("nvfp4", True, False),
+    # the casts in the traced graph (minifloat.modules.graph_casts) during the row's steps
+    "fp8-current-bf16-gather-compiled-graphcasts": ("fp8-current", False, True),
 }
+GRAPH_CASTS = "-graphcasts"
 
 
 @dataclasses.dataclass
@@ -95,13 +101,17 @@ class ShardedStep:
     optimizer: torch.optim.Optimizer
     recipe: object | None = None
     after_optimizer: Callable[[], None] | None = None
+    graph_casts: bool = False
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        context = contextlib.nullcontext()
+        context = contextlib.ExitStack()
         if self.recipe is not None:
             import minifloat as mf
+            from minifloat.modules import graph_casts
 
-            context = mf.autocast(recipe=self.recipe)
+            if self.graph_casts:
+                context.enter_context(graph_casts.switched(True))
+            context.enter_context(mf.autocast(recipe=self.recipe))
         with context:
             loss = self.loss_fn(tokens)
         loss.backward()
@@ -157,7 +167,8 @@ def build_row(name: str, config: TorchGPTConfig, device: str, mesh,
     # module call, so the loss (model.loss calls forward directly) is wrapped as one.
     root = fully_shard(model_step.LossOf(model), mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    return ShardedStep(model, root, optimizer, recipe, after_optimizer)
+    return ShardedStep(model, root, optimizer, recipe, after_optimizer,
+                       graph_casts=name.endswith(GRAPH_CASTS))
 
 
 def collective_kernel_ms(step: ShardedStep, tokens: torch.Tensor,

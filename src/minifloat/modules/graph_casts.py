@@ -27,7 +27,9 @@ lean_fp8.shapes_apply. `save_original_input` keeps the input instead of its colu
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -37,6 +39,19 @@ from .input_recast import per_tensor_cast
 from .op_define import define_op
 
 ENABLED = os.environ.get("MINIFLOAT_GRAPH_CASTS", "0") == "1"
+
+@contextlib.contextmanager
+def switched(on: bool = True) -> Iterator[None]:
+    """ENABLED set to `on` inside, restored after (benchmarks compare both paths in one
+    process). Dynamo guards on ENABLED, so a compiled function traced with one value is traced
+    again when called with the other."""
+    global ENABLED
+    before, ENABLED = ENABLED, on
+    try:
+        yield
+    finally:
+        ENABLED = before
+
 
 # the spec's bits: the plan applies; E5M2 (else E4M3) and power-of-2 scales per cast
 APPLIES = 1
