@@ -135,3 +135,23 @@ def test_the_partitioner_keeps_the_copies_or_with_the_memory_options_none():
     assert [t for t in lowest if t.element_size() == 1] == []
     assert (sum(t.numel() * t.element_size() for t in lowest)
             < sum(t.numel() * t.element_size() for t in default))
+
+
+def test_switching_the_path_retraces_the_compiled_function(monkeypatch):
+    """graph_casts.switched: a function compiled with one path is traced again for the other
+    (dynamo guards on the switch), so one process can compare both (model_step's -graphcasts
+    rows)."""
+    monkeypatch.setattr(graph_casts, "ENABLED", False)
+    graphs = []
+    torch.manual_seed(0)
+    compiled = torch.compile(Block(), backend=_recording_backend(graphs), fullgraph=True)
+    recipe = mf.Float8CurrentScaling()
+    _results(compiled, recipe)
+    with graph_casts.switched(True):
+        _results(compiled, recipe)
+    _results(compiled, recipe)  # back to the ops: the first graph serves again
+    assert not graph_casts.ENABLED and len(graphs) == 2
+    ops, casts = (_op_names(graph) for graph in graphs)
+    assert any("minifloat.gemms_forward" in name for name in ops)
+    assert not any("minifloat.gemms_forward" in name for name in casts)
+    assert any("_scaled_mm" in name for name in casts)
