@@ -40,6 +40,7 @@ from .op_define import define_op
 
 ENABLED = os.environ.get("MINIFLOAT_GRAPH_CASTS", "0") == "1"
 
+
 @contextlib.contextmanager
 def switched(on: bool = True) -> Iterator[None]:
     """ENABLED set to `on` inside, restored after (benchmarks compare both paths in one
