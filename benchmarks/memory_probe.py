@@ -60,7 +60,7 @@ def probe_row(name: str, preset: str, steps: int) -> dict:
         phases = {"start": _mark()}
         if step.mark_step:
             torch.compiler.cudagraph_mark_step_begin()
-        with step._context():
+        with model_step.recipe_context(step.recipe, step.graph_casts):
             loss = step.loss_fn(tokens)
         phases["fwd_peak"] = _peak_since_reset()
         phases["saved"] = _mark()

@@ -165,6 +165,20 @@ class RowSpec:
         return cls(name, kind, compiled, mode)
 
 
+def recipe_context(recipe, graph_casts: bool = False) -> contextlib.AbstractContextManager:
+    """What a row's forward runs under: minifloat.autocast(recipe) (nothing without a recipe),
+    with the casts in the traced graph switched on for -graphcasts rows."""
+    context = contextlib.ExitStack()
+    if recipe is not None:
+        import minifloat as mf
+        from minifloat.modules import graph_casts as graph_casts_module
+
+        if graph_casts:
+            context.enter_context(graph_casts_module.switched(True))
+        context.enter_context(mf.autocast(recipe=recipe))
+    return context
+
+
 @dataclass
 class TrainStep:
     """One training step of `model` and the 16-token forward+backward, as callables.
@@ -186,22 +200,10 @@ class TrainStep:
     # mistake, such as a MoE's experts, shows here and in the results JSON)
     conversion: dict | None = None
 
-    def _context(self) -> contextlib.AbstractContextManager:
-        if self.recipe is None:
-            return contextlib.nullcontext()
-        import minifloat as mf
-        from minifloat.modules import graph_casts
-
-        context = contextlib.ExitStack()
-        if self.graph_casts:
-            context.enter_context(graph_casts.switched(True))
-        context.enter_context(mf.autocast(recipe=self.recipe))
-        return context
-
     def forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.mark_step:
             torch.compiler.cudagraph_mark_step_begin()
-        with self._context():
+        with recipe_context(self.recipe, self.graph_casts):
             loss = self.loss_fn(tokens)
         loss.backward()
         return loss

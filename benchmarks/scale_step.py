@@ -56,7 +56,6 @@ Writes DIR/scale_step_<gpu>_<preset>_n<N>.json (default DIR benchmarks/results).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -104,15 +103,7 @@ class ShardedStep:
     graph_casts: bool = False
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        context = contextlib.ExitStack()
-        if self.recipe is not None:
-            import minifloat as mf
-            from minifloat.modules import graph_casts
-
-            if self.graph_casts:
-                context.enter_context(graph_casts.switched(True))
-            context.enter_context(mf.autocast(recipe=self.recipe))
-        with context:
+        with model_step.recipe_context(self.recipe, self.graph_casts):
             loss = self.loss_fn(tokens)
         loss.backward()
         self.optimizer.step()

@@ -35,7 +35,7 @@ import torch
 
 from ..gemm_paths import scaled_mm_bytes
 from . import lean_fp8
-from .input_recast import per_tensor_cast
+from .input_recast import per_tensor_cast, tensor_maximum
 from .op_define import define_op
 
 ENABLED = os.environ.get("MINIFLOAT_GRAPH_CASTS", "0") == "1"
@@ -125,12 +125,6 @@ def _weight_copies(spec: int, weight: torch.Tensor, *, rowwise: bool, columnwise
     return data, data_t, next(outputs)
 
 
-def _maximum(x2d: torch.Tensor) -> torch.Tensor:
-    if x2d.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x2d.device)
-    return torch.amax(x2d.abs()).float()
-
-
 class GraphCastGemm(torch.autograd.Function):
     """y = x W^T + b with per-tensor FP8 current scaling, casts and GEMMs in torch ops."""
 
@@ -142,7 +136,7 @@ class GraphCastGemm(torch.autograd.Function):
         x2d = x.reshape(-1, k)
         keep_input_copy = need_wgrad and not save_original
         keep_weight_copy = need_dgrad and not rebuild
-        x_amax = _maximum(x2d)
+        x_amax = tensor_maximum(x2d)
         x_data, x_t, x_scale_inv = _cast(spec, "input", x2d, rowwise=True,
                                          columnwise=keep_input_copy, amax=x_amax)
         w_data, w_t, w_scale_inv = _weight_copies(spec, weight, rowwise=True,

@@ -55,6 +55,13 @@ def _per_tensor_scales_fake(amax, e5m2, amax_epsilon, power_2_scale):
     return (amax.new_empty((), dtype=torch.float32), amax.new_empty((), dtype=torch.float32))
 
 
+def tensor_maximum(x2d: torch.Tensor) -> torch.Tensor:
+    """max|x2d| as a 0-d fp32 tensor in torch ops (0 for an empty tensor)."""
+    if x2d.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x2d.device)
+    return torch.amax(x2d.abs()).float()
+
+
 def per_tensor_cast(x2d: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float = 0.0,
                     power_2_scale: bool = False, *, rowwise: bool, columnwise: bool,
                     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -74,12 +81,7 @@ def per_tensor_cast(x2d: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: flo
     if scales is not None:
         scale, scale_inv = scales
     else:
-        if amax is not None:
-            amax = amax.reshape(())
-        elif x2d.numel() == 0:
-            amax = torch.zeros((), dtype=torch.float32, device=x2d.device)
-        else:
-            amax = torch.amax(x2d.abs()).float()
+        amax = tensor_maximum(x2d) if amax is None else amax.reshape(())
         scale, scale_inv = per_tensor_scales(amax, fp8_dtype == torch.float8_e5m2, amax_epsilon,
                                              power_2_scale)
     data = torch.clamp(x2d.float() * scale, -fmt.max_value, fmt.max_value).to(fp8_dtype)
