@@ -39,7 +39,8 @@ rank's median alongside:
 FP8 rows took 185-207 ms of host time a step against 117 on one GPU, plain bf16 94 against 70)
 appends, per rank, to DIR/host_rank<r>.txt: the synchronizing CUDA calls one step makes
 (torch.cuda.set_sync_debug_mode's warnings, a sync inside the step turns GPU waits on other
-ranks into host time) and a cProfile of another step, top functions by own time.
+ranks into host time) and a cProfile of another step, top functions by own time and by
+cumulative time.
 
 --blocks-per-unit N shards N consecutive blocks as one FSDP2 unit (fully_shard of a list). Why:
 at 1b every row is host-bound under FSDP2, and the twelfth session's profiles (4 x H100) found no
@@ -250,7 +251,9 @@ def host_profile(step: ShardedStep, batches: list[torch.Tensor], device: str, na
     profiler.disable()
     model_step._sync(device)
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(60)  # which callers the own times add up under
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / f"host_rank{dist.get_rank()}.txt", "a") as file:
         file.write(f"==== {name}: {len(syncs)} synchronizing calls in one step\n")

@@ -31,17 +31,19 @@ from ..quantizers import (
 )
 from ..quantizers.base import kernel_module
 from .linear_function import keep_for_backward
+from .op_define import define_op
 
 
-@torch.library.custom_op("minifloat::per_tensor_scales", mutates_args=())
-def per_tensor_scales(amax: torch.Tensor, e5m2: bool, amax_epsilon: float,
-                      power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_tensor_scales_impl(amax: torch.Tensor, e5m2: bool, amax_epsilon: float,
+                            power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, scale_inv) of per-tensor current scaling for `amax`: the reference's arithmetic,
     in one kernel launch where the kernels run.
 
     An op of its own, opaque to inductor, because inductor's code for a division or a
     reciprocal need not be correctly rounded (Triton's fp32 `/` is approximate), and a scale
-    one ulp off changes every byte of the copy."""
+    one ulp off changes every byte of the copy. A Library op (op_define), not a custom_op:
+    custom_op's per-call output check cost the compiled FSDP2 step ~20 ms of host time in its
+    160 calls (BENCHMARKS.md, twentieth session)."""
     if kernels.available(amax):
         return kernel_module("amax").scales_from_amax(amax, e5m2, amax_epsilon, power_2_scale)
     fp8_max = numerics.fp8_format(torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn).max_value
@@ -50,9 +52,12 @@ def per_tensor_scales(amax: torch.Tensor, e5m2: bool, amax_epsilon: float,
     return scale, torch.reciprocal(scale)
 
 
-@per_tensor_scales.register_fake
 def _per_tensor_scales_fake(amax, e5m2, amax_epsilon, power_2_scale):
     return (amax.new_empty((), dtype=torch.float32), amax.new_empty((), dtype=torch.float32))
+
+
+per_tensor_scales = define_op("per_tensor_scales", _per_tensor_scales_impl,
+                              _per_tensor_scales_fake)
 
 
 def tensor_maximum(x2d: torch.Tensor) -> torch.Tensor:
