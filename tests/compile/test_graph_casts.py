@@ -121,9 +121,9 @@ def test_inductor_runs_the_graph_casts_close_to_eager():
 
 
 def test_the_partitioner_keeps_the_copies_or_with_the_memory_options_none():
-    """By default backward reads forward's FP8 copies (the weights' from the weight_cast op,
-    which the partitioner cannot recompute); with the memory options nothing one byte wide is
-    kept, and the inputs are recomputed rather than kept in high precision
+    """By default backward reads forward's FP8 copies (the inputs' and the weights', outputs
+    of the current_cast op, which the partitioner cannot recompute); with the memory options
+    nothing one byte wide is kept, and the inputs are recomputed rather than kept in high precision
     (test_compile_memory.py asks the same of gemm_op's ops)."""
     from test_compile import _build
     from test_compile_memory import _kept_for_backward, _lowest_memory

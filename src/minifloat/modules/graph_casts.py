@@ -1,22 +1,27 @@
-"""FP8 current scaling under torch.compile with every cast in the traced graph (opt-in:
-MINIFLOAT_GRAPH_CASTS=1, until a GPU run decides between it and the Triton casts).
+"""FP8 current scaling under torch.compile with the casts and GEMMs in the traced graph
+(opt-in: MINIFLOAT_GRAPH_CASTS=1).
 
-Why: in the compiled 1b step the casts of GEMM inputs and gradients run at the copy bandwidth
-already (5.6 ms a step for 160 casts on an H200), yet each reads a tensor that its producer
-wrote in bf16 only for that cast: the GELU's output (fc2's input), the norms' outputs (the QKV
-and fc1 inputs), the GELU backward's output and the attention's concatenated gradients (the
-fc1 and QKV output gradients). Written as torch ops in the traced graph, the cast can be fused
-by inductor into the producer, and the bf16 tensor is never written or read: about 0.4 GB a
-block, 8 GB a step at the 1b preset (estimated from the shapes; not yet measured).
+Why: without CUDA graphs (FSDP2's compiled blocks, the default compile mode) the compiled step
+is host-bound, and the lean path's GEMM ops spend their host time in Python (the ops'
+dispatch, the plans, the launches): at 1b under FSDP2 on one H200, 145 ms a step against 125
+with the GEMMs and the casts in the graph, which inductor's wrapper launches directly
+(BENCHMARKS.md, twentieth session). With CUDA graphs the ops path stays ahead on the GPU.
 
-What runs: `GraphCastGemm`, an autograd.Function dynamo traces through, makes the casts with
-input_recast.per_tensor_cast (the reference's bytes in torch ops: clamp, then one rounding
-conversion; the scale by the per_tensor_scales op) and the GEMMs with
-gemm_paths.scaled_mm_bytes (the same torch._scaled_mm call as every other path), so the bytes
-and the results are those of the lean path and of eager (tests/compile/test_graph_casts.py).
-The weight, a leaf with no producer to fuse into, keeps the one-launch Triton cast (the
-`minifloat::weight_cast` op: one kernel where inductor would make three, and a copy the
-partitioner keeps rather than recomputes).
+What runs: `GraphCastGemm`, an autograd.Function dynamo traces through, makes the GEMMs with
+gemm_paths.scaled_mm_bytes (the same torch._scaled_mm call as every other path) and the casts:
+- a tensor that needs both copies (an input whose columnwise copy backward keeps, a gradient
+  for dgrad and wgrad, a weight) through the `minifloat::current_cast` op: the one-launch
+  Triton cast, one read for both copies. Inductor's own code made the transposed copy in a
+  second kernel that recomputed the producer (1287 against 1032 kernels a 1b step, 78.4
+  against 72.7 ms under CUDA graphs: the same bytes read twice, at about half the copy
+  bandwidth). A GEMM input or gradient hands the op max|x| from the graph, which inductor fuses
+  into the producer (as the lean path does); a weight, a leaf, lets the kernel take its own;
+- a tensor that needs one copy (the input under `save_original_input`, and backward's recast
+  of it) in torch ops (input_recast.per_tensor_cast: clamp, one rounding conversion, the scale
+  by the per_tensor_scales op), which inductor fuses into the producer: the bf16 tensor is
+  never written.
+The bytes and results are those of the lean path and of eager
+(tests/compile/test_graph_casts.py).
 
 Serves what the compiled lean path serves with current scaling on every cast: a stateless plan
 of one GEMM, high-precision weights, no amax reduction group, amax_epsilon 0, and
@@ -87,8 +92,16 @@ def applies(spec: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _cast(spec: int, role: str, x2d: torch.Tensor, *, rowwise: bool, columnwise: bool,
           amax: torch.Tensor | None = None):
-    return per_tensor_cast(x2d, _fp8_dtype(bool(spec & _E5M2[role])), 0.0,
-                           bool(spec & _POW2[role]), rowwise=rowwise,
+    """(data or None, data_t or None, scale_inv) of a GEMM input or gradient. Both copies: the
+    Triton cast (the `minifloat::current_cast` op, handed max|x| from the graph, which inductor
+    fuses into x's producer); one copy: torch ops that inductor fuses into x's producer."""
+    e5m2, power_2_scale = bool(spec & _E5M2[role]), bool(spec & _POW2[role])
+    if rowwise and columnwise:
+        amax = tensor_maximum(x2d) if amax is None else amax
+        data, data_t, scale_inv = _current_cast(x2d, [amax.reshape(1)], e5m2, power_2_scale,
+                                                True, True)
+        return data, data_t, scale_inv
+    return per_tensor_cast(x2d, _fp8_dtype(e5m2), 0.0, power_2_scale, rowwise=rowwise,
                            columnwise=columnwise, amax=amax)
 
 
@@ -96,30 +109,32 @@ def _fp8_dtype(e5m2: bool) -> torch.dtype:
     return torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
 
 
-def weight_cast_impl(weight: torch.Tensor, e5m2: bool, power_2_scale: bool, rowwise: bool,
-                     columnwise: bool) -> list[torch.Tensor]:
-    """[data (if rowwise), data_t (if columnwise), scale_inv]: a weight's current-scaling
-    copies, as lean_fp8.Cast makes them (the one-launch kernel where the kernels run)."""
+def current_cast_impl(x2d: torch.Tensor, amax: list[torch.Tensor], e5m2: bool,
+                      power_2_scale: bool, rowwise: bool, columnwise: bool
+                      ) -> list[torch.Tensor]:
+    """[data (if rowwise), data_t (if columnwise), scale_inv]: a tensor's current-scaling
+    copies, as lean_fp8.Cast makes them: the one-launch kernel where the kernels run, with
+    max|x2d| taken by the kernel (`amax` empty: a weight) or given (`amax` [max|x2d|])."""
     data, data_t, scale_inv = lean_fp8.Cast(_fp8_dtype(e5m2), 0.0, power_2_scale)(
-        weight.detach(), rowwise=rowwise, columnwise=columnwise)
+        x2d.detach(), rowwise=rowwise, columnwise=columnwise, amax=amax[0] if amax else None)
     return [t for t in (data, data_t) if t is not None] + [scale_inv.reshape(1)]
 
 
-def _weight_cast_fake(weight, e5m2, power_2_scale, rowwise, columnwise):
-    n, k = weight.shape
+def _current_cast_fake(x2d, amax, e5m2, power_2_scale, rowwise, columnwise):
+    m, k = x2d.shape
     dtype = _fp8_dtype(e5m2)
-    return ([weight.new_empty((n, k), dtype=dtype)] if rowwise else []) + (
-        [weight.new_empty((k, n), dtype=dtype)] if columnwise else []) + [
-        weight.new_empty((1,), dtype=torch.float32)]
+    return ([x2d.new_empty((m, k), dtype=dtype)] if rowwise else []) + (
+        [x2d.new_empty((k, m), dtype=dtype)] if columnwise else []) + [
+        x2d.new_empty((1,), dtype=torch.float32)]
 
 
-_weight_cast = define_op("weight_cast", weight_cast_impl, _weight_cast_fake)
+_current_cast = define_op("current_cast", current_cast_impl, _current_cast_fake)
 
 
 def _weight_copies(spec: int, weight: torch.Tensor, *, rowwise: bool, columnwise: bool):
     """(data or None, data_t or None, scale_inv) of the weight, through the op."""
-    outputs = iter(_weight_cast(weight, bool(spec & _E5M2["weight"]),
-                                bool(spec & _POW2["weight"]), rowwise, columnwise))
+    outputs = iter(_current_cast(weight, [], bool(spec & _E5M2["weight"]),
+                                 bool(spec & _POW2["weight"]), rowwise, columnwise))
     data = next(outputs) if rowwise else None
     data_t = next(outputs) if columnwise else None
     return data, data_t, next(outputs)
