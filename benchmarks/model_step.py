@@ -477,7 +477,9 @@ def environment(device: str) -> dict:
         except Exception:  # noqa: BLE001 - absent or broken: recorded as None
             versions[name] = None
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+        # --dirty: the device machine runs a copy of the working tree on the session's first
+        # commit, so a bare HEAD named a source the run did not have
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                                 text=True, timeout=10, cwd=Path(__file__).parent).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
