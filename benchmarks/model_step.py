@@ -21,7 +21,9 @@ in one process, from the same seed (equal initial weights) on the same random to
                                          backward instead of kept, as torchao's are)
   fp8-current[-lowmem]-graphcasts-<mode>  the same with the casts in the traced graph
                                          (minifloat.modules.graph_casts, switched on for the
-                                         row's steps; MINIFLOAT_GRAPH_CASTS=1 does it for all)
+                                         row's steps, as they are by default for compiles
+                                         without CUDA graphs; MINIFLOAT_GRAPH_CASTS=1 does it
+                                         for all)
   <any>-compiled-reduce-overhead         the same with torch.compile(mode="reduce-overhead")
                                          (--compile-mode reduce-overhead|both adds them)
   <kind>-graphed                         eager, forward+loss+backward captured as CUDA graphs
@@ -165,16 +167,17 @@ class RowSpec:
         return cls(name, kind, compiled, mode)
 
 
-def recipe_context(recipe, graph_casts: bool = False) -> contextlib.AbstractContextManager:
+def recipe_context(recipe, graph_casts: bool | None = None) -> contextlib.AbstractContextManager:
     """What a row's forward runs under: minifloat.autocast(recipe) (nothing without a recipe),
-    with the casts in the traced graph switched on for -graphcasts rows."""
+    with the casts in the traced graph switched on (True: -graphcasts rows) or off (False), or
+    left to the library (None: on wherever the compile runs without CUDA graphs)."""
     context = contextlib.ExitStack()
     if recipe is not None:
         import minifloat as mf
         from minifloat.modules import graph_casts as graph_casts_module
 
-        if graph_casts:
-            context.enter_context(graph_casts_module.switched(True))
+        if graph_casts is not None:
+            context.enter_context(graph_casts_module.switched(graph_casts))
         context.enter_context(mf.autocast(recipe=recipe))
     return context
 
@@ -192,7 +195,7 @@ class TrainStep:
     loss_fn: Callable[[torch.Tensor], torch.Tensor]
     optimizer: torch.optim.Optimizer
     recipe: object | None = None
-    graph_casts: bool = False  # the casts in the traced graph during this row's steps
+    graph_casts: bool | None = None  # True: the casts in the traced graph (None: by default)
     mark_step: bool = False
     host16: bool = True  # whether the 16-token forward+backward is measured for this row
     keep: list = field(default_factory=list)  # objects that must outlive the step (graphs)
@@ -285,7 +288,7 @@ def prepare_row(spec: RowSpec, model: torch.nn.Module, device: str,
         loss_fn = torch.compile(model.loss, mode=None if spec.compile_mode == "default"
                                 else spec.compile_mode)
     return TrainStep(model, loss_fn, make_optimizer(model), recipe=recipe,
-                     graph_casts=spec.kind.endswith(GRAPH_CASTS),
+                     graph_casts=True if spec.kind.endswith(GRAPH_CASTS) else None,
                      mark_step=spec.compile_mode == "reduce-overhead",
                      host16=not (spec.compiled or spec.graphed), conversion=conversion)
 

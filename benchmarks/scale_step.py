@@ -16,9 +16,10 @@ of one mesh, each rank on its own random token batches (data parallel):
   fp8-current-fp8-gather-eager / -compiled   the same with FP8 all-gather
   mxfp8-lp-gather-eager, nvfp4-lp-gather-eager  MXFP8 / NVFP4 weights gathered quantized (on
                                              Hopper their GEMMs are emulated: see BENCHMARKS.md)
-  fp8-current-bf16-gather-compiled-graphcasts  the casts in the traced graph
-                                             (minifloat.modules.graph_casts): the compiled
-                                             blocks then run no minifloat op's Python a call
+  fp8-current-bf16-gather-compiled-ops       the compiled rows without CUDA graphs take the
+                                             casts in the traced graph by default
+                                             (minifloat.modules.graph_casts); this row forces
+                                             gemm_op's ops instead, to compare the two
 
 Measured per row (after --warmup steps), on every rank, reported for rank 0 with the slowest
 rank's median alongside:
@@ -86,10 +87,10 @@ ROWS = {  # name: (kind, low-precision all-gather, compiled)
     "fp8-current-fp8-gather-compiled": ("fp8-current", True, True),
     "mxfp8-lp-gather-eager": ("mxfp8", True, False),
     "nvfp4-lp-gather-eager": ("nvfp4", True, False),
-    # the casts in the traced graph (minifloat.modules.graph_casts) during the row's steps
-    "fp8-current-bf16-gather-compiled-graphcasts": ("fp8-current", False, True),
+    # gemm_op's ops instead of the graph casts (minifloat.modules.graph_casts) in the row's steps
+    "fp8-current-bf16-gather-compiled-ops": ("fp8-current", False, True),
 }
-GRAPH_CASTS = "-graphcasts"
+OPS = "-ops"
 
 
 @dataclasses.dataclass
@@ -101,7 +102,7 @@ class ShardedStep:
     optimizer: torch.optim.Optimizer
     recipe: object | None = None
     after_optimizer: Callable[[], None] | None = None
-    graph_casts: bool = False
+    graph_casts: bool | None = None  # None: the library's choice
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         with model_step.recipe_context(self.recipe, self.graph_casts):
@@ -160,7 +161,7 @@ def build_row(name: str, config: TorchGPTConfig, device: str, mesh,
     root = fully_shard(model_step.LossOf(model), mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     return ShardedStep(model, root, optimizer, recipe, after_optimizer,
-                       graph_casts=name.endswith(GRAPH_CASTS))
+                       graph_casts=False if name.endswith(OPS) else None)
 
 
 def collective_kernel_ms(step: ShardedStep, tokens: torch.Tensor,

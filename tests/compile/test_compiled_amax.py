@@ -17,13 +17,15 @@ import torch
 from test_compile import _step
 
 import minifloat as mf
-from minifloat.modules import lean_fp8, lean_ops
+from minifloat.modules import graph_casts, lean_fp8, lean_ops
 
 
 @pytest.fixture
 def given_amaxes(monkeypatch):
-    """The lean path on CPU tensors; records the amax each compiled op call was given."""
+    """The lean path on CPU tensors; records the amax each compiled op call was given. The ops,
+    not the graph casts, which inductor without CUDA graphs would take by default."""
     monkeypatch.setattr(lean_fp8, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(graph_casts, "ENABLED", False)
     seen = {"forward": [], "backward": []}
     forward, backward = lean_ops.lean_forward, lean_ops.lean_backward
 

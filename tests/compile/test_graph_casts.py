@@ -155,3 +155,56 @@ def test_switching_the_path_retraces_the_compiled_function(monkeypatch):
     assert any("minifloat.gemms_forward" in name for name in ops)
     assert not any("minifloat.gemms_forward" in name for name in casts)
     assert any("_scaled_mm" in name for name in casts)
+
+
+def test_the_compile_mode_is_read_from_the_backend():
+    """compiled_without_cuda_graphs: True under inductor without CUDA graphs (the default mode,
+    max-autotune-no-cudagraphs), False under reduce-overhead, another backend, or eagerly. If a
+    torch release moves what it reads, this fails rather than the default silently changing."""
+    seen = []
+
+    def probe(x):
+        seen.append(graph_casts.compiled_without_cuda_graphs())
+        return x + 1
+
+    for options in ({}, {"mode": "max-autotune-no-cudagraphs"}, {"mode": "reduce-overhead"},
+                    {"backend": "aot_eager"}):
+        torch._dynamo.reset()
+        torch.compile(probe, fullgraph=True, **options)(torch.ones(2))
+    assert seen == [True, True, False, False]
+    assert graph_casts.compiled_without_cuda_graphs() is False  # not compiling
+
+
+@pytest.mark.parametrize("mode, graph_path", [(None, True), ("reduce-overhead", False)],
+                         ids=["default-mode", "reduce-overhead"])
+def test_by_default_the_path_follows_the_compile_mode(monkeypatch, mode, graph_path):
+    """ENABLED None (no MINIFLOAT_GRAPH_CASTS): inductor without CUDA graphs traces the graph
+    casts, reduce-overhead gemm_op's ops. The backend is torch.compile's inductor wrapper for
+    that mode, made to record dynamo's graph instead of compiling it."""
+    monkeypatch.setattr(graph_casts, "ENABLED", None)
+    graphs = []
+
+    class RecordingInductor(torch._TorchCompileInductorWrapper):
+        def __call__(self, graph_module, example_inputs):
+            graphs.append(graph_module)
+            return graph_module.forward
+
+    torch.manual_seed(0)
+    backend = RecordingInductor(mode, None, False)
+    _results(torch.compile(Block(), backend=backend, fullgraph=True), mf.Float8CurrentScaling())
+    (graph,) = graphs
+    names = _op_names(graph)
+    assert any("_scaled_mm" in name for name in names) == graph_path, graph.code
+    assert any("minifloat.gemms_forward" in name for name in names) != graph_path, graph.code
+
+
+@pytest.mark.parametrize("value, expected", [("", None), ("1", True), ("0", False)])
+def test_the_environment_switch(monkeypatch, value, expected):
+    monkeypatch.setenv("MINIFLOAT_GRAPH_CASTS", value)
+    assert graph_casts._from_environment() is expected
+
+
+def test_an_unknown_environment_value_names_the_choices(monkeypatch):
+    monkeypatch.setenv("MINIFLOAT_GRAPH_CASTS", "yes")
+    with pytest.raises(ValueError, match="set it to 1 .* 0 .* or leave it unset"):
+        graph_casts._from_environment()

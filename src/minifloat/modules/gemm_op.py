@@ -555,9 +555,9 @@ def compiled_gemms(
             raise NotImplementedError(
                 "weight.main_grad accumulation does not run under torch.compile yet; "
                 "let autograd produce weight.grad")
-    if graph_casts.ENABLED and not state and len(gemms) == 1 and len(weights) == 1:
+    if graph_casts.ENABLED is not False and not state and len(gemms) == 1 and len(weights) == 1:
         spec = _graph_cast_spec(plan, gemms[0])
-        if graph_casts.applies(spec, x, weights[0]):  # every cast in the traced graph
+        if graph_casts.applies(spec, x, weights[0]) and graph_casts.wanted():
             return graph_casts.GraphCastGemm.apply(
                 x, weights[0], biases[0], spec, need_dgrad, need_wgrad,
                 rebuild and rebuild_applies(plan, gemms), save_original_input)

@@ -1,11 +1,14 @@
-"""FP8 current scaling under torch.compile with the casts and GEMMs in the traced graph
-(opt-in: MINIFLOAT_GRAPH_CASTS=1).
+"""FP8 current scaling under torch.compile with the casts and GEMMs in the traced graph: by
+default wherever inductor compiles without CUDA graphs (MINIFLOAT_GRAPH_CASTS=1 always, =0
+never).
 
 Why: without CUDA graphs (FSDP2's compiled blocks, the default compile mode) the compiled step
 is host-bound, and the lean path's GEMM ops spend their host time in Python (the ops'
 dispatch, the plans, the launches): at 1b under FSDP2 on one H200, 145 ms a step against 125
-with the GEMMs and the casts in the graph, which inductor's wrapper launches directly
-(BENCHMARKS.md, twentieth session). With CUDA graphs the ops path stays ahead on the GPU.
+with the GEMMs and the casts in the graph, which inductor's wrapper launches directly; 3-29%
+faster in each of four FSDP2 runs (BENCHMARKS.md, twentieth session). Under CUDA graphs
+(reduce-overhead) no Python runs a step, and the ops path's GPU work is 1.9% less, so it stays
+there: compiled_without_cuda_graphs reads the mode from the backend dynamo traces for.
 
 What runs: `GraphCastGemm`, an autograd.Function dynamo traces through, makes the GEMMs with
 gemm_paths.scaled_mm_bytes (the same torch._scaled_mm call as every other path) and the casts:
@@ -34,20 +37,33 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 
 import torch
+from torch._dynamo.symbolic_convert import InstructionTranslator
 
 from ..gemm_paths import scaled_mm_bytes
 from . import lean_fp8
 from .input_recast import per_tensor_cast, tensor_maximum
 from .op_define import define_op
 
-ENABLED = os.environ.get("MINIFLOAT_GRAPH_CASTS", "0") == "1"
+
+def _from_environment() -> bool | None:
+    value = os.environ.get("MINIFLOAT_GRAPH_CASTS", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"MINIFLOAT_GRAPH_CASTS={value!r}: set it to 1 (the casts in the traced "
+                         "graph always), 0 (never), or leave it unset (wherever inductor "
+                         "compiles without CUDA graphs)")
+    return {"1": True, "0": False}.get(value)
+
+
+# True: always, False: never, None (the default): wherever inductor compiles without CUDA graphs
+ENABLED: bool | None = _from_environment()
 
 
 @contextlib.contextmanager
-def switched(on: bool = True) -> Iterator[None]:
+def switched(on: bool | None = True) -> Iterator[None]:
     """ENABLED set to `on` inside, restored after (benchmarks compare both paths in one
     process). Dynamo guards on ENABLED, so a compiled function traced with one value is traced
     again when called with the other."""
@@ -57,6 +73,42 @@ def switched(on: bool = True) -> Iterator[None]:
         yield
     finally:
         ENABLED = before
+
+
+def wanted() -> bool:
+    """Whether the function being traced takes this path: ENABLED where it is set, else
+    whether its compile runs without CUDA graphs (compiled_without_cuda_graphs)."""
+    return ENABLED if ENABLED is not None else compiled_without_cuda_graphs()
+
+
+# torch.compile's backend object for inductor (a private class: absent, nothing matches it)
+_INDUCTOR_WRAPPER = getattr(torch, "_TorchCompileInductorWrapper", type(None))
+
+
+@torch._dynamo.assume_constant_result
+def compiled_without_cuda_graphs() -> bool:
+    """Whether the compile that is tracing the caller is inductor's without CUDA graphs (the
+    default mode and FSDP2's compiled blocks: host-bound, where this path is faster), read
+    from the backend dynamo was given: torch.compile's inductor wrapper keeps its mode's
+    settings in `config` (reduce-overhead: {"triton.cudagraphs": True}), else inductor's
+    global setting counts. Any other backend, or a torch whose tracer does not show it: False,
+    and gemm_op's ops serve (their casts win under CUDA graphs, BENCHMARKS.md twentieth
+    session). A constant to dynamo: no guard, and each compile asks again."""
+    try:
+        backend = InstructionTranslator.current_tx().output.compiler_fn
+    except (AttributeError, RuntimeError, AssertionError):
+        return False
+    for _ in range(8):  # debug wrappers around the backend
+        config = getattr(backend, "config", None)
+        if isinstance(backend, _INDUCTOR_WRAPPER) and isinstance(config, dict):
+            inductor = sys.modules.get("torch._inductor.config")
+            default = bool(inductor and inductor.triton.cudagraphs)
+            return not config.get("triton.cudagraphs", default)
+        backend = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(
+            backend, "compiler_fn", None)
+        if backend is None:
+            return False
+    return False
 
 
 # the spec's bits: the plan applies; E5M2 (else E4M3) and power-of-2 scales per cast
@@ -82,8 +134,7 @@ def spec_of(plan: lean_fp8.LeanPlan | None) -> int:
 
 def applies(spec: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a call takes this path (trace-time facts only: constants, shapes, types)."""
-    if not (ENABLED and spec & APPLIES) or type(weight) not in (torch.nn.Parameter,
-                                                                torch.Tensor):
+    if not spec & APPLIES or type(weight) not in (torch.nn.Parameter, torch.Tensor):
         return False
     n, k = weight.shape
     return (x.dim() > 0 and x.dtype == weight.dtype and x.is_contiguous()
