@@ -45,7 +45,7 @@ from torch._dynamo.symbolic_convert import InstructionTranslator
 
 from ..gemm_paths import scaled_mm_bytes
 from . import lean_fp8
-from .input_recast import per_tensor_cast, tensor_maximum
+from .input_recast import fp8_dtype_of, per_tensor_cast, tensor_maximum
 from .op_define import define_op
 
 
@@ -152,12 +152,8 @@ def _cast(spec: int, role: str, x2d: torch.Tensor, *, rowwise: bool, columnwise:
         data, data_t, scale_inv = _current_cast(x2d, [amax.reshape(1)], e5m2, power_2_scale,
                                                 True, True)
         return data, data_t, scale_inv
-    return per_tensor_cast(x2d, _fp8_dtype(e5m2), 0.0, power_2_scale, rowwise=rowwise,
+    return per_tensor_cast(x2d, fp8_dtype_of(e5m2), 0.0, power_2_scale, rowwise=rowwise,
                            columnwise=columnwise, amax=amax)
-
-
-def _fp8_dtype(e5m2: bool) -> torch.dtype:
-    return torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
 
 
 def current_cast_impl(x2d: torch.Tensor, amax: list[torch.Tensor], e5m2: bool,
@@ -166,14 +162,14 @@ def current_cast_impl(x2d: torch.Tensor, amax: list[torch.Tensor], e5m2: bool,
     """[data (if rowwise), data_t (if columnwise), scale_inv]: a tensor's current-scaling
     copies, as lean_fp8.Cast makes them: the one-launch kernel where the kernels run, with
     max|x2d| taken by the kernel (`amax` empty: a weight) or given (`amax` [max|x2d|])."""
-    data, data_t, scale_inv = lean_fp8.Cast(_fp8_dtype(e5m2), 0.0, power_2_scale)(
+    data, data_t, scale_inv = lean_fp8.Cast(fp8_dtype_of(e5m2), 0.0, power_2_scale)(
         x2d.detach(), rowwise=rowwise, columnwise=columnwise, amax=amax[0] if amax else None)
     return [t for t in (data, data_t) if t is not None] + [scale_inv.reshape(1)]
 
 
 def _current_cast_fake(x2d, amax, e5m2, power_2_scale, rowwise, columnwise):
     m, k = x2d.shape
-    dtype = _fp8_dtype(e5m2)
+    dtype = fp8_dtype_of(e5m2)
     return ([x2d.new_empty((m, k), dtype=dtype)] if rowwise else []) + (
         [x2d.new_empty((k, m), dtype=dtype)] if columnwise else []) + [
         x2d.new_empty((1,), dtype=torch.float32)]

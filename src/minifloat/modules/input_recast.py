@@ -34,6 +34,11 @@ from .linear_function import keep_for_backward
 from .op_define import define_op
 
 
+def fp8_dtype_of(e5m2: bool) -> torch.dtype:
+    """The FP8 dtype an op's `e5m2` flag names (ops take flags, not dtypes, in their schema)."""
+    return torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+
+
 def _per_tensor_scales_impl(amax: torch.Tensor, e5m2: bool, amax_epsilon: float,
                             power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, scale_inv) of per-tensor current scaling for `amax`: the reference's arithmetic,
@@ -46,7 +51,7 @@ def _per_tensor_scales_impl(amax: torch.Tensor, e5m2: bool, amax_epsilon: float,
     160 calls (BENCHMARKS.md, twentieth session)."""
     if kernels.available(amax):
         return kernel_module("amax").scales_from_amax(amax, e5m2, amax_epsilon, power_2_scale)
-    fp8_max = numerics.fp8_format(torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn).max_value
+    fp8_max = numerics.fp8_format(fp8_dtype_of(e5m2)).max_value
     scale = numerics.scale_from_amax(amax, fp8_max, amax_epsilon=amax_epsilon,
                                      power_2_scale=power_2_scale)
     return scale, torch.reciprocal(scale)

@@ -27,6 +27,7 @@ import math
 import torch
 
 from ..gemm_paths import scaled_mm_bytes
+from .input_recast import tensor_maximum
 from .lean_fp8 import LeanPlan, applies, forward_gemm, shapes_apply, weight_transpose
 from .linear_function import BACKWARD_SLOTS, FORWARD_SLOTS
 
@@ -112,9 +113,7 @@ def compiled_amax(x: torch.Tensor) -> list[torch.Tensor]:
     and slow down by about what the second read cost; the step gained about 1 ms (GPU time
     72.8 -> 71.7 ms, KERNEL_NOTES.md, eighteenth session). A maximum is exact however it is
     computed, so the bytes do not change."""
-    if x.numel() == 0:
-        return []
-    return [torch.amax(x.abs()).float().reshape(1)]
+    return [] if x.numel() == 0 else [tensor_maximum(x).reshape(1)]
 
 
 def forward_applies(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
