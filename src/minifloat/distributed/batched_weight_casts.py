@@ -22,6 +22,7 @@ itself.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -41,10 +42,16 @@ def batchable(quantizer: Quantizer) -> bool:
 
 class WeightCastBatch:
     """The current-scaling weights of one model (module, parameter name) and the gather
-    inputs last made for each: (the shard's version when made, the mesh, the inputs)."""
+    inputs last made for each: (the shard's version when made, the mesh, the inputs).
+
+    The modules are held by weak reference: every wrapped shard holds the batch, and a strong
+    path back from the batch to the modules (and so to the shards) would make a cycle through
+    tensors that Python's collector does not traverse (a tensor that C++ also holds, such as
+    a parameter, hides its attributes from it), and the whole model would outlive its last
+    user's reference."""
 
     def __init__(self) -> None:
-        self.members: list[tuple[nn.Module, str, Quantizer]] = []
+        self.members: list[tuple[weakref.ref[nn.Module], str, Quantizer]] = []
         self.made: dict[int, tuple[tuple[int, int], Any, tuple]] = {}
         optimizer_steps.watch()
 
@@ -52,7 +59,7 @@ class WeightCastBatch:
         output = quantizer.copy()  # what the gathered storage records, as a quantize call's
         output.set_usage(rowwise=True, columnwise=False)
         output.internal = True
-        self.members.append((module, name, output))
+        self.members.append((weakref.ref(module), name, output))
         return len(self.members) - 1
 
     def _version(self, index: int) -> tuple[int, int]:
@@ -60,7 +67,7 @@ class WeightCastBatch:
         the version counter of its parameter (the FSDP2 DTensor; in-place ops on it bump it,
         the wrappers inside see none: tensor subclasses run below autograd)."""
         module, name, _ = self.members[index]
-        return optimizer_steps.count(), getattr(module, name)._version
+        return optimizer_steps.count(), getattr(module(), name)._version
 
     def gather_inputs(self, index: int, mesh) -> tuple | None:
         """The (all-gather inputs, metadata) of member `index`, made with the whole batch when
@@ -80,7 +87,7 @@ class WeightCastBatch:
 
         groups: dict[tuple, list[tuple[int, torch.Tensor, Quantizer]]] = {}
         for index, (module, name, quantizer) in enumerate(self.members):
-            parameter = getattr(module, name, None)
+            parameter = getattr(module(), name, None)
             local = getattr(parameter, "_local_tensor", parameter)
             if (not isinstance(local, LowPrecisionGatherWeight)
                     or getattr(parameter, "device_mesh", None) != mesh):
