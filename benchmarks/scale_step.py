@@ -5,7 +5,7 @@ weight all-gathers then cost time and memory that a one-GPU step does not show. 
 all-gather (minifloat.distributed.enable_low_precision_all_gather; torchao's
 enable_fsdp_float8_all_gather) moves one byte per weight element instead of two. Every row trains
 the same plain-PyTorch model (minifloat.models.torch_gpt, bf16 parameters, LM head kept in bf16,
-foreach AdamW over the sharded parameters), each block and then the root sharded over all ranks
+fused AdamW over the sharded parameters), each block and then the root sharded over all ranks
 of one mesh, each rank on its own random token batches (data parallel):
 
   bf16-eager, bf16-compiled                  plain PyTorch (compiled: each block compiled)
@@ -16,6 +16,11 @@ of one mesh, each rank on its own random token batches (data parallel):
   fp8-current-fp8-gather-eager / -compiled   the same with FP8 all-gather
   mxfp8-lp-gather-eager, nvfp4-lp-gather-eager  MXFP8 / NVFP4 weights gathered quantized (on
                                              Hopper their GEMMs are emulated: see BENCHMARKS.md)
+  bf16[-compiled]-graphed, fp8-current-{bf16,fp8}-gather[-compiled]-graphed
+                                             the whole step (forward, backward, collectives,
+                                             optimizer) captured as one CUDA graph after two
+                                             eager steps and replayed
+                                             (minifloat.make_graphed_step)
   fp8-current-bf16-gather-compiled-ops       the compiled rows without CUDA graphs take the
                                              casts in the traced graph by default
                                              (minifloat.modules.graph_casts); this row forces
@@ -29,7 +34,8 @@ rank's median alongside:
 - steady_peak_gib: this rank's peak over the timed steps alone (the statistics reset after the
   warmup steps), so a peak that compilation or the first steps set shows as the difference.
 - all_gather_bytes / reduce_scatter_bytes: the output bytes of the all-gathers / input bytes of
-  the reduce-scatters of one step on rank 0 (minifloat.distributed.count_collective_bytes).
+  the reduce-scatters of one step on rank 0 (minifloat.distributed.count_collective_bytes; 0
+  for -graphed rows, whose replays call no Python).
 - all_gather_ms / reduce_scatter_ms: summed GPU time of NCCL AllGather / ReduceScatter kernels in
   one step under torch.profiler (they overlap compute, so they are not step time).
 - speedup_vs_bf16_eager / _compiled; weak_scaling_efficiency: this row's tokens/s per GPU over the
@@ -89,8 +95,16 @@ ROWS = {  # name: (kind, low-precision all-gather, compiled)
     "nvfp4-lp-gather-eager": ("nvfp4", True, False),
     # gemm_op's ops instead of the graph casts (minifloat.modules.graph_casts) in the row's steps
     "fp8-current-bf16-gather-compiled-ops": ("fp8-current", False, True),
+    # steps captured whole as one CUDA graph (minifloat.make_graphed_step)
+    "bf16-graphed": ("bf16", False, False),
+    "fp8-current-bf16-gather-graphed": ("fp8-current", False, False),
+    "fp8-current-fp8-gather-graphed": ("fp8-current", True, False),
+    "bf16-compiled-graphed": ("bf16", False, True),
+    "fp8-current-bf16-gather-compiled-graphed": ("fp8-current", False, True),
+    "fp8-current-fp8-gather-compiled-graphed": ("fp8-current", True, True),
 }
 OPS = "-ops"
+GRAPHED = "-graphed"
 
 
 @dataclasses.dataclass
@@ -116,7 +130,8 @@ class ShardedStep:
 
 
 def build_row(name: str, config: TorchGPTConfig, device: str, mesh,
-              blocks_per_unit: int = 1) -> ShardedStep:
+              blocks_per_unit: int = 1, reshard_after_forward: bool = True
+              ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The row's model: converted, maybe compiled per block, sharded in units of
     blocks_per_unit consecutive blocks (fully_shard of a list: one all-gather, one
     reduce-scatter and one set of hooks per unit)."""
@@ -155,13 +170,24 @@ def build_row(name: str, config: TorchGPTConfig, device: str, mesh,
             block.compile()
     for first in range(0, len(blocks), blocks_per_unit):
         unit = blocks[first:first + blocks_per_unit]
-        fully_shard(unit[0] if len(unit) == 1 else unit, mesh=mesh)
+        fully_shard(unit[0] if len(unit) == 1 else unit, mesh=mesh,
+                    reshard_after_forward=reshard_after_forward)
     # The root's hooks gather the embeddings, final norm and head: FSDP2 runs them around a
     # module call, so the loss (model.loss calls forward directly) is wrapped as one.
     root = fully_shard(model_step.LossOf(model), mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    return ShardedStep(model, root, optimizer, recipe, after_optimizer,
+    graphed = name.endswith(GRAPHED)
+    if graphed and device != "cuda":
+        raise model_step.RowSkipped("CUDA-graph capture needs CUDA")
+    # fused (torch's fastest AdamW, model_step's too; FSDP2's DTensors take it), capturable
+    # where the step is captured
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graphed)
+    step = ShardedStep(model, root, optimizer, recipe, after_optimizer,
                        graph_casts=False if name.endswith(OPS) else None)
+    if graphed:
+        from minifloat import make_graphed_step
+
+        return make_graphed_step(step, num_warmup_iters=2)
+    return step
 
 
 def collective_kernel_ms(step: ShardedStep, tokens: torch.Tensor,
@@ -192,8 +218,8 @@ def collective_kernel_ms(step: ShardedStep, tokens: torch.Tensor,
     return times
 
 
-def measure(step: ShardedStep, batches: list[torch.Tensor], warmup: int, steps: int,
-            device: str, profile_file: Path | None = None) -> dict:
+def measure(step: Callable[[torch.Tensor], torch.Tensor], batches: list[torch.Tensor], warmup: int,
+            steps: int, device: str, profile_file: Path | None = None) -> dict:
     result: dict = {}
     model_step._sync(device)
     start = time.perf_counter()
@@ -266,7 +292,8 @@ def host_profile(step: ShardedStep, batches: list[torch.Tensor], device: str, na
 
 def run_row(name: str, config: TorchGPTConfig, batches: list[torch.Tensor], warmup: int,
             steps: int, mesh, device: str, profile_dir: Path | None = None,
-            host_profile_dir: Path | None = None, blocks_per_unit: int = 1) -> dict:
+            host_profile_dir: Path | None = None, blocks_per_unit: int = 1,
+            reshard_after_forward: bool = True) -> dict:
     """One row on every rank; failures are recorded (the same on every rank, or the run hangs)."""
     row: dict = {"row": name}
     if device == "cuda":
@@ -274,7 +301,7 @@ def run_row(name: str, config: TorchGPTConfig, batches: list[torch.Tensor], warm
         torch.cuda.reset_peak_memory_stats()
     step = None
     try:
-        step = build_row(name, config, device, mesh, blocks_per_unit)
+        step = build_row(name, config, device, mesh, blocks_per_unit, reshard_after_forward)
         profile_file = None
         if profile_dir is not None and dist.get_rank() == 0:
             profile_dir.mkdir(parents=True, exist_ok=True)
@@ -375,6 +402,10 @@ def main(argv: list[str] | None = None) -> int:
                              "block); fewer units, fewer hooks and collectives a step")
     parser.add_argument("--host-profile", type=Path, default=None, metavar="DIR",
                         help="per rank: synchronizing calls of a step and a cProfile of one")
+    parser.add_argument("--keep-gathered", action="store_true",
+                        help="fully_shard(reshard_after_forward=False) for every row: backward "
+                             "reuses forward's gathered weights instead of gathering again "
+                             "(more memory, a gather less a unit)")
     args = parser.parse_args(argv)
     if args.blocks_per_unit < 1:
         parser.error(f"--blocks-per-unit must be at least 1, got {args.blocks_per_unit}")
@@ -406,14 +437,16 @@ def main(argv: list[str] | None = None) -> int:
     env = model_step.environment(device)
     data = {"benchmark": "scale_step", **env, "world_size": world, "preset": args.preset,
             "config": dataclasses.asdict(config), "steps": args.steps, "warmup": args.warmup,
-            "blocks_per_unit": args.blocks_per_unit,
+            "blocks_per_unit": args.blocks_per_unit, "keep_gathered": args.keep_gathered,
             "rows": []}
     slug = model_step.device_slug(env)
-    unit = f"_u{args.blocks_per_unit}" if args.blocks_per_unit > 1 else ""
+    unit = (f"_u{args.blocks_per_unit}" if args.blocks_per_unit > 1 else "") + (
+        "_kept" if args.keep_gathered else "")
     out = args.out / f"scale_step_{slug}_{args.preset}_n{world}{unit}.json"
     for name in names:
         row = run_row(name, config, batches, args.warmup, args.steps, mesh, device,
-                      args.profile_dir, args.host_profile, args.blocks_per_unit)
+                      args.profile_dir, args.host_profile, args.blocks_per_unit,
+                      not args.keep_gathered)
         across_ranks(row, device)
         if rank == 0:
             data["rows"].append(row)

@@ -51,6 +51,7 @@ from .recipes import (
     Recipe,
 )
 from .serialization import register_safe_globals
+from .step_graphs import GraphedStep, make_graphed_step
 
 __version__ = "0.1.0"
 
@@ -79,6 +80,8 @@ __all__ = [
     "factories",
     "general_gemm",
     "make_graphed_callables",
+    "make_graphed_step",
+    "GraphedStep",
     "quantized_model_init",
     "rebuild_weight_copies_in_backward",
     "save_original_inputs",

@@ -157,6 +157,12 @@ def update_delayed_backward_scales() -> None:
         pending.update_backward()
 
 
+def pending_delayed_round() -> DelayedScalingRound | None:
+    """The last outermost autocast's round, whose backward update the next entry applies
+    (None once applied, or when no autocast ran)."""
+    return _BACKWARD_PENDING
+
+
 def forward_pass() -> int:
     """The number of the current outermost autocast (0 before any): a new one per forward pass
     when each forward enters autocast, as training loops and micro-batches do."""
