@@ -57,8 +57,8 @@ collectives and hooks; fewer units mean fewer of them a step, at the cost of lar
 Usage (one process per GPU):
   torchrun --standalone --nproc-per-node N benchmarks/scale_step.py [--preset 1b]
       [--rows bf16-eager,...] [--steps 10] [--warmup 3] [--out DIR] [--host-profile DIR]
-      [--blocks-per-unit N]
-Writes DIR/scale_step_<gpu>_<preset>_n<N>.json (default DIR benchmarks/results).
+      [--blocks-per-unit N] [--keep-gathered]
+Writes DIR/scale_step_<gpu>_<preset>_n<N>[_u<N>][_kept].json (default DIR benchmarks/results).
 """
 
 from __future__ import annotations
@@ -378,8 +378,10 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def one_gpu_rates(folder: Path, slug: str, preset: str) -> dict[str, float]:
-    path = folder / f"scale_step_{slug}_{preset}_n1.json"
+def one_gpu_rates(folder: Path, slug: str, preset: str, suffix: str = "") -> dict[str, float]:
+    """Each row's tokens/s in the one-GPU result file of the same settings (suffix: _u<N>,
+    _kept), if it is there."""
+    path = folder / f"scale_step_{slug}_{preset}_n1{suffix}.json"
     if not path.exists():
         return {}
     return {row["row"]: row["tokens_per_s_per_gpu"]
@@ -440,9 +442,9 @@ def main(argv: list[str] | None = None) -> int:
             "blocks_per_unit": args.blocks_per_unit, "keep_gathered": args.keep_gathered,
             "rows": []}
     slug = model_step.device_slug(env)
-    unit = (f"_u{args.blocks_per_unit}" if args.blocks_per_unit > 1 else "") + (
+    suffix = (f"_u{args.blocks_per_unit}" if args.blocks_per_unit > 1 else "") + (
         "_kept" if args.keep_gathered else "")
-    out = args.out / f"scale_step_{slug}_{args.preset}_n{world}{unit}.json"
+    out = args.out / f"scale_step_{slug}_{args.preset}_n{world}{suffix}.json"
     for name in names:
         row = run_row(name, config, batches, args.warmup, args.steps, mesh, device,
                       args.profile_dir, args.host_profile, args.blocks_per_unit,
@@ -451,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             data["rows"].append(row)
             add_ratios(data["rows"], config.batch_size * config.seq_len,
-                       one_gpu_rates(args.out, slug, args.preset) if world > 1 else {})
+                       one_gpu_rates(args.out, slug, args.preset, suffix) if world > 1 else {})
             args.out.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(data, indent=2))
             print(f"{name}: {row.get('ms_per_step', row.get('error') or row.get('skipped'))}",
