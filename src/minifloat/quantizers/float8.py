@@ -33,13 +33,22 @@ class Float8Storage(QuantizedStorage):
         return data.float(), self.scale_inv
 
     def _derive_rowwise(self) -> None:
-        self.data = self.data_transpose.t().contiguous()
+        self.data = transposed(self.data_transpose)
 
     def _derive_columnwise(self) -> None:
-        self.data_transpose = self.data.t().contiguous()
+        self.data_transpose = transposed(self.data)
 
     def derives_columnwise(self) -> bool:
         return True
+
+
+def transposed(data: torch.Tensor) -> torch.Tensor:
+    """data.t().contiguous() of FP8 bytes: a tiled Triton transpose where the kernels run
+    (torch's strided copy moved these bytes at about 0.5 TB/s on an H200, kernels/transpose.py),
+    torch's copy elsewhere (the CPU, tracing)."""
+    if kernels.available(data) and data.dim() == 2 and data.is_contiguous():
+        return kernel_module("transpose").transpose_bytes(data)
+    return data.t().contiguous()
 
 
 def _per_tensor_storage(
@@ -56,7 +65,7 @@ def _per_tensor_storage(
     # reshapes only where needed: a kernel already hands over [M, K] data and a [1] scale_inv
     data2d = data if data is None or data.dim() == 2 else data.reshape(-1, x.shape[-1])
     if data_transpose is None and quantizer.columnwise_usage:
-        data_transpose = data2d.t().contiguous()
+        data_transpose = transposed(data2d)
     return Float8Storage(
         shape=x.shape,
         dtype=x.dtype,

@@ -1,0 +1,68 @@
+"""The byte transpose (kernels/transpose.py) equals torch's `x.t().contiguous()` bit for bit, and
+per-tensor FP8 storages derive their other copy with it: full and partial 64 x 64 tiles, one
+row or column, an empty matrix, both FP8 formats and uint8. Runs on CUDA, or on CPU tensors under
+TRITON_INTERPRET=1 (small shapes); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minifloat import kernels
+
+DEVICE = kernels.kernel_device()
+if DEVICE is None:
+    pytest.skip(
+        "needs CUDA with Triton, or TRITON_INTERPRET=1 with Triton", allow_module_level=True
+    )
+
+import minifloat as mf  # noqa: E402
+from minifloat.kernels.transpose import transpose_bytes  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(64, 64), (128, 192), (65, 130), (1, 100), (100, 1), (3, 5), (0, 16)]
+if DEVICE.type == "cuda":
+    SHAPES += [(2048, 6144), (8192, 2048), (1000, 4099)]
+
+
+def random_bytes(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(shape[0] * 7919 + shape[1])
+    values = torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+    return values.view(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_equals_torch_transpose(shape, dtype):
+    x = random_bytes(shape, dtype)
+    out = transpose_bytes(x)
+    expected = x.t().contiguous()
+    assert out.shape == expected.shape and out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_refuses_what_it_cannot_transpose():
+    with pytest.raises(ValueError, match="contiguous 2D tensor of one-byte elements"):
+        transpose_bytes(torch.zeros(4, 4, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous 2D tensor"):
+        transpose_bytes(random_bytes((8, 4), torch.uint8).t())
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (130, 48)])
+def test_a_storage_derives_its_other_copy_through_it(shape):
+    """A rowwise-only current-scaling storage asked for its columnwise copy, and the reverse,
+    hold the bytes of the reference quantization (MINIFLOAT_DISABLE_KERNELS path untouched)."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    quantizer = mf.Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+    both = quantizer(x).quantized_storage
+    quantizer.set_usage(rowwise=True, columnwise=False)
+    rowwise_only = quantizer(x).quantized_storage
+    rowwise_only.update_usage(columnwise=True)
+    assert torch.equal(rowwise_only.data_transpose.view(torch.uint8),
+                       both.data_transpose.view(torch.uint8))
+    quantizer.set_usage(rowwise=False, columnwise=True)
+    columnwise_only = quantizer(x).quantized_storage
+    columnwise_only.update_usage(rowwise=True)
+    assert torch.equal(columnwise_only.data.view(torch.uint8), both.data.view(torch.uint8))
