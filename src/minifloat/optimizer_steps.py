@@ -35,3 +35,10 @@ def watch() -> None:
 def count() -> int:
     """Optimizer steps taken since watch() was first called."""
     return _STEPS[0]
+
+
+def add(steps: int) -> None:
+    """Count `steps` optimizer steps that ran without Python: a replayed CUDA graph's
+    (step_graphs.GraphedStep), whose captured optimizer step calls no hook, so that caches of
+    quantized weights know the weights changed."""
+    _STEPS[0] += steps

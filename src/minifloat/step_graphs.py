@@ -21,6 +21,9 @@ Torch's rules for whole-network capture apply, and the step must follow them:
 - Python in the step runs during warm-up and capture only: what the host decides (a learning
   rate held as a float, logging, a data-dependent branch) stays as captured;
 - the outputs are the same tensors at every replay: clone what must outlive the next call.
+A replay counts the optimizer steps the capture took (minifloat.optimizer_steps), so the
+quantized-weight caches that eager calls read between replays (an evaluation forward under
+FSDP2's FP8 all-gather, the eager weight-cast batch) see that the weights changed.
 Delayed scaling is refused: its scale updates follow the Python of autocast's rounds
 (make_graphed_callables handles them for per-module graphs). Current, block, MXFP8 and NVFP4
 recipes keep no host state between steps; stochastic rounding draws its seeds from torch's
@@ -35,6 +38,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from . import optimizer_steps
 from .autocast import pending_delayed_round, update_delayed_backward_scales
 
 
@@ -63,6 +67,7 @@ class GraphedStep:
         self._structure: Any = None
         self._signature: list[Any] = []
         self._outputs: Any = None
+        self._optimizer_steps = 0  # optimizer steps a replay takes (counted at capture)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, structure, signature = _layout(args, kwargs)
@@ -85,6 +90,7 @@ class GraphedStep:
             if isinstance(captured, torch.Tensor):
                 captured.copy_(leaf)
         self.graph.replay()
+        optimizer_steps.add(self._optimizer_steps)
         return self._outputs
 
     def _capture(self, args: tuple, kwargs: dict, leaves: list[Any], structure: Any,
@@ -93,8 +99,10 @@ class GraphedStep:
         static_args, static_kwargs = structure.unflatten(static)
         update_delayed_backward_scales()  # the last eager step's, before capture
         graph = torch.cuda.CUDAGraph()
+        steps_before = optimizer_steps.count()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             outputs = self.step(*static_args, **static_kwargs)
+        self._optimizer_steps = optimizer_steps.count() - steps_before
         pending = pending_delayed_round()
         if pending is not None and pending.used:
             raise NotImplementedError(
