@@ -113,3 +113,18 @@ def test_delayed_scaling_is_refused_at_capture(monkeypatch):
     run(torch.randn(16, 32))
     with pytest.raises(NotImplementedError, match="does not capture delayed scaling"):
         run(torch.randn(16, 32))
+
+
+def test_a_capture_failure_names_the_usual_causes(monkeypatch):
+    _Recorder().install(monkeypatch)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        if torch.cuda.is_available() and getattr(step, "warm", False):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        step.warm = True
+        return x
+
+    run = mf.make_graphed_step(step, num_warmup_iters=1)
+    run(torch.ones(2))
+    with pytest.raises(RuntimeError, match=r"\.item\(\), \.cpu\(\).*capturable=True"):
+        run(torch.ones(2))

@@ -100,8 +100,15 @@ class GraphedStep:
         update_delayed_backward_scales()  # the last eager step's, before capture
         graph = torch.cuda.CUDAGraph()
         steps_before = optimizer_steps.count()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            outputs = self.step(*static_args, **static_kwargs)
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                outputs = self.step(*static_args, **static_kwargs)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"capturing the step as a CUDA graph failed: {error}. A captured step may not "
+                "wait for the GPU on the host (.item(), .cpu(), printing a CUDA tensor, a "
+                "non-capturable optimizer: pass fused=True or capturable=True); run those "
+                "outside the step, on its returned tensors") from error
         self._optimizer_steps = optimizer_steps.count() - steps_before
         pending = pending_delayed_round()
         if pending is not None and pending.used:
