@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import minifloat as mf
+from train_steps import loss_step
 
 
 def test_no_warm_up_is_refused():
@@ -59,17 +60,13 @@ class _Recorder:
 
 def _training_step(recipe=None):
     model = mf.Linear(32, 32)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inner = loss_step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      recipe or mf.Float8CurrentScaling())
     calls = []
 
     def step(x: torch.Tensor) -> torch.Tensor:
         calls.append(x.shape)
-        with mf.autocast(recipe=recipe or mf.Float8CurrentScaling()):
-            loss = model(x).float().pow(2).mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return inner(x)
 
     return step, calls
 

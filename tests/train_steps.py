@@ -24,3 +24,18 @@ def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, recipe: m
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return [y.detach(), x.grad, *grads]
+
+
+def loss_step(model: nn.Module, optimizer: torch.optim.Optimizer, recipe: mf.Recipe):
+    """A whole training step as a function of the input (what make_graphed_step captures):
+    forward under `recipe`, backward of mean(y^2), the optimizer step; returns the loss."""
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with mf.autocast(recipe=recipe):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step

@@ -24,6 +24,7 @@ from minifloat.distributed import (
     post_all_gather_processing,
     quantize_master_weights,
 )
+from train_steps import loss_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -147,15 +148,7 @@ def _train_stepping(name: str, graphed: bool) -> list[torch.Tensor]:
     enable_low_precision_all_gather(model, recipe)
     _shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True, capturable=True)
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        with mf.autocast(recipe=recipe):
-            loss = model(x).float().pow(2).mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
+    step = loss_step(model, optimizer, recipe)
     run = mf.make_graphed_step(step) if graphed else step
     generator = torch.Generator(device="cuda").manual_seed(2)
     results = [run(torch.randn(ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16,

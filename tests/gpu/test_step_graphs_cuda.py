@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import minifloat as mf
+from train_steps import loss_step
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -20,16 +21,7 @@ def _setup(recipe):
     model = nn.Sequential(mf.Linear(HIDDEN, HIDDEN, params_dtype=torch.bfloat16, device="cuda"),
                           mf.Linear(HIDDEN, HIDDEN, params_dtype=torch.bfloat16, device="cuda"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True, capturable=True)
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        with mf.autocast(recipe=recipe):
-            loss = model(x).float().pow(2).mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return model, step
+    return model, loss_step(model, optimizer, recipe)
 
 
 def _inputs(count: int) -> list[torch.Tensor]:
