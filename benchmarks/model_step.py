@@ -30,6 +30,10 @@ in one process, from the same seed (equal initial weights) on the same random to
                                          (bf16: torch.cuda.make_graphed_callables; a recipe:
                                          minifloat.make_graphed_callables); the optimizer runs
                                          eagerly; capture happens before the row's first step
+  <kind>[-compiled]-stepgraphed          the whole step (forward, backward, optimizer) run
+                                         eagerly (or compiled, default mode) twice, then
+                                         captured as one CUDA graph and replayed
+                                         (minifloat.make_graphed_step)
 
 One step = forward and cross-entropy loss (under torch.compile when compiled: the model's loss
 method is compiled, loss included), backward, fused AdamW step, zero_grad(set_to_none=True). A
@@ -83,7 +87,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -119,6 +123,7 @@ DEFAULT_ROWS = ["bf16-eager", "bf16-graphed", "bf16-compiled", "torchao-tensorwi
     for mode in ("eager", "graphed", "compiled-reduce-overhead")]
 REDUCE_OVERHEAD = "-reduce-overhead"
 GRAPHED = "-graphed"
+STEP_GRAPHED = "-stepgraphed"
 HOST16_TOKENS = 16
 HOST16_REPEATS = 10
 SEED = 0
@@ -143,9 +148,17 @@ class RowSpec:
     compiled: bool
     compile_mode: str | None = None  # "default" or "reduce-overhead" when compiled
     graphed: bool = False  # eager, captured as CUDA graphs
+    step_graphed: bool = False  # the whole step captured as one CUDA graph
 
     @classmethod
     def parse(cls, name: str) -> RowSpec:
+        if name.endswith(STEP_GRAPHED):
+            rest = name.removesuffix(STEP_GRAPHED)
+            if rest.endswith((REDUCE_OVERHEAD, GRAPHED)):
+                raise ValueError(f"row {name!r}: the whole step is captured; its parts are "
+                                 "not graphed again (use <kind>[-compiled]-stepgraphed)")
+            inner = cls.parse(rest if rest.endswith("-compiled") else rest + "-eager")
+            return replace(inner, name=name, step_graphed=True)
         rest, mode = name, None
         if rest.endswith(GRAPHED):
             kind = rest.removesuffix(GRAPHED)
@@ -287,10 +300,18 @@ def prepare_row(spec: RowSpec, model: torch.nn.Module, device: str,
     elif spec.compiled:
         loss_fn = torch.compile(model.loss, mode=None if spec.compile_mode == "default"
                                 else spec.compile_mode)
-    return TrainStep(model, loss_fn, make_optimizer(model), recipe=recipe,
+    step = TrainStep(model, loss_fn, make_optimizer(model), recipe=recipe,
                      graph_casts=True if spec.kind.endswith(GRAPH_CASTS) else None,
                      mark_step=spec.compile_mode == "reduce-overhead",
-                     host16=not (spec.compiled or spec.graphed), conversion=conversion)
+                     host16=not (spec.compiled or spec.graphed or spec.step_graphed),
+                     conversion=conversion)
+    if spec.step_graphed:
+        if not device.startswith("cuda"):
+            raise RowSkipped("stepgraphed rows capture a CUDA graph and need a CUDA device")
+        import minifloat as mf
+
+        return mf.make_graphed_step(step)
+    return step
 
 
 class RowSkipped(Exception):

@@ -16,7 +16,8 @@ of one mesh, each rank on its own random token batches (data parallel):
   fp8-current-fp8-gather-eager / -compiled   the same with FP8 all-gather
   mxfp8-lp-gather-eager, nvfp4-lp-gather-eager  MXFP8 / NVFP4 weights gathered quantized (on
                                              Hopper their GEMMs are emulated: see BENCHMARKS.md)
-  bf16[-compiled]-graphed, fp8-current-{bf16,fp8}-gather[-compiled]-graphed
+  bf16[-compiled]-graphed, fp8-current-{bf16,fp8}-gather[-compiled]-graphed,
+  {mxfp8,nvfp4}-lp-gather-graphed
                                              the whole step (forward, backward, collectives,
                                              optimizer) captured as one CUDA graph after two
                                              eager steps and replayed
@@ -102,6 +103,8 @@ ROWS = {  # name: (kind, low-precision all-gather, compiled)
     "bf16-compiled-graphed": ("bf16", False, True),
     "fp8-current-bf16-gather-compiled-graphed": ("fp8-current", False, True),
     "fp8-current-fp8-gather-compiled-graphed": ("fp8-current", True, True),
+    "mxfp8-lp-gather-graphed": ("mxfp8", True, False),
+    "nvfp4-lp-gather-graphed": ("nvfp4", True, False),
 }
 OPS = "-ops"
 GRAPHED = "-graphed"
