@@ -87,7 +87,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -96,6 +96,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tables  # noqa: E402
 from hf_models import HF_PRESETS, HFCausalLM, HFModelConfig  # noqa: E402
+from model_rows import (  # noqa: E402,F401 - the row vocabulary, used here and by importers
+    DEFAULT_ROWS,
+    GRAPH_CASTS,
+    GRAPHED,
+    KINDS,
+    LOW_MEMORY,
+    RECIPE_NAMES,
+    REDUCE_OVERHEAD,
+    STEP_GRAPHED,
+    RowSpec,
+    expand_rows,
+    minifloat_recipe,
+)
 
 from minifloat.models.torch_gpt import PRESETS as GPT_PRESETS  # noqa: E402
 from minifloat.models.torch_gpt import TorchGPT, TorchGPTConfig  # noqa: E402
@@ -110,74 +123,10 @@ def not_head(name: str, module: torch.nn.Module) -> bool:
     GEMM, which FP8 recipes in practice leave in bf16 (torch_gpt.not_head)."""
     return name.rsplit(".", 1)[-1] not in ("head", "lm_head")
 
-RECIPE_NAMES = ("fp8-current", "fp8-delayed", "fp8-block", "mxfp8", "nvfp4")
-LOW_MEMORY = "-lowmem"
-GRAPH_CASTS = "-graphcasts"
-KINDS = ("bf16", "torchao-tensorwise", *RECIPE_NAMES,
-         *(name + LOW_MEMORY for name in RECIPE_NAMES),
-         *(name + GRAPH_CASTS for name in ("fp8-current", "fp8-current" + LOW_MEMORY)))
-# each recipe eager, eager with CUDA graphs, and compiled with CUDA graphs (default-mode compiled
-# rows are host-bound, BENCHMARKS.md 2026-11-25: ask for them by name)
-DEFAULT_ROWS = ["bf16-eager", "bf16-graphed", "bf16-compiled", "torchao-tensorwise-compiled"] + [
-    f"{name}-{mode}" for name in RECIPE_NAMES
-    for mode in ("eager", "graphed", "compiled-reduce-overhead")]
-REDUCE_OVERHEAD = "-reduce-overhead"
-GRAPHED = "-graphed"
-STEP_GRAPHED = "-stepgraphed"
 HOST16_TOKENS = 16
 HOST16_REPEATS = 10
 SEED = 0
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def minifloat_recipe(name: str):
-    """The minifloat recipe of a row kind (fp8-current, ...), default arguments."""
-    import minifloat as mf
-
-    return {"fp8-current": mf.Float8CurrentScaling, "fp8-delayed": mf.DelayedScaling,
-            "fp8-block": mf.Float8BlockScaling, "mxfp8": mf.MXFP8BlockScaling,
-            "nvfp4": mf.NVFP4BlockScaling}[name]()
-
-
-@dataclass(frozen=True)
-class RowSpec:
-    """A row name taken apart: kind (bf16, torchao-tensorwise or a recipe), compiled, mode."""
-
-    name: str
-    kind: str
-    compiled: bool
-    compile_mode: str | None = None  # "default" or "reduce-overhead" when compiled
-    graphed: bool = False  # eager, captured as CUDA graphs
-    step_graphed: bool = False  # the whole step captured as one CUDA graph
-
-    @classmethod
-    def parse(cls, name: str) -> RowSpec:
-        if name.endswith(STEP_GRAPHED):
-            rest = name.removesuffix(STEP_GRAPHED)
-            if rest.endswith((REDUCE_OVERHEAD, GRAPHED)):
-                raise ValueError(f"row {name!r}: the whole step is captured; its parts are "
-                                 "not graphed again (use <kind>[-compiled]-stepgraphed)")
-            inner = cls.parse(rest if rest.endswith("-compiled") else rest + "-eager")
-            return replace(inner, name=name, step_graphed=True)
-        rest, mode = name, None
-        if rest.endswith(GRAPHED):
-            kind = rest.removesuffix(GRAPHED)
-            if kind not in KINDS:
-                raise ValueError(f"row {name!r}: unknown kind {kind!r}; kinds: "
-                                 f"{', '.join(KINDS)}")
-            return cls(name, kind, compiled=False, graphed=True)
-        if rest.endswith(REDUCE_OVERHEAD):
-            rest, mode = rest.removesuffix(REDUCE_OVERHEAD), "reduce-overhead"
-        if rest.endswith("-compiled"):
-            kind, compiled, mode = rest.removesuffix("-compiled"), True, mode or "default"
-        elif rest.endswith("-eager") and mode is None:
-            kind, compiled = rest.removesuffix("-eager"), False
-        else:
-            raise ValueError(f"row {name!r} must end in -eager, -compiled, "
-                             f"-compiled{REDUCE_OVERHEAD} or {GRAPHED}")
-        if kind not in KINDS:
-            raise ValueError(f"row {name!r}: unknown kind {kind!r}; kinds: {', '.join(KINDS)}")
-        return cls(name, kind, compiled, mode)
 
 
 def recipe_context(recipe, graph_casts: bool | None = None) -> contextlib.AbstractContextManager:
@@ -520,20 +469,6 @@ def device_slug(env: dict) -> str:
         return "cpu"
     match = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", env["device"])
     return (match.group(1) if match else re.sub(r"\W+", "_", env["device"])).lower()
-
-
-def expand_rows(names: list[str], compile_mode: str) -> list[RowSpec]:
-    """Row specs for --rows and --compile-mode (reduce-overhead replaces, both adds)."""
-    specs = []
-    for name in names:
-        spec = RowSpec.parse(name)
-        if spec.compiled and spec.compile_mode == "default" and compile_mode != "default":
-            if compile_mode == "both":
-                specs.append(spec)
-            specs.append(RowSpec.parse(name + REDUCE_OVERHEAD))
-        else:
-            specs.append(spec)
-    return specs
 
 
 def run_preset(preset: str, specs: list[RowSpec], steps: int, warmup: int, device: str,
