@@ -105,6 +105,17 @@ def test_low_precision_mode_needs_a_recipe(capsys):
         assert "needs a recipe" in capsys.readouterr().err
 
 
+def test_graph_step_says_what_it_needs(capsys):
+    """--graph-step captures CUDA graphs (the GPU test trains with it:
+    tests/gpu/test_distributed_nccl_single.py)."""
+    refused = [["--graph-step", "--mode", "qw"]]
+    if not torch.cuda.is_available():
+        refused.append(["--graph-step"])
+    for argv in refused:
+        assert train.main(argv) == 2
+        assert "--graph-step captures CUDA graphs" in capsys.readouterr().err
+
+
 def test_tensor_parallel_trains_like_one_process():
     """--tp 2 on 2 processes (one TP group, the model built from the one-rank model's
     slices) in bf16 is the one-process run up to summation order (the printed 6 digits

@@ -37,6 +37,7 @@ from ..distributed import (
 from ..distributed.fsdp import gemm_weights
 from ..models.gpt import GPT, PRESETS
 from ..models.gpt_parallel import tensor_parallel_gpt
+from ..step_graphs import make_graphed_step
 from . import train_checkpoint
 from .data import load_corpus, sample_batch
 from .recipe_specs import parse_recipe, recipes_help
@@ -70,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest complete checkpoint in --checkpoint-dir "
                              "(none there: start from step 0)")
+    parser.add_argument("--graph-step", action="store_true",
+                        help="capture each training step (forward, backward, FSDP2's "
+                             "collectives, the AdamW step) as one CUDA graph after two eager "
+                             "steps (minifloat.make_graphed_step): the Python leaves the step; "
+                             "CUDA only, --mode hp or lp, not delayed scaling")
     parser.add_argument("--print-digest", action="store_true",
                         help="print a SHA-256 of the final full weights (rank 0)")
     return parser
@@ -209,22 +215,22 @@ def train(args: argparse.Namespace) -> list[float]:
         rebuild_weight_copies_in_backward(model)
     _shard(model, device, dp_mesh)
     masters = MasterWeights(model, rank, shards, dp_mesh, args.lr) if args.mode == "qw" else None
-    optimizer = torch.optim.AdamW(masters.others if masters else model.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW(masters.others if masters else model.parameters(), lr=args.lr,
+                                  capturable=args.graph_step)
     # a TP rank's parameters are its slices, saved under keys of its own (checkpoints)
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else None
     corpus = load_corpus(args.data)
     generator = torch.Generator().manual_seed(args.seed)  # the same batches on every rank
     first_step = _resume(args, model, optimizer, generator, tp_rank, masters)
     kill_at = _kill_point()
-    losses = []
-    start = time.perf_counter()
-    for step in range(first_step, args.steps):
-        batch = sample_batch(corpus.train, config.batch_size, config.seq_len, generator)
-        tokens = batch.chunk(shards)[rank].to(device)  # TP ranks of a group: the same rows
+    current = [first_step]  # the step being taken, for the fault injection
+
+    def train_step(tokens: torch.Tensor) -> torch.Tensor:
+        """One step; returns the loss summed over the ranks (all-reduced on the device)."""
         with autocast(enabled=recipe is not None, recipe=recipe,
                       amax_reduction_group=dist.group.WORLD):
             loss = model.loss(tokens)
-        if kill_at == (step, dist.get_rank()):  # fault injection for the recovery test
+        if kill_at == (current[0], dist.get_rank()):  # fault injection for the recovery test
             os.kill(os.getpid(), signal.SIGKILL)
         loss.backward()
         if masters is not None:
@@ -233,9 +239,18 @@ def train(args: argparse.Namespace) -> list[float]:
         optimizer.zero_grad(set_to_none=True)
         if masters is not None:
             masters.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+        summed = loss.detach().clone()
+        dist.all_reduce(summed)
+        return summed
+
+    run = make_graphed_step(train_step) if args.graph_step else train_step
+    losses = []
+    start = time.perf_counter()
+    for step in range(first_step, args.steps):
+        current[0] = step
+        batch = sample_batch(corpus.train, config.batch_size, config.seq_len, generator)
+        tokens = batch.chunk(shards)[rank].to(device)  # TP ranks of a group: the same rows
+        losses.append(run(tokens).item() / world)
         if dist.get_rank() == 0:
             print(f"step {step:4d}  loss {losses[-1]:.6f}", flush=True)
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0:
@@ -313,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode in ("lp", "qw") and args.recipe == "bf16":
         print(f"minifloat.lab.train: --mode {args.mode} gathers quantized weights and needs a "
               "recipe; bf16 has none (use --mode hp)", file=sys.stderr)
+        return 2
+    if args.graph_step and (args.mode == "qw" or not torch.cuda.is_available()):
+        print("minifloat.lab.train: --graph-step captures CUDA graphs: it needs a CUDA device "
+              "and --mode hp or lp (the master-weight casts of --mode qw are not captured)",
+              file=sys.stderr)
         return 2
     owns_group = not dist.is_initialized()  # a caller's own group outlives this run
     try:
