@@ -1,7 +1,7 @@
-"""The byte transpose (kernels/transpose.py) equals torch's `x.t().contiguous()` bit for bit, and
-per-tensor FP8 storages derive their other copy with it: full and partial 64 x 64 tiles, one
-row or column, an empty matrix, both FP8 formats and uint8. Runs on CUDA, or on CPU tensors under
-TRITON_INTERPRET=1 (small shapes); skipped otherwise.
+"""The byte transpose (kernels/transpose.py) equals torch's `x.t().contiguous()` bit for bit,
+and per-tensor and 2D block FP8 storages derive their other copy with it: full and partial
+64 x 64 tiles, one row or column, an empty matrix, both FP8 formats and uint8. Runs on CUDA, or
+on CPU tensors under TRITON_INTERPRET=1 (small shapes); skipped otherwise.
 """
 
 from __future__ import annotations
@@ -50,19 +50,29 @@ def test_refuses_what_it_cannot_transpose():
         transpose_bytes(random_bytes((8, 4), torch.uint8).t())
 
 
-@pytest.mark.parametrize("shape", [(64, 96), (130, 48)])
-def test_a_storage_derives_its_other_copy_through_it(shape):
-    """A rowwise-only current-scaling storage asked for its columnwise copy, and the reverse,
-    hold the bytes of the reference quantization (MINIFLOAT_DISABLE_KERNELS path untouched)."""
+STORAGES = {  # quantizer, (rowwise field, columnwise field) of the bytes
+    "current": (lambda: mf.Float8CurrentScalingQuantizer(torch.float8_e4m3fn),
+                ("data", "data_transpose")),
+    "block-2d": (lambda: mf.Float8BlockQuantizer(2), ("rowwise_data", "columnwise_data")),
+}
+
+
+@pytest.mark.parametrize("name", list(STORAGES))
+@pytest.mark.parametrize("shape", [(128, 256), (256, 128)])
+def test_a_storage_derives_its_other_copy_through_it(name, shape):
+    """A rowwise-only storage asked for its columnwise copy, and the reverse, hold the bytes
+    of quantizing both copies at once."""
+    make, (rowwise_field, columnwise_field) = STORAGES[name]
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    quantizer = mf.Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+    quantizer = make()
     both = quantizer(x).quantized_storage
     quantizer.set_usage(rowwise=True, columnwise=False)
     rowwise_only = quantizer(x).quantized_storage
     rowwise_only.update_usage(columnwise=True)
-    assert torch.equal(rowwise_only.data_transpose.view(torch.uint8),
-                       both.data_transpose.view(torch.uint8))
+    assert torch.equal(getattr(rowwise_only, columnwise_field).view(torch.uint8),
+                       getattr(both, columnwise_field).view(torch.uint8))
     quantizer.set_usage(rowwise=False, columnwise=True)
     columnwise_only = quantizer(x).quantized_storage
     columnwise_only.update_usage(rowwise=True)
-    assert torch.equal(columnwise_only.data.view(torch.uint8), both.data.view(torch.uint8))
+    assert torch.equal(getattr(columnwise_only, rowwise_field).view(torch.uint8),
+                       getattr(both, rowwise_field).view(torch.uint8))
