@@ -1,7 +1,8 @@
 """The byte transpose (kernels/transpose.py) equals torch's `x.t().contiguous()` bit for bit,
-and per-tensor and 2D block FP8 storages derive their other copy with it: full and partial
-64 x 64 tiles, one row or column, an empty matrix, both FP8 formats and uint8. Runs on CUDA, or
-on CPU tensors under TRITON_INTERPRET=1 (small shapes); skipped otherwise.
+the nibble transpose equals numerics' unpack-transpose-pack, and per-tensor FP8, 2D block FP8
+and 2D NVFP4 storages derive their other copy with them: full and partial 64 x 64 tiles, one
+row or column, an empty matrix, both FP8 formats and uint8. Runs on CUDA, or on CPU tensors
+under TRITON_INTERPRET=1 (small shapes); skipped otherwise.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ STORAGES = {  # quantizer, (rowwise field, columnwise field) of the bytes
     "current": (lambda: mf.Float8CurrentScalingQuantizer(torch.float8_e4m3fn),
                 ("data", "data_transpose")),
     "block-2d": (lambda: mf.Float8BlockQuantizer(2), ("rowwise_data", "columnwise_data")),
+    "nvfp4-2d": (lambda: mf.NVFP4Quantizer(with_2d_quantization=True),
+                 ("rowwise_data", "columnwise_data")),
 }
 
 
@@ -76,3 +79,23 @@ def test_a_storage_derives_its_other_copy_through_it(name, shape):
     columnwise_only.update_usage(rowwise=True)
     assert torch.equal(getattr(columnwise_only, rowwise_field).view(torch.uint8),
                        getattr(both, rowwise_field).view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (130, 96), (2, 2), (16, 34), (0, 8)]
+                         + ([(8192, 2048), (2048, 6144)] if DEVICE.type == "cuda" else []))
+def test_nibbles_equal_the_reference_transpose(shape):
+    from minifloat import numerics
+    from minifloat.kernels.transpose import transpose_nibbles
+
+    rows, cols = shape
+    packed = random_bytes((rows, cols // 2), torch.uint8)
+    expected = (numerics.pack_nibbles(numerics.unpack_nibbles(packed).t().contiguous())
+                if rows else packed.new_empty((cols, 0)))  # the reference cannot unpack none
+    assert torch.equal(transpose_nibbles(packed), expected)
+
+
+def test_nibbles_refuse_odd_rows():
+    from minifloat.kernels.transpose import transpose_nibbles
+
+    with pytest.raises(ValueError, match="rows cannot pack"):
+        transpose_nibbles(random_bytes((3, 4), torch.uint8))

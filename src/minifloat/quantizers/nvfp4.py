@@ -14,7 +14,7 @@ import torch
 
 from .. import kernels, numerics
 from ..numerics.blocks import require_divisible
-from ..numerics.nvfp4 import BLOCK
+from ..numerics.nvfp4 import BLOCK, transpose_scale_2d
 from .base import QuantizedStorage, Quantizer, kernel_module
 
 KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -63,21 +63,28 @@ class NVFP4Storage(QuantizedStorage):
     def _derive_rowwise(self) -> None:
         if not self.two_dimensional:
             super()._derive_rowwise()
-        self.rowwise_data, self.rowwise_scale = numerics.transpose_nvfp4_2d(
-            self.columnwise_data, self.columnwise_scale
-        )
+        self.rowwise_data, self.rowwise_scale = _transposed_2d(self.columnwise_data,
+                                                               self.columnwise_scale)
         self.amax_rowwise = self.amax_columnwise.clone()
 
     def _derive_columnwise(self) -> None:
         if not self.two_dimensional:
             super()._derive_columnwise()
-        self.columnwise_data, self.columnwise_scale = numerics.transpose_nvfp4_2d(
-            self.rowwise_data, self.rowwise_scale
-        )
+        self.columnwise_data, self.columnwise_scale = _transposed_2d(self.rowwise_data,
+                                                                     self.rowwise_scale)
         self.amax_columnwise = self.amax_rowwise.clone()
 
     def derives_columnwise(self) -> bool:
         return self.two_dimensional and not self.with_rht
+
+
+def _transposed_2d(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """numerics.transpose_nvfp4_2d: the nibbles in one tiled pass where the kernels run
+    (kernels/transpose.py; five torch passes otherwise), the scale layout by torch."""
+    if kernels.available(data) and data.is_contiguous():
+        return (kernel_module("transpose").transpose_nibbles(data),
+                transpose_scale_2d(scale))
+    return numerics.transpose_nvfp4_2d(data, scale)
 
 
 class NVFP4Quantizer(Quantizer):
