@@ -6,7 +6,8 @@ all-gather, the eager step took 156 ms with 135 ms of host time; the GPU needs a
 modules with hooks (FSDP2's), and it leaves the collectives and the optimizer outside the
 graphs. Capturing the whole step (forward, backward, FSDP2's all-gathers and reduce-scatters,
 the optimizer step) takes the Python out: the same step replays in about 83 ms, 81 with each
-block compiled. FSDP2 supports capture since PyTorch 2.10 (pytorch/pytorch#171835).
+block compiled. PyTorch's FSDP2 supports capture (pytorch/pytorch#171835 tests it); measured
+on torch 2.11.
 
 How: the first `num_warmup_iters` calls run eagerly on a side stream (FSDP2's lazy init, NCCL's
 communicators, compilation, the kernels' first launches); they are real training steps. The
