@@ -35,8 +35,8 @@ rank's median alongside:
 - steady_peak_gib: this rank's peak over the timed steps alone (the statistics reset after the
   warmup steps), so a peak that compilation or the first steps set shows as the difference.
 - all_gather_bytes / reduce_scatter_bytes: the output bytes of the all-gathers / input bytes of
-  the reduce-scatters of one step on rank 0 (minifloat.distributed.count_collective_bytes; 0
-  for -graphed rows, whose replays call no Python).
+  the reduce-scatters of the first step on rank 0 (minifloat.distributed.count_collective_bytes;
+  eager in every row: a -graphed row's replays call no Python).
 - all_gather_ms / reduce_scatter_ms: summed GPU time of NCCL AllGather / ReduceScatter kernels in
   one step under torch.profiler (they overlap compute, so they are not step time).
 - speedup_vs_bf16_eager / _compiled; weak_scaling_efficiency: this row's tokens/s per GPU over the
@@ -223,11 +223,17 @@ def collective_kernel_ms(step: ShardedStep, tokens: torch.Tensor,
 
 def measure(step: Callable[[torch.Tensor], torch.Tensor], batches: list[torch.Tensor], warmup: int,
             steps: int, device: str, profile_file: Path | None = None) -> dict:
+    from minifloat.distributed import count_collective_bytes
+
     result: dict = {}
     model_step._sync(device)
     start = time.perf_counter()
-    result["first_loss"] = float(step(batches[0]).item())
+    # the first step is eager Python in every row (a -graphed row's replays call no Python)
+    with count_collective_bytes() as moved:
+        result["first_loss"] = float(step(batches[0]).item())
     result["first_step_s"] = time.perf_counter() - start
+    result.update(all_gather_bytes=moved["all_gather_output_bytes"],
+                  reduce_scatter_bytes=moved["reduce_scatter_input_bytes"])
     for tokens in batches[1:warmup]:
         step(tokens)
     if device == "cuda":  # the first steps' peak (compilation, autotuning) apart from steady state
@@ -241,14 +247,8 @@ def measure(step: Callable[[torch.Tensor], torch.Tensor], batches: list[torch.Te
     # host ms: the step's Python from an empty GPU queue to its return (model_step.host_times)
     result["host_ms"] = statistics.median(
         model_step.host_times(step, batches[warmup:warmup + min(steps, 3)], device))
-    from minifloat.distributed import count_collective_bytes
-
-    with count_collective_bytes() as moved:
-        step(batches[warmup + steps])
-    result.update(all_gather_bytes=moved["all_gather_output_bytes"],
-                  reduce_scatter_bytes=moved["reduce_scatter_input_bytes"])
     if device == "cuda":
-        result.update(collective_kernel_ms(step, batches[warmup + steps + 1], profile_file))
+        result.update(collective_kernel_ms(step, batches[warmup + steps], profile_file))
         result["peak_gib"] = max(first_steps_peak, torch.cuda.max_memory_allocated()) / 2**30
     return result
 
