@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics import pack_nibbles, unpack_nibbles
 from .fp8_common import cdiv, jit, tl
 from .launch import launch
 
 TILE = 64
 WARPS = 4
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the tiles across the columns)
 
 
 @jit
@@ -44,6 +46,8 @@ def transpose_bytes(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"transpose_bytes takes a contiguous 2D tensor of one-byte elements, "
                          f"got shape {tuple(x.shape)}, {x.dtype}, contiguous={x.is_contiguous()}")
     rows, cols = x.shape
+    if cdiv(cols, TILE) > MAX_GRID_Y:  # over 4M columns: no weight has them
+        return x.t().contiguous()
     out = torch.empty((cols, rows), dtype=x.dtype, device=x.device)
     if x.numel():
         launch(_transpose_kernel, (cdiv(rows, TILE), cdiv(cols, TILE)), x.view(torch.uint8),
@@ -75,6 +79,8 @@ def transpose_nibbles(packed: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"transpose_nibbles takes contiguous 2D uint8 (packed FP4 codes), got "
                          f"shape {tuple(packed.shape)}, {packed.dtype}")
     rows, cols = packed.shape[0], 2 * packed.shape[1]
+    if cdiv(cols, TILE) > MAX_GRID_Y:  # over 4M columns: numerics' passes
+        return pack_nibbles(unpack_nibbles(packed).t().contiguous())
     if rows % 2:
         raise ValueError(f"transpose_nibbles: {rows} rows cannot pack into bytes of the "
                          "transpose; NVFP4 tensors have rows in multiples of 16")
