@@ -153,6 +153,11 @@ def _train_stepping(name: str, graphed: bool) -> list[torch.Tensor]:
     generator = torch.Generator(device="cuda").manual_seed(2)
     results = [run(torch.randn(ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16,
                                generator=generator)).clone() for _ in range(5)]
+    # an eager forward after the replays (an evaluation) gathers the weights the last replay's
+    # optimizer step made, not the bytes its cast cached before that step
+    probe = torch.randn(ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=generator)
+    with torch.no_grad(), mf.autocast(recipe=recipe):
+        results.append(model(probe).clone())
     for value in model.state_dict().values():
         if isinstance(value, torch.Tensor):
             full = value.full_tensor()
@@ -163,7 +168,8 @@ def _train_stepping(name: str, graphed: bool) -> list[torch.Tensor]:
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_a_graphed_fsdp2_step_trains_like_eager_bitwise(nccl_group, name):
     """The whole step captured (FSDP2's gathers and reduce-scatters, the batched FP8 weight
-    casts, the optimizer) replays the eager step's bytes: losses and weights."""
+    casts, the optimizer) replays the eager step's bytes: losses, an eager forward after the
+    replays, weights."""
     graphed = _train_stepping(name, True)
     eager = _train_stepping(name, False)
     for index, (a, b) in enumerate(zip(graphed, eager, strict=True)):
