@@ -138,8 +138,9 @@ def test_quantized_weights_sharded_as_bytes_train_like_unsharded_bitwise(nccl_gr
 
 
 def _train_stepping(name: str, graphed: bool) -> list[torch.Tensor]:
-    """Five FSDP2 steps with FP8 all-gather and a capturable fused AdamW, eager or through
-    make_graphed_step (two warm-up steps, the capture, two replays)."""
+    """Seven FSDP2 steps with FP8 all-gather and a capturable fused AdamW, eager or through
+    make_graphed_step (two warm-up steps, the capture, four replays), with an eager forward
+    before each of the last two."""
     recipe = RECIPES[name]()
     torch.manual_seed(0)
     model = nn.Sequential(mf.LayerNormMLP(HIDDEN, 2 * HIDDEN, normalization="RMSNorm",
@@ -151,13 +152,20 @@ def _train_stepping(name: str, graphed: bool) -> list[torch.Tensor]:
     step = loss_step(model, optimizer, recipe)
     run = mf.make_graphed_step(step) if graphed else step
     generator = torch.Generator(device="cuda").manual_seed(2)
-    results = [run(torch.randn(ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16,
-                               generator=generator)).clone() for _ in range(5)]
-    # an eager forward after the replays (an evaluation) gathers the weights the last replay's
-    # optimizer step made, not the bytes its cast cached before that step
-    probe = torch.randn(ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=generator)
-    with torch.no_grad(), mf.autocast(recipe=recipe):
-        results.append(model(probe).clone())
+
+    def batch() -> torch.Tensor:
+        return torch.randn(ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16,
+                           generator=generator)
+
+    results = [run(batch()).clone() for _ in range(5)]
+    # eager forwards between replays (evaluations) gather the weights the last replay's
+    # optimizer step made: the second one would read the first one's cached casts unless a
+    # replay marks them stale (minifloat.optimizer_steps)
+    probe = batch()
+    for _ in range(2):
+        with torch.no_grad(), mf.autocast(recipe=recipe):
+            results.append(model(probe).clone())
+        results.append(run(batch()).clone())
     for value in model.state_dict().values():
         if isinstance(value, torch.Tensor):
             full = value.full_tensor()
