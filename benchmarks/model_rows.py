@@ -17,10 +17,12 @@ KINDS = ("bf16", "torchao-tensorwise", *RECIPE_NAMES,
          *(name + LOW_MEMORY for name in RECIPE_NAMES),
          *(name + GRAPH_CASTS for name in ("fp8-current", "fp8-current" + LOW_MEMORY)))
 # each recipe eager, eager with CUDA graphs, and compiled with CUDA graphs (default-mode compiled
-# rows are host-bound, BENCHMARKS.md 2026-11-25: ask for them by name)
+# rows are host-bound, BENCHMARKS.md 2026-11-25: ask for them by name), and FP8 current's whole
+# step as one graph
 DEFAULT_ROWS = ["bf16-eager", "bf16-graphed", "bf16-compiled", "torchao-tensorwise-compiled"] + [
     f"{name}-{mode}" for name in RECIPE_NAMES
-    for mode in ("eager", "graphed", "compiled-reduce-overhead")]
+    for mode in ("eager", "graphed", "compiled-reduce-overhead")] + [
+    "fp8-current-stepgraphed"]  # the whole step, optimizer included (make_graphed_step)
 REDUCE_OVERHEAD = "-reduce-overhead"
 GRAPHED = "-graphed"
 STEP_GRAPHED = "-stepgraphed"
