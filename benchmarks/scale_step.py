@@ -94,20 +94,15 @@ ROWS = {  # name: (kind, low-precision all-gather, compiled)
     "fp8-current-fp8-gather-compiled": ("fp8-current", True, True),
     "mxfp8-lp-gather-eager": ("mxfp8", True, False),
     "nvfp4-lp-gather-eager": ("nvfp4", True, False),
-    # gemm_op's ops instead of the graph casts (minifloat.modules.graph_casts) in the row's steps
-    "fp8-current-bf16-gather-compiled-ops": ("fp8-current", False, True),
-    # steps captured whole as one CUDA graph (minifloat.make_graphed_step)
-    "bf16-graphed": ("bf16", False, False),
-    "fp8-current-bf16-gather-graphed": ("fp8-current", False, False),
-    "fp8-current-fp8-gather-graphed": ("fp8-current", True, False),
-    "bf16-compiled-graphed": ("bf16", False, True),
-    "fp8-current-bf16-gather-compiled-graphed": ("fp8-current", False, True),
-    "fp8-current-fp8-gather-compiled-graphed": ("fp8-current", True, True),
-    "mxfp8-lp-gather-graphed": ("mxfp8", True, False),
-    "nvfp4-lp-gather-graphed": ("nvfp4", True, False),
 }
 OPS = "-ops"
 GRAPHED = "-graphed"
+# every row but torchao's, its steps captured whole as one CUDA graph (minifloat.
+# make_graphed_step): <row>-graphed for the eager rows (-eager dropped), compiled ones alike
+ROWS.update({name.removesuffix("-eager") + GRAPHED: spec for name, spec in ROWS.items()
+             if spec[0] != "torchao"})
+# gemm_op's ops instead of the graph casts (minifloat.modules.graph_casts) in the row's steps
+ROWS["fp8-current-bf16-gather-compiled-ops"] = ("fp8-current", False, True)
 
 
 @dataclasses.dataclass

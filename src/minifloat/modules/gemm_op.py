@@ -557,7 +557,7 @@ def compiled_gemms(
                 "let autograd produce weight.grad")
     # the casts and GEMMs in the traced graph where inductor compiles without CUDA graphs
     # (graph_casts.wanted); gemm_op's ops otherwise
-    if graph_casts.ENABLED is not False and not state and len(gemms) == 1 and len(weights) == 1:
+    if not state and len(gemms) == 1 and len(weights) == 1:
         spec = _graph_cast_spec(plan, gemms[0])
         if graph_casts.applies(spec, x, weights[0]) and graph_casts.wanted():
             return graph_casts.GraphCastGemm.apply(
