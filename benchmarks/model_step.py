@@ -191,7 +191,8 @@ def build_model(config: TorchGPTConfig | HFModelConfig, device: str,
 
 
 def make_optimizer(model: torch.nn.Module, capturable: bool = False) -> torch.optim.Optimizer:
-    """Fused AdamW (torch's fastest; the fused kernel exists on CUDA and on the CPU)."""
+    """Fused AdamW (torch's fastest; the fused kernel exists on CUDA and on the CPU);
+    capturable for the stepgraphed rows (torch refuses to capture a step without it)."""
     return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=capturable)
 
 
@@ -249,7 +250,8 @@ def prepare_row(spec: RowSpec, model: torch.nn.Module, device: str,
     elif spec.compiled:
         loss_fn = torch.compile(model.loss, mode=None if spec.compile_mode == "default"
                                 else spec.compile_mode)
-    step = TrainStep(model, loss_fn, make_optimizer(model), recipe=recipe,
+    step = TrainStep(model, loss_fn, make_optimizer(model, capturable=spec.step_graphed),
+                     recipe=recipe,
                      graph_casts=True if spec.kind.endswith(GRAPH_CASTS) else None,
                      mark_step=spec.compile_mode == "reduce-overhead",
                      host16=not (spec.compiled or spec.graphed or spec.step_graphed),

@@ -18,7 +18,8 @@ thread queries events while the step is captured.
 Torch's rules for whole-network capture apply, and the step must follow them:
 - every call passes tensors of the captured shapes, dtypes and devices (anything else raises),
   and the same non-tensor arguments;
-- the optimizer is capturable (`capturable=True`, or `fused=True`) and updates in place;
+- the optimizer is built with `capturable=True` (torch refuses to capture a step without it,
+  `fused=True` included) and updates in place;
 - Python in the step runs during warm-up and capture only: what the host decides (a learning
   rate held as a float, logging, a data-dependent branch) stays as captured;
 - the outputs are the same tensors at every replay: clone what must outlive the next call.
@@ -108,7 +109,7 @@ class GraphedStep:
             raise RuntimeError(
                 f"capturing the step as a CUDA graph failed: {error}. A captured step may not "
                 "wait for the GPU on the host (.item(), .cpu(), printing a CUDA tensor, a "
-                "non-capturable optimizer: pass fused=True or capturable=True); run those "
+                "non-capturable optimizer: build it with capturable=True); run those "
                 "outside the step, on its returned tensors") from error
         self._optimizer_steps = optimizer_steps.count() - steps_before
         pending = pending_delayed_round()

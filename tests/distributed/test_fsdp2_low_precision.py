@@ -68,21 +68,26 @@ def build(dtype: torch.dtype = torch.float32) -> nn.Module:
         mf.GroupedLinear(2, HIDDEN, HIDDEN, name="experts", params_dtype=dtype))
 
 
-def shard(model: nn.Module, world_size: int) -> None:
+def shard(model: nn.Module, world_size: int, sharding: str = "each") -> None:
+    """each: every child a unit, resharded after forward; kept: every child a unit that keeps
+    its gathered weights for backward (reshard_after_forward=False); root: the model as the
+    only unit (FSDP2 does not reshard a root after forward)."""
     from torch.distributed.fsdp import fully_shard
 
     mesh = device_mesh((world_size,))
-    for child in model:
-        fully_shard(child, mesh=mesh)
+    if sharding != "root":
+        for child in model:
+            fully_shard(child, mesh=mesh, reshard_after_forward=sharding == "each")
     fully_shard(model, mesh=mesh)
 
 
-def train_worker(rank: int, world_size: int, name: str, low_precision: bool) -> dict:
+def train_worker(rank: int, world_size: int, name: str, low_precision: bool,
+                 sharding: str = "each") -> dict:
     recipe = RECIPES[name]()
     model = build()
     if low_precision:
         enable_low_precision_all_gather(model, recipe)
-    shard(model, world_size)
+    shard(model, world_size, sharding)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     generator = torch.Generator().manual_seed(1)
     losses = []
@@ -229,6 +234,46 @@ def cut_tile_worker(rank: int, world_size: int, name: str) -> list[bool]:
 def test_shards_that_cut_scale_tiles_gather_the_full_quantization(name):
     for rank, same in enumerate(run_ranks(cut_tile_worker, WORLD, name, timeout=120)):
         assert same and all(same), f"rank {rank}: {same}"
+
+
+def kept_worker(rank: int, world_size: int, name: str) -> dict:
+    """Weights FSDP2 keeps gathered from forward to backward (no re-gather), both ways."""
+    return {sharding: {low: train_worker(rank, world_size, name, low, sharding)["params"]
+                       for low in (False, True)} for sharding in ("kept", "root")}
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "hybrid-mxfp8-nvfp4", "hybrid-current-block"])
+def test_weights_kept_gathered_after_forward_train_like_high_precision(name):
+    """MXFP8 and hybrid weights gather one direction a gather; kept gathered, they gather both
+    at once (kept_gathered.py), else backward finds no columnwise copy."""
+    results = run_ranks(kept_worker, WORLD, name, timeout=240)
+    for rank in range(WORLD):
+        for sharding, modes in results[rank].items():
+            for key, value in modes[False].items():
+                assert torch.equal(modes[True][key], value), f"rank {rank} {sharding} {key}"
+
+
+def switch_worker(rank: int, world_size: int) -> str:
+    recipe = RECIPES["mxfp8"]()
+    model = build()
+    enable_low_precision_all_gather(model, recipe)
+    shard(model, world_size)
+    x = cpu_randn(64, HIDDEN, generator=torch.Generator().manual_seed(rank))
+    with mf.autocast(recipe=recipe):
+        model(x).float().pow(2).mean().backward()
+    model.set_reshard_after_forward(False)
+    try:
+        with mf.autocast(recipe=recipe):
+            model(x)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_keeping_mxfp8_weights_gathered_after_their_first_gather_is_refused_clearly():
+    """FSDP2 keeps the all-gather buffers of a weight's first gather: one direction's."""
+    for message in run_ranks(switch_worker, WORLD, timeout=120):
+        assert "before the first forward" in message, message
 
 
 def cut_mxfp8_worker(rank: int, world_size: int, low_precision: bool) -> list[torch.Tensor]:

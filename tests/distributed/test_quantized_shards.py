@@ -111,7 +111,10 @@ def fields(storage, name: str) -> dict[str, torch.Tensor]:
             for field in ROW_FIELDS[kind] + SHARED_FIELDS[kind]}
 
 
-def sharded_worker(rank: int, world_size: int, name: str, compiled: bool = False) -> dict:
+def sharded_worker(rank: int, world_size: int, name: str, compiled: bool = False,
+                   kept: bool = False) -> dict:
+    """kept: the layers keep their gathered weights for backward (reshard_after_forward=False),
+    so MXFP8 and hybrid weights gather both directions in forward (kept_gathered.py)."""
     from torch.distributed.fsdp import fully_shard
 
     recipe = CASES[name][0]()
@@ -122,7 +125,7 @@ def sharded_worker(rank: int, world_size: int, name: str, compiled: bool = False
     for layer in model:
         if compiled:  # each layer compiled, then sharded (the gathered weight is traced)
             layer.compile(backend="aot_eager", fullgraph=True)
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=not kept)
     fully_shard(model, mesh=mesh)
     rows = hidden // world_size
     masters = [m[rank * rows:(rank + 1) * rows].reshape(-1).clone() for m in full_masters]
@@ -176,11 +179,22 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_sharded_quantized_weights_train_like_one_process_bitwise(name):
+    assert_trained_like_one_process(name, run_ranks(sharded_worker, WORLD, name, timeout=120))
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "hybrid-mxfp8-nvfp4", "hybrid-current-block"])
+def test_weights_kept_gathered_after_forward_train_like_one_process_bitwise(name):
+    """One direction a gather, unless FSDP2 keeps the weight gathered for backward."""
+    assert_trained_like_one_process(
+        name, run_ranks(sharded_worker, WORLD, name, False, True, timeout=120))
+
+
+def assert_trained_like_one_process(name: str, results: list[dict]) -> None:
     want = reference(name)
     hidden = CASES[name][1]
     rows = hidden // WORLD
     kind = kind_of(name)
-    for rank, got in enumerate(run_ranks(sharded_worker, WORLD, name, timeout=120)):
+    for rank, got in enumerate(results):
         for step, (a, b) in enumerate(zip(got["losses"], want["losses"][rank], strict=True)):
             assert torch.equal(a, b), f"{name} rank {rank} step {step} loss"
         for index in range(2):

@@ -29,7 +29,9 @@ backward records nothing, backward reads the copies forward kept), 128x128 block
 NVFP4. Where shard boundaries cut scale tiles, the tiles' maxima are reduced across the ranks
 that hold them (cut_tiles.py). MXFP8 gathers its rowwise copy for forward and its columnwise
 copy for backward (neither derives the other). Hybrid weights (a format per direction) gather
-each direction in its own format, packed into one blob per rank (hybrid_gather.py). FSDP2 must
+each direction in its own format, packed into one blob per rank (hybrid_gather.py). Both
+gather the two directions at once where FSDP2 keeps the weight gathered from forward to backward
+(reshard_after_forward=False, or the root): no re-gather follows (kept_gathered.py). FSDP2 must
 shard evenly (padding would be
 gathered as data). Wrapped modules keep no weight copy from forward to backward (except under
 delayed scaling): backward reads the re-gathered weight, so the weights stay sharded between the
@@ -47,6 +49,7 @@ are sharded and gathered as they are, and quantize_master_weights updates them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,6 +76,7 @@ from .cut_tiles import (
     cut_tile_gather_inputs,
     tile_rows_of,
 )
+from .kept_gathered import gathers_both_directions, remember_root
 from .presigned import presigned
 from .quantized_shards import QuantizedShardWeight
 
@@ -146,22 +150,27 @@ class LowPrecisionGatherWeight(torch.Tensor):
     @presigned
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """Quantize this rank's rows (rowwise copy only); the all-gather inputs are the bytes
-        and, for block formats, the rows of the scale grid."""
-        return packed_for_one_rank(*self._rank_gather_inputs(mesh, outer_size), mesh)
+        and, for block formats, the rows of the scale grid. MXFP8 and hybrid weights that FSDP2
+        keeps gathered after forward gather both directions' copies at once (kept_gathered.py):
+        no backward re-gather would bring the columnwise one."""
+        both = (isinstance(self._quantizer, MXFP8Quantizer | HybridQuantizer)
+                and gathers_both_directions(module))
+        return directed_gather_inputs(
+            lambda backward: self._rank_gather_inputs(mesh, outer_size, backward), both, mesh)
 
-    def _rank_gather_inputs(self, mesh, outer_size) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    def _rank_gather_inputs(self, mesh, outer_size, backward: bool
+                            ) -> tuple[tuple[torch.Tensor, ...], tuple]:
         if isinstance(self._quantizer, HybridQuantizer):
             from .hybrid_gather import hybrid_gather_inputs
 
-            return hybrid_gather_inputs(self._inner, self._quantizer, mesh, outer_size)
+            return hybrid_gather_inputs(self._inner, self._quantizer, mesh, outer_size, backward)
         if self._batch is not None:
             _require_even_shards(outer_size, mesh)
             batch, index = self._batch
             made = batch.gather_inputs(index, mesh)
             if made is not None:
                 return made
-        return format_gather_inputs(self._inner, self._quantizer, mesh, outer_size,
-                                    in_backward())
+        return format_gather_inputs(self._inner, self._quantizer, mesh, outer_size, backward)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The gathered rows as a QuantizedTensor weight (FSDP2 frees the outputs after use)."""
@@ -196,12 +205,7 @@ def refill_or_wrap(all_gather_outputs, metadata, columns: int, param_dtype: torc
     refilled into `out`, the unsharded weight of an earlier gather (in place, not through .data:
     that is a detached alias with a storage object of its own)."""
     outputs, metadata = unpacked(all_gather_outputs, metadata)
-    if metadata[0] == "hybrid":
-        from .hybrid_gather import hybrid_gathered_storage
-
-        storage = hybrid_gathered_storage(outputs, metadata, columns, param_dtype)
-    else:
-        storage = _gathered_storage(outputs, metadata, columns, param_dtype)
+    storage = _gathered_any(outputs, metadata, columns, param_dtype)
     if out is not None:
         target = out.quantized_storage
         names = (("rowwise_storage", "columnwise_storage") if isinstance(target, HybridStorage)
@@ -210,6 +214,17 @@ def refill_or_wrap(all_gather_outputs, metadata, columns: int, param_dtype: torc
             setattr(target, name, getattr(storage, name))
         return None
     return QuantizedTensor(storage), tuple(all_gather_outputs)
+
+
+def directed_gather_inputs(rank_gather_inputs: Callable[[bool], tuple], both: bool, mesh
+                           ) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """A rank's all-gather inputs for this gather's direction (`rank_gather_inputs(backward)`),
+    or with `both`, forward's followed by the backward re-gather's (metadata "both")."""
+    if not both:
+        return packed_for_one_rank(*rank_gather_inputs(in_backward()), mesh)
+    forward, backward = rank_gather_inputs(False), rank_gather_inputs(True)
+    return packed_for_one_rank(forward[0] + backward[0],
+                               ("both", len(forward[0]), forward[1], backward[1]), mesh)
 
 
 def packed_for_one_rank(inputs: tuple[torch.Tensor, ...], metadata: tuple, mesh
@@ -239,6 +254,26 @@ def aligned_bytes(tensors) -> tuple[torch.Tensor, list[tuple]]:
         layout.append((offset, flat.numel(), tensor.dtype, tuple(tensor.shape)))
         offset += flat.numel() + padding
     return torch.cat(parts), layout
+
+
+def _gathered_any(outputs: tuple[torch.Tensor, ...], metadata: tuple, columns: int,
+                  param_dtype: torch.dtype):
+    """The gathered storage, of one direction or (metadata "both") of the two."""
+    if metadata[0] == "both":  # forward's inputs, then the backward re-gather's
+        _, count, forward_metadata, backward_metadata = metadata
+        storage = _gathered_any(outputs[:count], forward_metadata, columns, param_dtype)
+        columnwise = _gathered_any(outputs[count:], backward_metadata, columns, param_dtype)
+        if isinstance(storage, HybridStorage):
+            storage.columnwise_storage = columnwise.columnwise_storage
+        else:  # MXFP8
+            storage.columnwise_data = columnwise.columnwise_data
+            storage.columnwise_scale = columnwise.columnwise_scale
+        return storage
+    if metadata[0] == "hybrid":
+        from .hybrid_gather import hybrid_gathered_storage
+
+        return hybrid_gathered_storage(outputs, metadata, columns, param_dtype)
+    return _gathered_storage(outputs, metadata, columns, param_dtype)
 
 
 def unpacked(outputs: tuple[torch.Tensor, ...], metadata: tuple
@@ -442,6 +477,7 @@ def enable_low_precision_all_gather(model: nn.Module, recipe) -> nn.Module:
     for module in model.modules():
         if gemm_weights(module):  # DCP then saves savable values (shard_state_dict.py)
             install_state_dict_hooks(module)
+            remember_root(module, model)  # where its FSDP2 group is found (kept_gathered.py)
         for name, gemm in gemm_weights(module):
             weight = getattr(module, name)
             if isinstance(weight, QuantizedTensor):  # quantized_model_init: bytes as they are

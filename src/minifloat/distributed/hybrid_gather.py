@@ -25,16 +25,16 @@ import math
 import torch
 
 from ..quantizers import HybridQuantizer, HybridStorage, NVFP4Quantizer, Quantizer
-from .fsdp import _gathered_storage, format_gather_inputs, in_backward
+from .fsdp import _gathered_storage, format_gather_inputs
 
 _ALIGN = 16  # each packed input starts at a 16-byte offset, so it views back without a copy
 _MAX_INPUTS = 3
 
 
-def hybrid_gather_inputs(shard: torch.Tensor, hybrid: HybridQuantizer, mesh, outer_size
-                         ) -> tuple[tuple[torch.Tensor, ...], tuple]:
-    """One rank's all-gather input, [rows, row_bytes] uint8, and the metadata to unpack it."""
-    backward = in_backward()
+def hybrid_gather_inputs(shard: torch.Tensor, hybrid: HybridQuantizer, mesh, outer_size,
+                         backward: bool) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """One rank's all-gather input, [rows, row_bytes] uint8, and the metadata to unpack it:
+    the rowwise child's bytes for forward, the columnwise child's for `backward`."""
     child = hybrid.columnwise_quantizer if backward else hybrid.rowwise_quantizer
     inputs, inner = format_gather_inputs(shard, child, mesh, outer_size, backward)
     return packed_hybrid_inputs(inputs, inner, hybrid, shard.shape, backward, mesh.size())

@@ -112,12 +112,17 @@ class QuantizedShardWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """The rank's bytes as they are; what shards share travels as metadata. MXFP8 sends its
         rowwise copy for forward and its columnwise copy for backward (same sizes: FSDP2 keeps
-        a weight's first gather buffers)."""
-        from .fsdp import packed_for_one_rank
+        a weight's first gather buffers), or both at once where FSDP2 keeps the weight gathered
+        after forward (kept_gathered.py); so do hybrids."""
+        from .fsdp import directed_gather_inputs
+        from .kept_gathered import gathers_both_directions
 
-        return packed_for_one_rank(*self._rank_gather_inputs(mesh.size()), mesh)
+        both = self._meta[0] in ("mxfp8", "hybrid") and gathers_both_directions(module)
+        return directed_gather_inputs(
+            lambda backward: self._rank_gather_inputs(mesh.size(), backward), both, mesh)
 
-    def _rank_gather_inputs(self, world: int = 1) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    def _rank_gather_inputs(self, world: int = 1, backward: bool = False
+                            ) -> tuple[tuple[torch.Tensor, ...], tuple]:
         kind, element_dtype, quantizer, _, _ = self._meta
         if kind == "fp8":
             return (self._data,), ("fp8", quantizer, element_dtype, self._shared)
@@ -131,14 +136,12 @@ class QuantizedShardWeight(torch.Tensor):
         if kind == "mxfp8_columnwise":  # a hybrid weight's backward part; the whole grid
             return self._rows, ("mxfp8_grid", quantizer, (element_dtype, torch.uint8),
                                 self._shared)
-        from .fsdp import in_backward
-
         if kind == "hybrid":
             from .hybrid_shards import hybrid_rank_gather_inputs
 
-            return hybrid_rank_gather_inputs(self, in_backward(), world)
+            return hybrid_rank_gather_inputs(self, backward, world)
         data, scale, columnwise = self._rows
-        if in_backward():  # backward's re-gather
+        if backward:  # backward's re-gather
             return ((columnwise, torch.zeros_like(scale)),
                     ("mxfp8_grid", quantizer, (element_dtype, scale.dtype), self._shared))
         return (data, scale), ("mxfp8", quantizer, (element_dtype, scale.dtype), "rowwise")

@@ -437,9 +437,12 @@ def rebuild_weight_copy(weight: torch.Tensor, quantizer: Quantizer,
             storage.update_usage(columnwise=True)
         except ValueError as error:
             raise ValueError(
-                f"{error}. This weight came to backward without its columnwise copy: with "
-                "FSDP2's low-precision all-gather of MXFP8 weights, keep reshard_after_forward="
-                "True, so that the backward re-gather brings that copy") from None
+                f"{error}. This weight came to backward without its columnwise copy: FSDP2's "
+                "low-precision all-gather brings an MXFP8 or hybrid weight's columnwise copy in "
+                "backward's re-gather, or in forward's gather where FSDP2 keeps the weight "
+                "gathered after forward; minifloat looks for the weight's FSDP2 group under the "
+                "model given to enable_low_precision_all_gather, so give it the model that "
+                "fully_shard wraps (or keep reshard_after_forward=True)") from None
         return storage
     return columnwise_rebuilder(quantizer, scale)(weight.detach())
 
