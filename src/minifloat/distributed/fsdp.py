@@ -205,6 +205,7 @@ def refill_or_wrap(all_gather_outputs, metadata, columns: int, param_dtype: torc
     refilled into `out`, the unsharded weight of an earlier gather (in place, not through .data:
     that is a detached alias with a storage object of its own)."""
     outputs, metadata = unpacked(all_gather_outputs, metadata)
+    _read_on_this_stream(metadata)
     storage = _gathered_any(outputs, metadata, columns, param_dtype)
     if out is not None:
         target = out.quantized_storage
@@ -254,6 +255,24 @@ def aligned_bytes(tensors) -> tuple[torch.Tensor, list[tuple]]:
         layout.append((offset, flat.numel(), tensor.dtype, tuple(tensor.shape)))
         offset += flat.numel() + padding
     return torch.cat(parts), layout
+
+
+def _read_on_this_stream(metadata: tuple) -> None:
+    """Mark the metadata's tensors as used on the current stream (record_stream).
+
+    Why: fsdp_pre_all_gather runs on FSDP2's all-gather copy-in stream, so the caching allocator
+    files what it allocates there (a shared scale, NVFP4's global amax, a scale grid) under that
+    stream. This stream reads them after the gather, and FSDP2 drops the metadata right after
+    this call: without the mark, a tensor whose last reference goes while this stream's kernels
+    still read it (a derived copy's amax clone) goes back to the copy-in stream's pool at once,
+    and the next unit's pre_all_gather, which runs ahead of this stream, writes over it. Found
+    on 2 GPUs: hybrid MXFP8/NVFP4 weights kept gathered read the next unit's amax."""
+    for item in metadata:
+        if isinstance(item, torch.Tensor):
+            if item.is_cuda:
+                item.record_stream(torch.cuda.current_stream(item.device))
+        elif isinstance(item, tuple):
+            _read_on_this_stream(item)
 
 
 def _gathered_any(outputs: tuple[torch.Tensor, ...], metadata: tuple, columns: int,
