@@ -5,7 +5,8 @@ The gathered weights are QuantizedTensor parameters; compiled blocks take them a
 (modules/quantized_weight_ops.py). With the aot_eager backend the compiled run executes the same
 ops as the eager one, so two ranks must train bit for bit as eagerly: losses and the sharded
 parameters after each step. Delayed-scaling and MXFP8 gathers, which a compiled graph cannot
-run correctly, and hybrid gathers (a format per direction), must say so.
+run correctly, and hybrid gathers (a format per direction), must say so; MXFP8 weights kept
+gathered from forward to backward compile.
 """
 
 from __future__ import annotations
@@ -27,23 +28,26 @@ RECIPES = {
 }
 
 
-def _build(recipe: mf.Recipe, world_size: int, compiled: bool) -> nn.Module:
+def _build(recipe: mf.Recipe, world_size: int, compiled: bool, kept: bool = False
+           ) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(
         mf.LayerNormLinear(HIDDEN, HIDDEN, normalization="RMSNorm", name="qkv"),
         mf.LayerNormMLP(HIDDEN, HIDDEN, normalization="RMSNorm", name="mlp"))
     enable_low_precision_all_gather(model, recipe)
-    return _sharded(model, world_size, compiled)
+    return _sharded(model, world_size, compiled, kept)
 
 
-def _sharded(model: nn.Sequential, world_size: int, compiled: bool) -> nn.Module:
+def _sharded(model: nn.Sequential, world_size: int, compiled: bool, kept: bool = False
+             ) -> nn.Module:
+    """kept: blocks keep their gathered weights for backward (reshard_after_forward=False)."""
     from torch.distributed.fsdp import fully_shard
 
     mesh = device_mesh((world_size,))
     for block in model:
         if compiled:  # as users of FSDP2 compile: each block, then shard it
             block.compile(backend="aot_eager", fullgraph=True)
-        fully_shard(block, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=not kept)
     fully_shard(model, mesh=mesh)
     return model
 
@@ -67,9 +71,9 @@ def _losses(model: nn.Module, recipe: mf.Recipe, rank: int, world_size: int, row
     return losses
 
 
-def _train(rank: int, world_size: int, name: str, compiled: bool) -> dict:
-    recipe = RECIPES[name]()
-    model = _build(recipe, world_size, compiled)
+def _train(rank: int, world_size: int, name: str, compiled: bool, kept: bool = False) -> dict:
+    recipe = RECIPES[name]() if name in RECIPES else mf.MXFP8BlockScaling()
+    model = _build(recipe, world_size, compiled, kept)
     params = []
 
     def keep_params() -> None:
@@ -156,3 +160,26 @@ def test_graph_casts_under_fsdp2_train_like_eager():
     for eager, compiled in run_ranks(_graph_casts_worker, 2, timeout=240):
         for step, (a, b) in enumerate(zip(compiled, eager, strict=True)):
             assert torch.equal(a, b), step
+
+
+def kept_mxfp8_worker(rank: int, world_size: int) -> dict:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = _train(rank, world_size, "mxfp8", compiled=True, kept=True)
+    return {"eager": _train(rank, world_size, "mxfp8", compiled=False, kept=True),
+            "compiled": compiled,
+            "breaks": sum(torch._dynamo.utils.counters["graph_break"].values())}
+
+
+def test_compiled_blocks_keeping_mxfp8_weights_gathered_train_like_eager():
+    """Kept gathered, MXFP8 weights gather both copies in forward and no re-gather follows, so
+    the compiled backward's copy is forward's: compiling is allowed and bitwise eager's."""
+    for rank, result in enumerate(run_ranks(kept_mxfp8_worker, 2, timeout=240)):
+        eager, compiled = result["eager"], result["compiled"]
+        assert result["breaks"] == 0, rank
+        for a, b in zip(compiled["losses"], eager["losses"], strict=True):
+            assert torch.equal(a, b), rank
+        for mine, theirs in zip(compiled["params"], eager["params"], strict=True):
+            assert len(mine) == 3
+            for a, b in zip(mine, theirs, strict=True):
+                assert torch.equal(a, b), rank

@@ -226,6 +226,10 @@ def compiled_worker(rank: int, world_size: int) -> dict:
         torch._dynamo.reset()
         results[name] = {compiled: sharded_worker(rank, world_size, name, compiled)
                          for compiled in (False, True)}
+    for compiled in (False, True):  # kept gathered, MXFP8 shards bring both copies: compiled
+        torch._dynamo.reset()
+        results.setdefault("mxfp8-kept", {})[compiled] = sharded_worker(
+            rank, world_size, "mxfp8", compiled, kept=True)
     torch._dynamo.reset()
     try:  # MXFP8 shards gather a direction per gather: refused, on every rank alike
         sharded_worker(rank, world_size, "mxfp8", compiled=True)
@@ -241,10 +245,11 @@ def test_compiled_layers_train_sharded_quantized_weights_like_eager_bitwise():
     bytes do not change between forward and backward (the master cast runs after the step),
     so delayed scaling compiles too. Losses, masters and every rank's shard bytes equal the
     eager run's. MXFP8 shards, which gather their rowwise copy for forward and their columnwise
-    copy for backward, refuse to compile with a clear error."""
+    copy for backward, refuse to compile with a clear error, unless FSDP2 keeps them gathered
+    for backward (both copies gathered in forward)."""
     results = run_ranks(compiled_worker, WORLD, timeout=240)
     for rank, result in enumerate(results):
-        for name in COMPILED_CASES:
+        for name in [*COMPILED_CASES, "mxfp8-kept"]:
             eager, compiled = result[name][False], result[name][True]
             for a, b in zip(compiled["losses"], eager["losses"], strict=True):
                 assert torch.equal(a, b), (rank, name)

@@ -41,7 +41,8 @@ Under torch.compile (each block compiled, as FSDP2 users do), the gathered Quant
 reaches the graph as its buffers and the GEMM ops run on them (modules/quantized_weight_ops.py);
 backward derives the columnwise copy from the re-gathered bytes, equal to forward's for FP8
 current scaling, block FP8 and NVFP4. Delayed scaling and MXFP8, whose re-gathers bring other
-bytes, refuse to compile with a clear error (`_compile_refusal`).
+bytes, refuse to compile with a clear error (`_compile_refusal`); MXFP8 weights that FSDP2 keeps
+gathered, whose forward gather brings both copies, compile.
 
 Weights built under quantized_model_init take another wrapper (quantized_shards.py): their bytes
 are sharded and gathered as they are, and quantize_master_weights updates them.
@@ -155,6 +156,7 @@ class LowPrecisionGatherWeight(torch.Tensor):
         no backward re-gather would bring the columnwise one."""
         both = (isinstance(self._quantizer, MXFP8Quantizer | HybridQuantizer)
                 and gathers_both_directions(module))
+        allow_compile_of_both_copies(module, both)
         return directed_gather_inputs(
             lambda backward: self._rank_gather_inputs(mesh, outer_size, backward), both, mesh)
 
@@ -466,7 +468,17 @@ def _compile_refusal(quantizer: Quantizer) -> str | None:
 _MXFP8_REFUSAL = (
     "FSDP2's MXFP8 all-gather brings the columnwise copy only in backward's re-gather, which a "
     "compiled backward does not see; gather MXFP8 weights in high precision under "
-    "torch.compile (the weights are then quantized inside the graph), or run eagerly")
+    "torch.compile (the weights are then quantized inside the graph), keep them gathered "
+    "from forward to backward (fully_shard(reshard_after_forward=False): forward's gather then "
+    "brings both copies), or run eagerly")
+
+
+def allow_compile_of_both_copies(module: nn.Module, both: bool) -> None:
+    """Lift the MXFP8 compile refusal of a module whose weights gather both copies in forward:
+    with no re-gather, the compiled backward reads the columnwise copy forward's gather brought
+    (FSDP2's hooks gather before the compiled forward runs, so the first trace sees this)."""
+    if both and module.compile_refusal is _MXFP8_REFUSAL:
+        module.compile_refusal = None
 
 
 def gemm_weights(module: nn.Module) -> list[tuple[str, int]]:
