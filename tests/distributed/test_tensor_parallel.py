@@ -299,3 +299,37 @@ def test_sequence_parallel_gathers_the_output_gradient_as_fp8_bytes(name, dtypes
     check([r["result"] for r in results], "row", True, f"{name} row gather")
     for result in results:
         assert result["dtypes"] and set(result["dtypes"]) == dtypes, result["dtypes"]
+
+
+def compiled_worker(rank: int, world: int) -> dict:
+    """The TP layer compiled (aot_eager, fullgraph) against the single-rank layer run eagerly,
+    FP8 current scaling on the lean path (widened to the CPU, as tests/compile does): the split
+    operands' maxima are all-reduced inside the graph (graph_casts.GraphCastGemm); NVFP4, whose
+    compiled path does not reduce them, must say so."""
+    from minifloat.modules import lean_fp8
+
+    global layer_pair
+    lean_fp8.DEVICES = ("cuda", "cpu")
+    eager_pair = layer_pair
+
+    def compiled_pair(*args, **kwargs):
+        single, tp = eager_pair(*args, **kwargs)
+        return single, torch.compile(tp, backend="aot_eager", fullgraph=True)
+
+    layer_pair = compiled_pair
+    torch._dynamo.reset()
+    results = {case: run_pair(rank, world, "current", *case, FEATURES) for case in CASES}
+    try:
+        run_pair(rank, world, "nvfp4", "column", False, FEATURES)
+        results["nvfp4"] = "no error"
+    except Exception as error:  # noqa: BLE001 - dynamo wraps the library's error
+        results["nvfp4"] = str(error)
+    return results
+
+
+def test_compiled_layers_reduce_the_split_maxima_in_the_graph():
+    results = run_ranks(compiled_worker, 2, timeout=240)
+    for case in CASES:
+        check([r[case] for r in results], *case, f"compiled {case}")
+    for result in results:
+        assert "covers per-tensor FP8 current scaling" in result["nvfp4"], result["nvfp4"]

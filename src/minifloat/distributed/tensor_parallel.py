@@ -28,6 +28,11 @@ its copies where no block crosses a rank (and a row-parallel layer's output grad
 backward: sequence_gather.py);
 other formats gather in high precision and quantize the gathered tensor whole. Either way the
 bytes are those of one rank.
+
+Under torch.compile (fullgraph) the layers trace with their collectives. The amax reduction
+runs in the graph for FP8 current scaling (graph_casts.GraphCastGemm, where the lean path
+serves the GEMM); other recipes with tp_amax_reduction say that they do not compile, and
+compile with tp_amax_reduction=False.
 """
 
 from __future__ import annotations

@@ -461,11 +461,6 @@ class QuantizedModule(nn.Module):
         need_dgrad = grad_enabled and x.requires_grad
         need_wgrad = grad_enabled and any(w.requires_grad for w in weights)
         if torch.compiler.is_compiling():
-            if amax_reduction is not None:
-                raise NotImplementedError(
-                    "tensor-parallel amax reduction under torch.compile is not written; build "
-                    "the TP module with tp_amax_reduction=False to compile it (per-tensor "
-                    "formats then scale each rank's shard by its own amax), or run eagerly")
             if is_first_microbatch is not None:
                 raise ValueError(
                     "is_first_microbatch keeps quantized weights between calls, which a "
@@ -475,7 +470,8 @@ class QuantizedModule(nn.Module):
             return compiled_gemms(x, weights, biases, plan, state, gemms, m_splits,
                                   need_dgrad=need_dgrad, need_wgrad=need_wgrad,
                                   rebuild=self.rebuild_weight_copy_in_backward,
-                                  save_original_input=self.save_original_input)
+                                  save_original_input=self.save_original_input,
+                                  amax_reduction=amax_reduction)
         binding = self._bindings.get(token) or self.binding(token)
         if self._built_with_quantized_weights and not isinstance(weights[0], QuantizedTensor):
             self._report_dequantized_weights(weights[0])

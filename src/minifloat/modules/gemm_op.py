@@ -541,10 +541,13 @@ def compiled_gemms(
     x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
     plan: int, state: list[torch.Tensor], gemms: list[int], m_splits: list[int], *,
     need_dgrad: bool, need_wgrad: bool, rebuild: bool = False, save_original_input: bool = False,
+    amax_reduction: tuple[Any, frozenset[str]] | None = None,
 ) -> torch.Tensor:
     """The module's GEMMs through the custom ops (the path torch.compile traces); `rebuild`:
     keep no weight copy for backward, `save_original_input`: no input copy (where the ops can
-    make them in backward: rebuild_applies, save_original_applies)."""
+    make them in backward: rebuild_applies, save_original_applies). `amax_reduction` (group,
+    operand names): a tensor-parallel layer's split operands, whose maxima graph_casts
+    all-reduces in the graph (per-tensor FP8 current scaling of high-precision weights)."""
     quantized = [isinstance(weight, QuantizedTensor) for weight in weights]
     if any(quantized) and not all(quantized):
         raise NotImplementedError(
@@ -556,13 +559,22 @@ def compiled_gemms(
                 "weight.main_grad accumulation does not run under torch.compile yet; "
                 "let autograd produce weight.grad")
     # the casts and GEMMs in the traced graph where inductor compiles without CUDA graphs
-    # (graph_casts.wanted); gemm_op's ops otherwise
-    if not state and len(gemms) == 1 and len(weights) == 1:
-        spec = _graph_cast_spec(plan, gemms[0])
-        if graph_casts.applies(spec, x, weights[0]) and graph_casts.wanted():
-            return graph_casts.GraphCastGemm.apply(
-                x, weights[0], biases[0], spec, need_dgrad, need_wgrad,
-                rebuild and rebuild_applies(plan, gemms), save_original_input)
+    # (graph_casts.wanted) or a tensor-parallel group reduces maxima; gemm_op's ops otherwise
+    spec = (_graph_cast_spec(plan, gemms[0])
+            if not state and len(gemms) == 1 and len(weights) == 1 else 0)
+    served = spec and graph_casts.applies(spec, x, weights[0])
+    if amax_reduction is not None and not served:
+        raise NotImplementedError(
+            "tensor-parallel amax reduction under torch.compile covers per-tensor FP8 current "
+            "scaling of a single GEMM with high-precision weights (rows a multiple of 16); "
+            "build the TP module with tp_amax_reduction=False to compile other recipes "
+            "(per-tensor formats then scale each rank's shard by its own amax), or run eagerly")
+    if served and (amax_reduction is not None or graph_casts.wanted()):
+        group, slots = amax_reduction or (None, frozenset())
+        return graph_casts.GraphCastGemm.apply(
+            x, weights[0], biases[0], spec, need_dgrad, need_wgrad,
+            rebuild and rebuild_applies(plan, gemms), save_original_input,
+            graph_casts.reduce_mask_of(slots), group)
     has_bias = [b is not None for b in biases]
     present = [b for b in biases if b is not None]
     save_original = save_original_input and save_original_applies(plan, gemms)

@@ -27,8 +27,10 @@ The bytes and results are those of the lean path and of eager
 (tests/compile/test_graph_casts.py).
 
 Serves what the compiled lean path serves with current scaling on every cast: a stateless plan
-of one GEMM, high-precision weights, no amax reduction group, amax_epsilon 0, and
-lean_fp8.shapes_apply. `save_original_input` keeps the input instead of its columnwise copy,
+of one GEMM, high-precision weights, amax_epsilon 0, and lean_fp8.shapes_apply. It also serves
+tensor-parallel layers under torch.compile in any mode (the ops path does not): the operands
+split across the TP group's ranks have their maxima all-reduced in the graph (functional
+collectives), so each rank casts its shard with the whole tensor's scale, as eager does. `save_original_input` keeps the input instead of its columnwise copy,
 `rebuild_weight_copy_in_backward` the weight instead of its copy; backward casts them again
 (the input with forward's amax). Everything else takes gemm_op's ops.
 """
@@ -141,6 +143,27 @@ def applies(spec: int, x: torch.Tensor, weight: torch.Tensor) -> bool:
             and lean_fp8.shapes_apply(x.device.type, x.dtype, x.numel() // k if k else 0, k, n))
 
 
+REDUCED = {"input": 1, "weight": 2, "grad_output": 4}  # GraphCastGemm's reduce_mask bits
+
+
+def reduce_mask_of(slots: frozenset[str]) -> int:
+    """The operands whose maxima a tensor-parallel layer all-reduces, as GraphCastGemm's mask."""
+    return sum(REDUCED[slot] for slot in slots)
+
+
+def _maximum(x2d: torch.Tensor, role: str, reduce_mask: int, group) -> torch.Tensor:
+    """max|x2d|, all-reduced (MAX) over the tensor-parallel group where `role` is split across
+    its ranks: a functional collective, which the traced graph holds (eagerly it waits on use).
+    Every rank then casts its shard with the full tensor's scale, as eager's quantizer copies
+    holding the group do (Quantizer.reduce_amax)."""
+    amax = tensor_maximum(x2d)
+    if reduce_mask & REDUCED[role]:
+        import torch.distributed._functional_collectives as funcol
+
+        amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group))
+    return amax
+
+
 def _cast(spec: int, role: str, x2d: torch.Tensor, *, rowwise: bool, columnwise: bool,
           amax: torch.Tensor | None = None):
     """(data or None, data_t or None, scale_inv) of a GEMM input or gradient. Both copies: the
@@ -178,9 +201,13 @@ def _current_cast_fake(x2d, amax, e5m2, power_2_scale, rowwise, columnwise):
 _current_cast = define_op("current_cast", current_cast_impl, _current_cast_fake)
 
 
-def _weight_copies(spec: int, weight: torch.Tensor, *, rowwise: bool, columnwise: bool):
-    """(data or None, data_t or None, scale_inv) of the weight, through the op."""
-    outputs = iter(_current_cast(weight, [], bool(spec & _E5M2["weight"]),
+def _weight_copies(spec: int, weight: torch.Tensor, *, rowwise: bool, columnwise: bool,
+                   reduce_mask: int = 0, group=None):
+    """(data or None, data_t or None, scale_inv) of the weight, through the op (which takes
+    the weight's maximum itself, unless a tensor-parallel group reduces it first)."""
+    amax = ([_maximum(weight, "weight", reduce_mask, group).reshape(1)]
+            if reduce_mask & REDUCED["weight"] else [])
+    outputs = iter(_current_cast(weight, amax, bool(spec & _E5M2["weight"]),
                                  bool(spec & _POW2["weight"]), rowwise, columnwise))
     data = next(outputs) if rowwise else None
     data_t = next(outputs) if columnwise else None
@@ -193,16 +220,19 @@ class GraphCastGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 spec: int, need_dgrad: bool, need_wgrad: bool, rebuild: bool,
-                save_original: bool) -> torch.Tensor:
+                save_original: bool, reduce_mask: int = 0, group=None) -> torch.Tensor:
+        """`reduce_mask` (REDUCED bits) names the operands a tensor-parallel layer splits
+        across `group`'s ranks; their maxima are all-reduced before the casts."""
         n, k = weight.shape
         x2d = x.reshape(-1, k)
         keep_input_copy = need_wgrad and not save_original
         keep_weight_copy = need_dgrad and not rebuild
-        x_amax = tensor_maximum(x2d)
+        x_amax = _maximum(x2d, "input", reduce_mask, group)
         x_data, x_t, x_scale_inv = _cast(spec, "input", x2d, rowwise=True,
                                          columnwise=keep_input_copy, amax=x_amax)
         w_data, w_t, w_scale_inv = _weight_copies(spec, weight, rowwise=True,
-                                                  columnwise=keep_weight_copy)
+                                                  columnwise=keep_weight_copy,
+                                                  reduce_mask=reduce_mask, group=group)
         y = scaled_mm_bytes(x_data, w_data, x_scale_inv, w_scale_inv, out_dtype=x.dtype,
                             bias=bias, fast_accumulation=True)
         # what backward reads: the copies, or (memory options) the input and its maximum, the
@@ -216,6 +246,7 @@ class GraphCastGemm(torch.autograd.Function):
         ctx.flags = (spec, need_dgrad, need_wgrad, keep_input_copy, keep_weight_copy,
                      bias is not None)
         ctx.x_shape = x.shape
+        ctx.reduction = (reduce_mask, group)
         return y.reshape(*x.shape[:-1], n)
 
     @staticmethod
@@ -227,15 +258,19 @@ class GraphCastGemm(torch.autograd.Function):
         dy2d = grad_output.reshape(-1, grad_output.shape[-1]).contiguous()
         grad_bias = dy2d.sum(dim=0) if has_bias else None  # as the other paths sum it
         grad_x = grad_weight = None
+        reduce_mask, group = ctx.reduction
         if need_dgrad or need_wgrad:
+            dy_amax = (_maximum(dy2d, "grad_output", reduce_mask, group)
+                       if reduce_mask & REDUCED["grad_output"] else None)
             dy_data, dy_t, dy_scale_inv = _cast(spec, "grad_output", dy2d, rowwise=need_dgrad,
-                                                columnwise=need_wgrad)
+                                                columnwise=need_wgrad, amax=dy_amax)
         if need_dgrad:
             if keep_weight_copy:
                 w_t, w_scale_inv = weight_kept
             else:  # the copy forward would have kept: the same weight, the same bytes
                 _, w_t, w_scale_inv = _weight_copies(spec, weight_kept[0], rowwise=False,
-                                                     columnwise=True)
+                                                     columnwise=True, reduce_mask=reduce_mask,
+                                                     group=group)
             grad_x = scaled_mm_bytes(dy_data, w_t, dy_scale_inv, w_scale_inv,
                                      out_dtype=grad_output.dtype, bias=None,
                                      fast_accumulation=False).reshape(ctx.x_shape)
@@ -253,4 +288,4 @@ class GraphCastGemm(torch.autograd.Function):
             grad_weight = scaled_mm_bytes(dy_t, x_t, dy_scale_inv, x_scale_inv,
                                           out_dtype=grad_output.dtype, bias=None,
                                           fast_accumulation=False)
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None, None
