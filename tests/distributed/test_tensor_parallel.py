@@ -304,8 +304,9 @@ def test_sequence_parallel_gathers_the_output_gradient_as_fp8_bytes(name, dtypes
 def compiled_worker(rank: int, world: int) -> dict:
     """The TP layer compiled (aot_eager, fullgraph) against the single-rank layer run eagerly,
     FP8 current scaling on the lean path (widened to the CPU, as tests/compile does): the split
-    operands' maxima are all-reduced inside the graph (graph_casts.GraphCastGemm); NVFP4, whose
-    compiled path does not reduce them, must say so."""
+    operands' maxima are all-reduced inside the graph (graph_casts.GraphCastGemm); block formats,
+    which take no tensor maximum, compile through the ops as without TP; NVFP4 and delayed
+    scaling, whose compiled paths do not reduce their maxima over the group, must say so."""
     from minifloat.modules import lean_fp8
 
     global layer_pair
@@ -313,17 +314,21 @@ def compiled_worker(rank: int, world: int) -> dict:
     eager_pair = layer_pair
 
     def compiled_pair(*args, **kwargs):
+        torch._dynamo.reset()  # a new layer each case: no recompile limit across cases
         single, tp = eager_pair(*args, **kwargs)
         return single, torch.compile(tp, backend="aot_eager", fullgraph=True)
 
     layer_pair = compiled_pair
-    torch._dynamo.reset()
     results = {case: run_pair(rank, world, "current", *case, FEATURES) for case in CASES}
-    try:
-        run_pair(rank, world, "nvfp4", "column", False, FEATURES)
-        results["nvfp4"] = "no error"
-    except Exception as error:  # noqa: BLE001 - dynamo wraps the library's error
-        results["nvfp4"] = str(error)
+    for name in ("mxfp8", "block"):  # no tensor maximum to reduce: the ops, as without TP
+        for mode in ("column", "row"):
+            results[(name, mode)] = run_pair(rank, world, name, mode, False, FEATURES)
+    for name in ("nvfp4", "delayed"):
+        try:
+            run_pair(rank, world, name, "column", False, FEATURES)
+            results[name] = "no error"
+        except Exception as error:  # noqa: BLE001 - dynamo wraps the library's error
+            results[name] = str(error)
     return results
 
 
@@ -331,5 +336,9 @@ def test_compiled_layers_reduce_the_split_maxima_in_the_graph():
     results = run_ranks(compiled_worker, 2, timeout=240)
     for case in CASES:
         check([r[case] for r in results], *case, f"compiled {case}")
+    for name in ("mxfp8", "block"):
+        for mode in ("column", "row"):
+            check([r[(name, mode)] for r in results], mode, False, f"compiled {name} {mode}")
     for result in results:
-        assert "covers per-tensor FP8 current scaling" in result["nvfp4"], result["nvfp4"]
+        for name in ("nvfp4", "delayed"):
+            assert "covers per-tensor FP8 current scaling" in result[name], result[name]

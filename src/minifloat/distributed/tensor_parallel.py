@@ -31,8 +31,9 @@ bytes are those of one rank.
 
 Under torch.compile (fullgraph) the layers trace with their collectives. The amax reduction
 runs in the graph for FP8 current scaling (graph_casts.GraphCastGemm, where the lean path
-serves the GEMM); other recipes with tp_amax_reduction say that they do not compile, and
-compile with tp_amax_reduction=False.
+serves the GEMM); block formats have no tensor maximum to reduce and compile as they are;
+NVFP4 and delayed scaling with tp_amax_reduction say that they do not compile, and compile
+with tp_amax_reduction=False.
 """
 
 from __future__ import annotations

@@ -52,11 +52,20 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..autocast import note_delayed_use
 from ..compile_cache import tag_compile_caches
 from ..kernels import is_fake
-from ..quantizers import Float8Quantizer, QuantizedStorage, QuantizedTensor, Quantizer
+from ..quantizers import (
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    HybridQuantizer,
+    NVFP4Quantizer,
+    QuantizedStorage,
+    QuantizedTensor,
+    Quantizer,
+)
 from ..recipe_state import RecipeState
 from . import graph_casts, lean_ops
 from .input_recast import input_copy_buffers, recasts
 from .linear_function import (
+    BACKWARD_SLOTS,
     FORWARD_SLOTS,
     GemmCall,
     SavedForBackward,
@@ -107,6 +116,7 @@ class _Plan:
     stateless: tuple[list[Quantizer], list[Quantizer]] | None
     # the forward quantizers without their tensors: what their types and formats say
     forward_prototypes: list[Quantizer]
+    backward_prototypes: list[Quantizer]
 
 
 _PLANS: dict[int, _Plan] = {}
@@ -163,7 +173,8 @@ def register_plan(forward: RecipeState, backward: RecipeState,
     if plan not in _PLANS:
         stateless = None if state else (forward_quantizers, backward_quantizers)
         _PLANS[plan] = _Plan(forward, backward, len(forward.state_tensors()), stateless,
-                             [_quantizer_without_tensors(q) for q in forward_quantizers])
+                             [_quantizer_without_tensors(q) for q in forward_quantizers],
+                             [_quantizer_without_tensors(q) for q in backward_quantizers])
     return plan
 
 
@@ -191,6 +202,32 @@ def _slot_quantizers(plan_id: int, gemms: list[int], slot: int) -> list[Quantize
     """The tensor-less forward quantizers of slot `slot` (0 input, 1 weight) of these GEMMs."""
     prototypes = _PLANS[plan_id].forward_prototypes
     return [prototypes[len(FORWARD_SLOTS) * gemm + slot] for gemm in gemms]
+
+
+def reduces_split_maxima(plan_id: int, gemms: list[int], slots: frozenset[str]) -> bool:
+    """Whether a tensor-parallel group's reduction of these slots matters: their quantizers
+    take a maximum of the whole tensor (current scaling, NVFP4's global amax, delayed scaling's
+    recorded amaxes). Block formats (MXFP8, FP8 blocks) take none: their compiled ops run as
+    without TP, with the same bytes."""
+    plan = _PLANS[plan_id]
+    quantizers = []
+    for gemm in gemms:
+        for name in slots:
+            if name in FORWARD_SLOTS:
+                index = len(FORWARD_SLOTS) * gemm + FORWARD_SLOTS.index(name)
+                quantizers.append(plan.forward_prototypes[index])
+            else:
+                index = len(BACKWARD_SLOTS) * gemm + BACKWARD_SLOTS.index(name)
+                quantizers.append(plan.backward_prototypes[index])
+    return any(_takes_tensor_maximum(q) for q in quantizers)
+
+
+def _takes_tensor_maximum(quantizer: Quantizer) -> bool:
+    if isinstance(quantizer, HybridQuantizer):
+        return (_takes_tensor_maximum(quantizer.rowwise_quantizer)
+                or _takes_tensor_maximum(quantizer.columnwise_quantizer))
+    return isinstance(quantizer, Float8CurrentScalingQuantizer | Float8Quantizer
+                      | NVFP4Quantizer)
 
 
 def _delayed(quantizers: list[Quantizer]) -> bool:
@@ -560,6 +597,8 @@ def compiled_gemms(
                 "let autograd produce weight.grad")
     # the casts and GEMMs in the traced graph where inductor compiles without CUDA graphs
     # (graph_casts.wanted) or a tensor-parallel group reduces maxima; gemm_op's ops otherwise
+    if amax_reduction is not None and not reduces_split_maxima(plan, gemms, amax_reduction[1]):
+        amax_reduction = None  # nothing per call to reduce: the ops run as without TP
     spec = (_graph_cast_spec(plan, gemms[0])
             if not state and len(gemms) == 1 and len(weights) == 1 else 0)
     served = spec and graph_casts.applies(spec, x, weights[0])
