@@ -30,10 +30,11 @@ other formats gather in high precision and quantize the gathered tensor whole. E
 bytes are those of one rank.
 
 Under torch.compile (fullgraph) the layers trace with their collectives. The amax reduction
-runs in the graph for FP8 current scaling (graph_casts.GraphCastGemm, where the lean path
-serves the GEMM); block formats have no tensor maximum to reduce and compile as they are;
-NVFP4 and delayed scaling with tp_amax_reduction say that they do not compile, and compile
-with tp_amax_reduction=False.
+runs in the graph for FP8 current scaling (graph_casts.GraphCastGemm, functional collectives,
+where the lean path serves the GEMM) and inside the GEMM ops otherwise (NVFP4's global amax:
+the op resolves the group from its name, gemm_op.reduction_key); block formats have no tensor
+maximum to reduce. Delayed scaling with tp_amax_reduction says that it does not compile, and
+compiles with tp_amax_reduction=False.
 """
 
 from __future__ import annotations

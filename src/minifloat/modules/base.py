@@ -49,6 +49,7 @@ from .linear_function import (  # noqa: F401 - the slot names are part of base's
     GemmCall,
     LinearGemms,
     as_output,
+    with_amax_group,
 )
 from .weights import (
     dequantized_weight,
@@ -488,7 +489,7 @@ class QuantizedModule(nn.Module):
         forward_quantizers = binding.forward_quantizers
         backward_quantizers = binding.backward_quantizers
         if amax_reduction is not None:
-            forward_quantizers, backward_quantizers = _with_amax_group(
+            forward_quantizers, backward_quantizers = with_amax_group(
                 forward_quantizers, backward_quantizers, *amax_reduction)
         elif (is_first_microbatch is None and len(weights) == 1 and input_gather_group is None
               and output_scatter_group is None and not weights_quantized_once()):
@@ -525,22 +526,6 @@ class QuantizedModule(nn.Module):
                     return LinearGemms.apply(x, call, *weights, *biases)
             note_delayed_use(binding.delayed_pair)
         return LinearGemms.apply(x, call, *weights, *biases)
-
-
-def _with_amax_group(forward: list[Quantizer], backward: list[Quantizer], group: Any,
-                     slots: frozenset[str]) -> tuple[list[Quantizer], list[Quantizer]]:
-    """Copies of the named slots' quantizers holding `group` (for this call only)."""
-
-    def with_group(quantizers: list[Quantizer], names: tuple[str, ...]) -> list[Quantizer]:
-        result = []
-        for index, quantizer in enumerate(quantizers):
-            if names[index % len(names)] in slots:
-                quantizer = quantizer.copy()
-                quantizer.amax_reduction_group = group
-            result.append(quantizer)
-        return result
-
-    return with_group(forward, FORWARD_SLOTS), with_group(backward, BACKWARD_SLOTS)
 
 
 def plain_weight(weight: torch.Tensor) -> torch.Tensor:

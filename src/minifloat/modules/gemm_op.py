@@ -73,6 +73,7 @@ from .linear_function import (
     gemms_backward,
     gemms_forward,
     rebuild_weight_copy,
+    with_amax_group,
 )
 from .op_define import define_op
 
@@ -180,7 +181,9 @@ def register_plan(forward: RecipeState, backward: RecipeState,
 
 def _gemm_call(plan_id: int, state: list[torch.Tensor], gemms: list[int], m_splits: list[int],
                need_dgrad: bool, need_wgrad: bool, rebuild: bool = False,
-               save_original: bool = False) -> GemmCall:
+               save_original: bool = False, reduction: str = "") -> GemmCall:
+    """The GemmCall of a plan over these state tensors; `reduction` (reduction_key): the
+    tensor-parallel group and slots whose quantizer copies reduce their maxima this call."""
     plan = _PLANS.get(plan_id)
     if plan is None:
         raise RuntimeError(
@@ -193,9 +196,29 @@ def _gemm_call(plan_id: int, state: list[torch.Tensor], gemms: list[int], m_spli
         backward, _ = plan.backward.with_state_tensors(state[plan.forward_state_count:])
         forward_quantizers, backward_quantizers = (forward.make_quantizers(),
                                                    backward.make_quantizers())
+    if reduction:
+        group, slots = _resolved(reduction)
+        forward_quantizers, backward_quantizers = with_amax_group(
+            forward_quantizers, backward_quantizers, group, slots)
     return GemmCall.from_slots(forward_quantizers, backward_quantizers, gemms, m_splits,
                                need_dgrad=need_dgrad, need_wgrad=need_wgrad,
                                rebuild_weights=rebuild, save_original_input=save_original)
+
+
+def reduction_key(amax_reduction: tuple[Any, frozenset[str]] | None) -> str:
+    """A TP amax reduction (group, slot names) as the ops' string argument: "" for none, else
+    the group's name and the slots, "name|slot,slot" (an op takes no process group)."""
+    if amax_reduction is None:
+        return ""
+    group, slots = amax_reduction
+    return f"{group.group_name}|{','.join(sorted(slots))}"
+
+
+def _resolved(reduction: str) -> tuple[Any, frozenset[str]]:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    name, slots = reduction.split("|")
+    return _resolve_process_group(name), frozenset(slots.split(","))
 
 
 def _slot_quantizers(plan_id: int, gemms: list[int], slot: int) -> list[Quantizer]:
@@ -206,9 +229,9 @@ def _slot_quantizers(plan_id: int, gemms: list[int], slot: int) -> list[Quantize
 
 def reduces_split_maxima(plan_id: int, gemms: list[int], slots: frozenset[str]) -> bool:
     """Whether a tensor-parallel group's reduction of these slots matters: their quantizers
-    take a maximum of the whole tensor (current scaling, NVFP4's global amax, delayed scaling's
-    recorded amaxes). Block formats (MXFP8, FP8 blocks) take none: their compiled ops run as
-    without TP, with the same bytes."""
+    take a maximum of the whole tensor (current scaling, NVFP4's global amax; delayed scaling's
+    recorded amaxes count too). Block formats (MXFP8, FP8 blocks) take none: their compiled
+    ops run as without TP, with the same bytes."""
     plan = _PLANS[plan_id]
     quantizers = []
     for gemm in gemms:
@@ -307,14 +330,19 @@ def gemms_forward_impl(
     x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
     has_bias: list[bool], state: list[torch.Tensor], plan: int, gemms: list[int],
     m_splits: list[int], need_dgrad: bool, need_wgrad: bool, rebuild: bool, save_original: bool,
-    input_amax: list[torch.Tensor],
+    input_amax: list[torch.Tensor], reduction: str,
 ) -> list[torch.Tensor]:
     """[y, the buffers backward keeps (present ones, in order), delayed scales carried]; with
     `rebuild` no weight copy is kept, with `save_original` no input copy (backward quantizes
     them again; the autograd context keeps the weights and the input themselves, and under
     delayed scaling the forward scales: _carried_counts). `input_amax`: [max|x|] where the
-    traced graph computed it for the lean path's cast (lean_ops.compiled_amax), else []."""
-    if not state and not is_fake(x):  # one FP8 current-scaling GEMM: kernel calls only
+    traced graph computed it for the lean path's cast (lean_ops.compiled_amax), else [].
+    `reduction` (reduction_key): a TP group's split operands, quantized with their maxima
+    reduced over it (the collective runs inside the op, as eager runs it; not on fake
+    tensors, whose shapes it does not change)."""
+    if is_fake(x):
+        reduction = ""
+    if not state and not is_fake(x) and not reduction:  # one FP8 current-scaling GEMM
         lean = lean_ops.lean_plan(plan, gemms, _PLANS[plan].stateless)
         if lean is not None and lean_ops.forward_applies(x, weights):
             # save_original: no input copy kept; _backward makes it (input_recast.py)
@@ -328,7 +356,7 @@ def gemms_forward_impl(
             note_delayed_use(pair)
         state = [detached_alias(t) for t in state]
     call = _gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad, rebuild,
-                      save_original)
+                      save_original, reduction)
     weight_scales, input_scales = _carried_counts(plan, gemms, need_dgrad, need_wgrad, rebuild,
                                                   save_original)
     # forward's delayed-scaling scales, copied before autocast's exit updates the state
@@ -405,14 +433,17 @@ def gemms_backward_impl(
     grad_output: torch.Tensor, saved: list[torch.Tensor], state: list[torch.Tensor], plan: int,
     gemms: list[int], m_splits: list[int], x_shape: list[int], weight_shapes: list[int],
     has_bias: list[bool], need_dgrad: bool, need_wgrad: bool, rebuild_from: list[torch.Tensor],
-    rebuild_scales: list[torch.Tensor], grad_output_amax: list[torch.Tensor],
+    rebuild_scales: list[torch.Tensor], grad_output_amax: list[torch.Tensor], reduction: str,
 ) -> list[torch.Tensor]:
     """[dx if need_dgrad] + [dW_i if need_wgrad] + [db_i where has_bias]; `rebuild_from`: the
     weights, when forward kept no copy of them (empty otherwise), `rebuild_scales`: their
     forward scales under delayed scaling (empty otherwise); `grad_output_amax`: as
     gemms_forward_impl's input_amax, for grad_output. `saved` is in the layout of a forward
-    that kept the input's copy (with save_original_input, _backward made it)."""
-    if not state and not is_fake(grad_output):  # one FP8 current-scaling GEMM (lean_ops.py)
+    that kept the input's copy (with save_original_input, _backward made it). `reduction`:
+    as gemms_forward_impl's."""
+    if is_fake(grad_output):
+        reduction = ""
+    if not state and not is_fake(grad_output) and not reduction:  # one FP8 current GEMM
         lean = lean_ops.lean_plan(plan, gemms, _PLANS[plan].stateless)
         if lean is not None and lean_ops.backward_applies(grad_output, x_shape, weight_shapes):
             outputs = lean_ops.lean_backward(grad_output, saved, lean, x_shape, has_bias[0],
@@ -427,7 +458,8 @@ def gemms_backward_impl(
     buffers = iter(saved)
     x_qs, w_qs = layout.restore([next(buffers) if flag else None for flag in present])
     state = [detached_alias(t) for t in state]
-    call = _gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad, rebuild)
+    call = _gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad, rebuild,
+                      reduction=reduction)
     if rebuild:
         scales = rebuild_scales or [None] * len(rebuild_from)
         w_qs = [rebuild_weight_copy(weight, quantizer, scale) for weight, quantizer, scale
@@ -450,7 +482,7 @@ def gemms_backward_impl(
 
 def gemms_backward_fake(grad_output, saved, state, plan, gemms, m_splits, x_shape,
                          weight_shapes, has_bias, need_dgrad, need_wgrad, rebuild_from,
-                         rebuild_scales, grad_output_amax):
+                         rebuild_scales, grad_output_amax, reduction):
     outputs = []
     if need_dgrad:
         outputs.append(grad_output.new_empty(x_shape))
@@ -467,7 +499,8 @@ _gemms_backward_op = define_op("gemms_backward", gemms_backward_impl, gemms_back
 
 def _setup_context(ctx, inputs, output) -> None:
     (x, weights, biases, has_bias, state, plan, gemms, m_splits, need_dgrad, need_wgrad,
-     rebuild, save_original, input_amax) = inputs
+     rebuild, save_original, input_amax, reduction) = inputs
+    ctx.reduction = reduction
     rebuild_from = list(weights) if rebuild and need_dgrad else []
     originals = [x] if save_original and need_wgrad else []
     # forward's max|x| (current scaling, lean_ops.compiled_amax): the recast's amax
@@ -510,13 +543,14 @@ def _backward(ctx, grads):
                                       m_splits, x_shape, weight_shapes, has_bias, need_dgrad,
                                       need_wgrad, rebuild_from, rebuild_scales,
                                       _lean_amax_backward(grad_output, state, plan, gemms,
-                                                          x_shape, weight_shapes)))
+                                                          x_shape, weight_shapes),
+                                      ctx.reduction))
     grad_x = next(outputs) if need_dgrad else None
     grad_weights = ([next(outputs) for _ in range(ctx.weight_count)] if need_wgrad
                     else [None] * ctx.weight_count)
     grad_biases = [next(outputs) for _ in range(ctx.bias_count)]
     return (grad_x, grad_weights, grad_biases, None, [None] * ctx.state_count, None, None,
-            None, None, None, None, None, [None] * ctx.amax_count)
+            None, None, None, None, None, [None] * ctx.amax_count, None)
 
 
 INPUT_CURRENT, GRAD_OUTPUT_CURRENT = 1, 2
@@ -599,15 +633,15 @@ def compiled_gemms(
     # (graph_casts.wanted) or a tensor-parallel group reduces maxima; gemm_op's ops otherwise
     if amax_reduction is not None and not reduces_split_maxima(plan, gemms, amax_reduction[1]):
         amax_reduction = None  # nothing per call to reduce: the ops run as without TP
+    if amax_reduction is not None and _delayed(_slot_quantizers(plan, gemms, 1)):
+        raise NotImplementedError(
+            "delayed scaling with tensor-parallel amax reduction does not run under "
+            "torch.compile (compiled, a column-parallel layer's output left one rank's from "
+            "the second step: tests/distributed/test_tensor_parallel.py); build the TP module "
+            "with tp_amax_reduction=False to compile it, or run eagerly")
     spec = (_graph_cast_spec(plan, gemms[0])
             if not state and len(gemms) == 1 and len(weights) == 1 else 0)
     served = spec and graph_casts.applies(spec, x, weights[0])
-    if amax_reduction is not None and not served:
-        raise NotImplementedError(
-            "tensor-parallel amax reduction under torch.compile covers per-tensor FP8 current "
-            "scaling of a single GEMM with high-precision weights (rows a multiple of 16); "
-            "build the TP module with tp_amax_reduction=False to compile other recipes "
-            "(per-tensor formats then scale each rank's shard by its own amax), or run eagerly")
     if served and (amax_reduction is not None or graph_casts.wanted()):
         group, slots = amax_reduction or (None, frozenset())
         return graph_casts.GraphCastGemm.apply(
@@ -616,7 +650,11 @@ def compiled_gemms(
             graph_casts.reduce_mask_of(slots), group)
     has_bias = [b is not None for b in biases]
     present = [b for b in biases if b is not None]
-    save_original = save_original_input and save_original_applies(plan, gemms)
+    # the ops reduce a TP group's maxima inside (the quantizers' collective, as eager runs
+    # it); the input's recast in backward would not (input_recast), so its copy is kept
+    reduction = reduction_key(amax_reduction)
+    save_original = (save_original_input and save_original_applies(plan, gemms)
+                     and not reduction)
     outputs = _gemms_forward_op(x, list(weights), present, has_bias, list(state),
                                 plan, list(gemms), [int(m) for m in m_splits],
                                 need_dgrad, need_wgrad,
@@ -625,7 +663,7 @@ def compiled_gemms(
                                 any(quantized) or (rebuild and rebuild_applies(plan, gemms)),
                                 save_original,
                                 _lean_amax_forward(x, list(weights), list(state), plan,
-                                                   list(gemms)))
+                                                   list(gemms)), reduction)
     return outputs[0]
 
 

@@ -110,13 +110,13 @@ def _forward_qw(
     x: torch.Tensor, weight_buffers: list[torch.Tensor], weight_layouts: list[int],
     biases: list[torch.Tensor], has_bias: list[bool], state: list[torch.Tensor], plan: int,
     gemms: list[int], m_splits: list[int], need_dgrad: bool, need_wgrad: bool, rebuild: bool,
-    save_original: bool, input_amax: list[torch.Tensor],
+    save_original: bool, input_amax: list[torch.Tensor], reduction: str,
 ) -> list[torch.Tensor]:
     """gemms_forward with the weights given as buffers (weight_buffers)."""
     weights = rebuilt_weights(weight_buffers, weight_layouts)
     return gemm_op.gemms_forward_impl(x, weights, biases, has_bias, state, plan, gemms,
                                       m_splits, need_dgrad, need_wgrad, rebuild, save_original,
-                                      input_amax)
+                                      input_amax, reduction)
 
 
 # on fake buffers: the reference path, as gemm_op's ops
@@ -128,42 +128,43 @@ def _backward_qw(
     gemms: list[int], m_splits: list[int], x_shape: list[int], weight_shapes: list[int],
     has_bias: list[bool], need_dgrad: bool, need_wgrad: bool,
     rebuild_buffers: list[torch.Tensor], rebuild_layouts: list[int],
-    rebuild_scales: list[torch.Tensor], grad_output_amax: list[torch.Tensor],
+    rebuild_scales: list[torch.Tensor], grad_output_amax: list[torch.Tensor], reduction: str,
 ) -> list[torch.Tensor]:
     """gemms_backward with the weights it derives copies from given as buffers."""
     weights = rebuilt_weights(rebuild_buffers, rebuild_layouts)
     return gemm_op.gemms_backward_impl(grad_output, saved, state, plan, gemms, m_splits,
                                        x_shape, weight_shapes, has_bias, need_dgrad, need_wgrad,
-                                       weights, rebuild_scales, grad_output_amax)
+                                       weights, rebuild_scales, grad_output_amax, reduction)
 
 
 def _backward_qw_fake(grad_output, saved, state, plan, gemms, m_splits, x_shape, weight_shapes,
                       has_bias, need_dgrad, need_wgrad, rebuild_buffers, rebuild_layouts,
-                      rebuild_scales, grad_output_amax):
+                      rebuild_scales, grad_output_amax, reduction):
     return gemm_op.gemms_backward_fake(grad_output, saved, state, plan, gemms, m_splits,
                                        x_shape, weight_shapes, has_bias, need_dgrad, need_wgrad,
-                                       [], rebuild_scales, grad_output_amax)
+                                       [], rebuild_scales, grad_output_amax, reduction)
 
 
 _backward_qw_op = define_op("gemms_backward_qw", _backward_qw, _backward_qw_fake)
 
 
 def _forward_handler(x, weights, biases, has_bias, state, plan, gemms, m_splits, need_dgrad,
-                     need_wgrad, rebuild, save_original, input_amax):
+                     need_wgrad, rebuild, save_original, input_amax, reduction):
     for weight in weights:
         check_compilable(weight, need_dgrad)
     buffers, layouts = weight_buffers(list(weights))
     return _forward_qw_op(x, buffers, layouts, biases, has_bias, state, plan, gemms, m_splits,
-                          need_dgrad, need_wgrad, rebuild, save_original, input_amax)
+                          need_dgrad, need_wgrad, rebuild, save_original, input_amax,
+                          reduction)
 
 
 def _backward_handler(grad_output, saved, state, plan, gemms, m_splits, x_shape, weight_shapes,
                       has_bias, need_dgrad, need_wgrad, rebuild_from, rebuild_scales,
-                      grad_output_amax):
+                      grad_output_amax, reduction):
     buffers, layouts = weight_buffers(list(rebuild_from))
     return _backward_qw_op(grad_output, saved, state, plan, gemms, m_splits, x_shape,
                            weight_shapes, has_bias, need_dgrad, need_wgrad, buffers, layouts,
-                           rebuild_scales, grad_output_amax)
+                           rebuild_scales, grad_output_amax, reduction)
 
 
 register_handler(torch.ops.minifloat.gemms_forward.default, _forward_handler)
