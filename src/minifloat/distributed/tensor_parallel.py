@@ -31,10 +31,10 @@ bytes are those of one rank.
 
 Under torch.compile (fullgraph) the layers trace with their collectives. The amax reduction
 runs in the graph for FP8 current scaling (graph_casts.GraphCastGemm, functional collectives,
-where the lean path serves the GEMM) and inside the GEMM ops otherwise (NVFP4's global amax:
-the op resolves the group from its name, gemm_op.reduction_key); block formats have no tensor
-maximum to reduce. Delayed scaling with tp_amax_reduction says that it does not compile, and
-compiles with tp_amax_reduction=False.
+where the lean path serves the GEMM) and inside the GEMM ops otherwise (current scaling
+elsewhere, NVFP4's global amax: the op resolves the group from its name,
+gemm_op.reduction_key); block formats have no tensor maximum to reduce, and delayed scaling's
+histories are reduced by autocast(amax_reduction_group=...) as in eager.
 """
 
 from __future__ import annotations

@@ -633,12 +633,6 @@ def compiled_gemms(
     # (graph_casts.wanted) or a tensor-parallel group reduces maxima; gemm_op's ops otherwise
     if amax_reduction is not None and not reduces_split_maxima(plan, gemms, amax_reduction[1]):
         amax_reduction = None  # nothing per call to reduce: the ops run as without TP
-    if amax_reduction is not None and _delayed(_slot_quantizers(plan, gemms, 1)):
-        raise NotImplementedError(
-            "delayed scaling with tensor-parallel amax reduction does not run under "
-            "torch.compile (compiled, a column-parallel layer's output left one rank's from "
-            "the second step: tests/distributed/test_tensor_parallel.py); build the TP module "
-            "with tp_amax_reduction=False to compile it, or run eagerly")
     spec = (_graph_cast_spec(plan, gemms[0])
             if not state and len(gemms) == 1 and len(weights) == 1 else 0)
     served = spec and graph_casts.applies(spec, x, weights[0])
