@@ -49,8 +49,8 @@ from .linear_function import (  # noqa: F401 - the slot names are part of base's
     GemmCall,
     LinearGemms,
     as_output,
-    with_amax_group,
 )
+from .tp_reduction import with_amax_group
 from .weights import (
     dequantized_weight,
     runs_dequantized,

@@ -52,20 +52,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..autocast import note_delayed_use
 from ..compile_cache import tag_compile_caches
 from ..kernels import is_fake
-from ..quantizers import (
-    Float8CurrentScalingQuantizer,
-    Float8Quantizer,
-    HybridQuantizer,
-    NVFP4Quantizer,
-    QuantizedStorage,
-    QuantizedTensor,
-    Quantizer,
-)
+from ..quantizers import Float8Quantizer, QuantizedStorage, QuantizedTensor, Quantizer
 from ..recipe_state import RecipeState
 from . import graph_casts, lean_ops
 from .input_recast import input_copy_buffers, recasts
 from .linear_function import (
-    BACKWARD_SLOTS,
     FORWARD_SLOTS,
     GemmCall,
     SavedForBackward,
@@ -73,9 +64,9 @@ from .linear_function import (
     gemms_backward,
     gemms_forward,
     rebuild_weight_copy,
-    with_amax_group,
 )
 from .op_define import define_op
+from .tp_reduction import reduces_split_maxima, reduction_key, resolved, with_amax_group
 
 tag_compile_caches()  # the backward formula below is not in inductor's cache keys otherwise
 
@@ -197,7 +188,7 @@ def _gemm_call(plan_id: int, state: list[torch.Tensor], gemms: list[int], m_spli
         forward_quantizers, backward_quantizers = (forward.make_quantizers(),
                                                    backward.make_quantizers())
     if reduction:
-        group, slots = _resolved(reduction)
+        group, slots = resolved(reduction)
         forward_quantizers, backward_quantizers = with_amax_group(
             forward_quantizers, backward_quantizers, group, slots)
     return GemmCall.from_slots(forward_quantizers, backward_quantizers, gemms, m_splits,
@@ -205,52 +196,10 @@ def _gemm_call(plan_id: int, state: list[torch.Tensor], gemms: list[int], m_spli
                                rebuild_weights=rebuild, save_original_input=save_original)
 
 
-def reduction_key(amax_reduction: tuple[Any, frozenset[str]] | None) -> str:
-    """A TP amax reduction (group, slot names) as the ops' string argument: "" for none, else
-    the group's name and the slots, "name|slot,slot" (an op takes no process group)."""
-    if amax_reduction is None:
-        return ""
-    group, slots = amax_reduction
-    return f"{group.group_name}|{','.join(sorted(slots))}"
-
-
-def _resolved(reduction: str) -> tuple[Any, frozenset[str]]:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    name, slots = reduction.split("|")
-    return _resolve_process_group(name), frozenset(slots.split(","))
-
-
 def _slot_quantizers(plan_id: int, gemms: list[int], slot: int) -> list[Quantizer]:
     """The tensor-less forward quantizers of slot `slot` (0 input, 1 weight) of these GEMMs."""
     prototypes = _PLANS[plan_id].forward_prototypes
     return [prototypes[len(FORWARD_SLOTS) * gemm + slot] for gemm in gemms]
-
-
-def reduces_split_maxima(plan_id: int, gemms: list[int], slots: frozenset[str]) -> bool:
-    """Whether a tensor-parallel group's reduction of these slots matters: their quantizers
-    take a maximum of the whole tensor (current scaling, NVFP4's global amax; delayed scaling's
-    recorded amaxes count too). Block formats (MXFP8, FP8 blocks) take none: their compiled
-    ops run as without TP, with the same bytes."""
-    plan = _PLANS[plan_id]
-    quantizers = []
-    for gemm in gemms:
-        for name in slots:
-            if name in FORWARD_SLOTS:
-                index = len(FORWARD_SLOTS) * gemm + FORWARD_SLOTS.index(name)
-                quantizers.append(plan.forward_prototypes[index])
-            else:
-                index = len(BACKWARD_SLOTS) * gemm + BACKWARD_SLOTS.index(name)
-                quantizers.append(plan.backward_prototypes[index])
-    return any(_takes_tensor_maximum(q) for q in quantizers)
-
-
-def _takes_tensor_maximum(quantizer: Quantizer) -> bool:
-    if isinstance(quantizer, HybridQuantizer):
-        return (_takes_tensor_maximum(quantizer.rowwise_quantizer)
-                or _takes_tensor_maximum(quantizer.columnwise_quantizer))
-    return isinstance(quantizer, Float8CurrentScalingQuantizer | Float8Quantizer
-                      | NVFP4Quantizer)
 
 
 def _delayed(quantizers: list[Quantizer]) -> bool:
@@ -631,7 +580,9 @@ def compiled_gemms(
                 "let autograd produce weight.grad")
     # the casts and GEMMs in the traced graph where inductor compiles without CUDA graphs
     # (graph_casts.wanted) or a tensor-parallel group reduces maxima; gemm_op's ops otherwise
-    if amax_reduction is not None and not reduces_split_maxima(plan, gemms, amax_reduction[1]):
+    if amax_reduction is not None and not reduces_split_maxima(
+            _PLANS[plan].forward_prototypes, _PLANS[plan].backward_prototypes, gemms,
+            amax_reduction[1]):
         amax_reduction = None  # nothing per call to reduce: the ops run as without TP
     spec = (_graph_cast_spec(plan, gemms[0])
             if not state and len(gemms) == 1 and len(weights) == 1 else 0)

@@ -495,19 +495,3 @@ def weight_gradient(
         general_gemm(dy_q, x_q, a_columnwise=True, b_columnwise=True, accumulate_into=main_grad)
         return None
     return general_gemm(dy_q, x_q, a_columnwise=True, b_columnwise=True, out_dtype=weight.dtype)
-
-
-def with_amax_group(forward: list[Quantizer], backward: list[Quantizer], group: Any,
-                     slots: frozenset[str]) -> tuple[list[Quantizer], list[Quantizer]]:
-    """Copies of the named slots' quantizers holding `group` (for this call only)."""
-
-    def with_group(quantizers: list[Quantizer], names: tuple[str, ...]) -> list[Quantizer]:
-        result = []
-        for index, quantizer in enumerate(quantizers):
-            if names[index % len(names)] in slots:
-                quantizer = quantizer.copy()
-                quantizer.amax_reduction_group = group
-            result.append(quantizer)
-        return result
-
-    return with_group(forward, FORWARD_SLOTS), with_group(backward, BACKWARD_SLOTS)
