@@ -76,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
                              "collectives, the AdamW step) as one CUDA graph after two eager "
                              "steps (minifloat.make_graphed_step): the Python leaves the step; "
                              "CUDA only, --mode hp or lp, not delayed scaling")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=None,
+                        metavar="BACKEND",
+                        help="compile each block with torch.compile(fullgraph=True) before "
+                             "sharding it, as FSDP2 users do (BACKEND: inductor, the default; "
+                             "aot_eager runs the traced ops without generating code); with "
+                             "--tp the split operands' maxima are reduced inside the graph")
     parser.add_argument("--print-digest", action="store_true",
                         help="print a SHA-256 of the final full weights (rank 0)")
     return parser
@@ -213,6 +219,9 @@ def train(args: argparse.Namespace) -> list[float]:
         enable_low_precision_all_gather(model, recipe)
     else:  # keep no full-size weight copy from forward to backward: weights stay sharded
         rebuild_weight_copies_in_backward(model)
+    if args.compile:  # each block, then its shard: FSDP2's hooks stay outside the graphs
+        for block in model.blocks:
+            block.compile(backend=args.compile, fullgraph=True)
     _shard(model, device, dp_mesh)
     masters = MasterWeights(model, rank, shards, dp_mesh, args.lr) if args.mode == "qw" else None
     optimizer = torch.optim.AdamW(masters.others if masters else model.parameters(), lr=args.lr,
