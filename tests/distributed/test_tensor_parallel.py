@@ -321,13 +321,16 @@ def compiled_worker(rank: int, world: int) -> dict:
         return single, torch.compile(tp, backend="aot_eager", fullgraph=True)
 
     layer_pair = compiled_pair
-    results = {}
+    results, graphs = {}, {}
     for name, widened in COMPILED_CASES:
         lean_fp8.DEVICES = ("cuda", "cpu") if widened else ("cuda",)
         cases = CASES if widened else [("column", False), ("row", False)]
         for case in cases:
+            torch._dynamo.utils.counters.clear()
             results[(name, widened, *case)] = run_pair(rank, world, name, *case, FEATURES)
-    return results
+            graphs[(name, widened, *case)] = torch._dynamo.utils.counters["stats"][
+                "unique_graphs"]
+    return {"results": results, "graphs": graphs}
 
 
 COMPILED_CASES = [("current", True), ("current", False), ("delayed", False), ("block", False),
@@ -335,6 +338,8 @@ COMPILED_CASES = [("current", True), ("current", False), ("delayed", False), ("b
 
 
 def test_compiled_layers_reduce_the_split_maxima_in_the_graph():
-    results = run_ranks(compiled_worker, 2, timeout=300)
-    for key in results[0]:
-        check([r[key] for r in results], *key[2:], f"compiled {key}")
+    """...in one graph per layer: the second step recompiles nothing."""
+    outcomes = run_ranks(compiled_worker, 2, timeout=300)
+    for key in outcomes[0]["results"]:
+        check([r["results"][key] for r in outcomes], *key[2:], f"compiled {key}")
+        assert all(r["graphs"][key] == 1 for r in outcomes), (key, outcomes[0]["graphs"])

@@ -518,6 +518,14 @@ def _lean_current_casts(plan: int, gemm: int) -> int:
 
 
 @torch._dynamo.assume_constant_result
+def _reduces(plan: int, gemms: tuple[int, ...], slots: tuple[str, ...]) -> bool:
+    """tp_reduction.reduces_split_maxima for a plan, a constant to dynamo (which then does not
+    trace the plan cache)."""
+    return reduces_split_maxima(_PLANS[plan].forward_prototypes,
+                                _PLANS[plan].backward_prototypes, list(gemms), frozenset(slots))
+
+
+@torch._dynamo.assume_constant_result
 def _graph_cast_spec(plan: int, gemm: int) -> int:
     """graph_casts.spec_of the lean plan of GEMM `gemm` (0: not served), a constant to dynamo
     as _lean_current_casts is."""
@@ -580,9 +588,8 @@ def compiled_gemms(
                 "let autograd produce weight.grad")
     # the casts and GEMMs in the traced graph where inductor compiles without CUDA graphs
     # (graph_casts.wanted) or a tensor-parallel group reduces maxima; gemm_op's ops otherwise
-    if amax_reduction is not None and not reduces_split_maxima(
-            _PLANS[plan].forward_prototypes, _PLANS[plan].backward_prototypes, gemms,
-            amax_reduction[1]):
+    if amax_reduction is not None and not _reduces(plan, tuple(gemms),
+                                                   tuple(sorted(amax_reduction[1]))):
         amax_reduction = None  # nothing per call to reduce: the ops run as without TP
     spec = (_graph_cast_spec(plan, gemms[0])
             if not state and len(gemms) == 1 and len(weights) == 1 else 0)
