@@ -121,7 +121,8 @@ def test_tensor_parallel_trains_like_one_process():
     """--tp 2 on 2 processes (one TP group, the model built from the one-rank model's
     slices) in bf16 is the one-process run up to summation order (the printed 6 digits
     agree); and 2 x 2 (FSDP2 x TP) under FP8 delayed scaling trains as 2 data-parallel
-    processes do, within fp32 summation order of the row-parallel reductions."""
+    processes do, within fp32 summation order of the row-parallel reductions, compiled or
+    not."""
     one = _losses(_run(1, recipe="bf16"))
     tp = _losses(_run(2, recipe="bf16", tp=2))
     # on GPUs (the trainer takes NCCL and bf16 there) each rank's partial sums are rounded to
@@ -139,6 +140,10 @@ def test_tensor_parallel_trains_like_one_process():
     bound = 1e-3 if torch.cuda.is_available() else 1e-4
     for a, b in zip(two_d, data_parallel, strict=True):
         assert abs(a - b) <= bound * b
+    # the same 2 x 2 run with each block compiled (aot_eager: the traced ops) prints the same
+    # losses: FSDP2's hooks outside the graphs, TP's collectives and delayed scaling inside
+    assert _losses(_run(4, recipe="fp8-delayed", tp=2,
+                        extra=("--compile", "aot_eager"))) == two_d
 
 
 def test_compiled_blocks_train_like_eager_under_tensor_parallelism():
