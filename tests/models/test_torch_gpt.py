@@ -251,3 +251,21 @@ def test_profile_model_sorts_kernels_by_kind() -> None:
             "other",
     }
     assert {name: profile_model.kernel_kind(name) for name in expected} == expected
+
+
+def test_model_step_captures_whole_steps_with_a_capturable_optimizer(monkeypatch) -> None:
+    """The stepgraphed rows hand make_graphed_step a capturable AdamW: torch refuses to capture
+    the step of one without capturable=True, fused or not (found on an H200). The capture
+    itself needs CUDA (tests/gpu/test_step_graphs_cuda.py); here it is replaced by a recorder."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import model_step
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    captured = []
+    monkeypatch.setattr(mf, "make_graphed_step", lambda step: captured.append(step) or step)
+    model = model_step.build_model(model_step.PRESETS["tiny"], "cpu", torch.float32)
+    spec = model_step.RowSpec.parse("fp8-current-stepgraphed")
+    model_step.prepare_row(spec, model, "cuda")  # the device string only gates the capture
+    assert len(captured) == 1
+    assert all(group["capturable"] for group in captured[0].optimizer.param_groups)
