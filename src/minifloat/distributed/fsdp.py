@@ -154,11 +154,9 @@ class LowPrecisionGatherWeight(torch.Tensor):
         and, for block formats, the rows of the scale grid. MXFP8 and hybrid weights that FSDP2
         keeps gathered after forward gather both directions' copies at once (kept_gathered.py):
         no backward re-gather would bring the columnwise one."""
-        both = (isinstance(self._quantizer, MXFP8Quantizer | HybridQuantizer)
-                and gathers_both_directions(module))
-        allow_compile_of_both_copies(module, both)
         return directed_gather_inputs(
-            lambda backward: self._rank_gather_inputs(mesh, outer_size, backward), both, mesh)
+            lambda backward: self._rank_gather_inputs(mesh, outer_size, backward),
+            isinstance(self._quantizer, MXFP8Quantizer | HybridQuantizer), module, mesh)
 
     def _rank_gather_inputs(self, mesh, outer_size, backward: bool
                             ) -> tuple[tuple[torch.Tensor, ...], tuple]:
@@ -219,10 +217,15 @@ def refill_or_wrap(all_gather_outputs, metadata, columns: int, param_dtype: torc
     return QuantizedTensor(storage), tuple(all_gather_outputs)
 
 
-def directed_gather_inputs(rank_gather_inputs: Callable[[bool], tuple], both: bool, mesh
+def directed_gather_inputs(rank_gather_inputs: Callable[[bool], tuple],
+                           one_direction_per_gather: bool, module: nn.Module, mesh
                            ) -> tuple[tuple[torch.Tensor, ...], tuple]:
     """A rank's all-gather inputs for this gather's direction (`rank_gather_inputs(backward)`),
-    or with `both`, forward's followed by the backward re-gather's (metadata "both")."""
+    or, for a weight that gathers one direction a gather (MXFP8, hybrids) and that FSDP2 keeps
+    gathered after forward, forward's followed by the backward re-gather's (metadata "both");
+    such a module's MXFP8 compile refusal is lifted then (_allow_compile_of_both_copies)."""
+    both = one_direction_per_gather and gathers_both_directions(module)
+    _allow_compile_of_both_copies(module, both)
     if not both:
         return packed_for_one_rank(*rank_gather_inputs(in_backward()), mesh)
     forward, backward = rank_gather_inputs(False), rank_gather_inputs(True)
@@ -473,7 +476,7 @@ _MXFP8_REFUSAL = (
     "brings both copies), or run eagerly")
 
 
-def allow_compile_of_both_copies(module: nn.Module, both: bool) -> None:
+def _allow_compile_of_both_copies(module: nn.Module, both: bool) -> None:
     """Lift the MXFP8 compile refusal of a module whose weights gather both copies in forward:
     with no re-gather, the compiled backward reads the columnwise copy forward's gather brought
     (FSDP2's hooks gather before the compiled forward runs, so the first trace sees this)."""

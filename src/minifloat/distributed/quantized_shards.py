@@ -114,13 +114,11 @@ class QuantizedShardWeight(torch.Tensor):
         rowwise copy for forward and its columnwise copy for backward (same sizes: FSDP2 keeps
         a weight's first gather buffers), or both at once where FSDP2 keeps the weight gathered
         after forward (kept_gathered.py); so do hybrids."""
-        from .fsdp import allow_compile_of_both_copies, directed_gather_inputs
-        from .kept_gathered import gathers_both_directions
+        from .fsdp import directed_gather_inputs
 
-        both = self._meta[0] in ("mxfp8", "hybrid") and gathers_both_directions(module)
-        allow_compile_of_both_copies(module, both)
         return directed_gather_inputs(
-            lambda backward: self._rank_gather_inputs(mesh.size(), backward), both, mesh)
+            lambda backward: self._rank_gather_inputs(mesh.size(), backward),
+            self._meta[0] in ("mxfp8", "hybrid"), module, mesh)
 
     def _rank_gather_inputs(self, world: int = 1, backward: bool = False
                             ) -> tuple[tuple[torch.Tensor, ...], tuple]:
