@@ -303,14 +303,14 @@ def test_sequence_parallel_gathers_the_output_gradient_as_fp8_bytes(name, dtypes
 
 def compiled_worker(rank: int, world: int) -> dict:
     """The TP layer compiled (aot_eager, fullgraph) against the single-rank layer run eagerly.
-    FP8 current scaling on the lean path (widened to the CPU, as tests/compile does) reduces the
-    split operands' maxima inside the graph (graph_casts.GraphCastGemm, functional
+    FP8 current scaling with its casts traced (graph_casts on, the lean path widened to the CPU,
+    as tests/compile does) reduces the split operands' maxima inside the graph (functional
     collectives); elsewhere the GEMM ops reduce them inside the op, as eager does (current
     scaling, NVFP4's global amax); block formats have none to reduce. (Delayed scaling is
     compared off the widened lean path: there the single rank's CPU lean path and the TP
     layer's reference path record different maxima; on GPUs the NCCL run of
     test_two_ranks_equal_one_rank compares those two paths and they agree.)"""
-    from minifloat.modules import lean_fp8
+    from minifloat.modules import graph_casts, lean_fp8
 
     global layer_pair
     eager_pair = layer_pair
@@ -324,6 +324,7 @@ def compiled_worker(rank: int, world: int) -> dict:
     results, graphs = {}, {}
     for name, widened in COMPILED_CASES:
         lean_fp8.DEVICES = ("cuda", "cpu") if widened else ("cuda",)
+        graph_casts.ENABLED = True if widened else None  # the casts traced, or the ops
         cases = CASES if widened else [("column", False), ("row", False)]
         for case in cases:
             torch._dynamo.utils.counters.clear()

@@ -30,11 +30,10 @@ other formats gather in high precision and quantize the gathered tensor whole. E
 bytes are those of one rank.
 
 Under torch.compile (fullgraph) the layers trace with their collectives. The amax reduction
-runs in the graph for FP8 current scaling (graph_casts.GraphCastGemm, functional collectives,
-where the lean path serves the GEMM) and inside the GEMM ops otherwise (current scaling
-elsewhere, NVFP4's global amax: the op resolves the group from its name,
-gemm_op.reduction_key); block formats have no tensor maximum to reduce, and delayed scaling's
-histories are reduced by autocast(amax_reduction_group=...) as in eager.
+runs in the graph where the casts are traced (FP8 current scaling under graph_casts: functional
+collectives) and inside the GEMM ops otherwise (current scaling, NVFP4's global amax: the op
+resolves the group from its name, tp_reduction.reduction_key); block formats have no tensor
+maximum to reduce, and delayed scaling's histories are reduced by autocast as in eager.
 """
 
 from __future__ import annotations

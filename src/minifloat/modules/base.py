@@ -39,8 +39,8 @@ from .gemm_op import (
     compiled_gemms,
     detached_alias,
     note_compiled_delayed_use,
-    register_plan,
 )
+from .gemm_plans import register_plan
 from .lean_fp8 import LeanFP8Gemm, LeanPlan, batched_weight_copies
 from .lean_fp8 import applies as lean_applies
 from .linear_function import (  # noqa: F401 - the slot names are part of base's API

@@ -7,9 +7,10 @@ shared with LinearGemms, so both paths compute the same bytes) run inside two op
 `minifloat::gemms_forward` and `minifloat::gemms_backward` (defined through torch.library, not
 custom_op: op_define.py says why), whose arguments are tensors and plain constants only:
 
-- `plan`: an int standing for the module's quantizer configuration, the same for every module
-  of equal configuration (every block of a model under one recipe), so that compiling the
-  blocks one by one adds no guard that differs from block to block and nothing recompiles;
+- `plan`: an int standing for the module's quantizer configuration (gemm_plans.py), the same
+  for every module of equal configuration (every block of a model under one recipe), so that
+  compiling the blocks one by one adds no guard that differs from block to block and nothing
+  recompiles;
 - `state`: the tensors the quantizers read and record into (delayed scaling's scale and amax
   history), the module's own, so each module's amaxes land in its own history;
 - shapes, splits, GEMM slots and flags as ints and bools.
@@ -36,12 +37,11 @@ Memory options (modules/memory.py): with `rebuild` the forward op keeps no weigh
 backward op quantizes the weights again; with `save_original` it keeps no input copy and the
 autograd formula (`_backward`) makes it in torch ops before calling the backward op
 (input_recast.py says why there). Under delayed scaling the forward op returns forward's scales
-after the kept buffers (`_carried_counts`): autocast updates the state's before backward runs.
+after the kept buffers (`carried_counts`): autocast updates the state's before backward runs.
 """
 
 from __future__ import annotations
 
-import hashlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,13 +52,20 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..autocast import note_delayed_use
 from ..compile_cache import tag_compile_caches
 from ..kernels import is_fake
-from ..quantizers import Float8Quantizer, QuantizedStorage, QuantizedTensor, Quantizer
+from ..quantizers import QuantizedStorage, QuantizedTensor, Quantizer
 from ..recipe_state import RecipeState
 from . import graph_casts, lean_ops
-from .input_recast import input_copy_buffers, recasts
+from .gemm_plans import (
+    PLANS,
+    carried_counts,
+    gemm_call,
+    quantizer_without_tensors,
+    rebuild_applies,
+    save_original_applies,
+    slot_quantizers,
+)
+from .input_recast import input_copy_buffers
 from .linear_function import (
-    FORWARD_SLOTS,
-    GemmCall,
     SavedForBackward,
     WeightInfo,
     gemms_backward,
@@ -66,7 +73,7 @@ from .linear_function import (
     rebuild_weight_copy,
 )
 from .op_define import define_op
-from .tp_reduction import reduces_split_maxima, reduction_key, resolved, with_amax_group
+from .tp_reduction import reduces_split_maxima, reduction_key
 
 tag_compile_caches()  # the backward formula below is not in inductor's cache keys otherwise
 
@@ -97,21 +104,6 @@ def on_fast_gemm_device(x: torch.Tensor) -> bool:
     return x.device.type == "cuda"
 
 
-@dataclass
-class _Plan:
-    """A configuration shared by modules: prototype states whose quantizers are rebuilt over
-    each call's state tensors (or built once when there are none)."""
-
-    forward: RecipeState
-    backward: RecipeState
-    forward_state_count: int
-    stateless: tuple[list[Quantizer], list[Quantizer]] | None
-    # the forward quantizers without their tensors: what their types and formats say
-    forward_prototypes: list[Quantizer]
-    backward_prototypes: list[Quantizer]
-
-
-_PLANS: dict[int, _Plan] = {}
 # data_ptr of a module's first state tensor -> its delayed-scaling registration (weakly): the
 # forward op notes the states it ran with in autocast's round, as the eager path does
 _DELAYED_BY_STATE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -130,105 +122,6 @@ def note_compiled_delayed_use(state: list[torch.Tensor], pair: object) -> None:
     """Let the compiled forward find the delayed-scaling registration of these state tensors."""
     _DELAYED_BY_STATE[state[0].data_ptr()] = pair
 _LAYOUTS: dict[tuple, tuple[SavedForBackward, list[bool]]] = {}
-
-
-def _describe(value: Any, state: list[torch.Tensor]) -> Any:
-    """A process-independent description of a quantizer attribute. A tensor the recipe state
-    owns is described by its place in `state` (so modules of equal configuration match); any
-    other tensor (a custom quantizer's own) by identity, giving that module a plan of its own."""
-    if isinstance(value, torch.Tensor):
-        base = value._base if value._base is not None else value
-        for index, tensor in enumerate(state):
-            if base is tensor:
-                return ("state", index, value.storage_offset(), tuple(value.shape),
-                        str(value.dtype))
-        return ("tensor", id(value))
-    if isinstance(value, Quantizer):
-        skip = ("rowwise_usage", "columnwise_usage", "internal", "amax_reduction_group")
-        return (type(value).__qualname__,) + tuple(
-            (name, _describe(item, state)) for name, item in sorted(vars(value).items())
-            if name not in skip)
-    if isinstance(value, list | tuple):
-        return tuple(_describe(item, state) for item in value)
-    return repr(value)
-
-
-def register_plan(forward: RecipeState, backward: RecipeState,
-                  forward_quantizers: list[Quantizer], backward_quantizers: list[Quantizer]
-                  ) -> int:
-    """The plan id of a module's recipe states and the quantizers they made; equal
-    configurations share one id, in every process."""
-    state = forward.state_tensors() + backward.state_tensors()
-    signature = repr((repr(forward.recipe), _describe(forward_quantizers, state),
-                      _describe(backward_quantizers, state)))
-    plan = int.from_bytes(hashlib.sha1(signature.encode()).digest()[:7], "little")
-    if plan not in _PLANS:
-        stateless = None if state else (forward_quantizers, backward_quantizers)
-        _PLANS[plan] = _Plan(forward, backward, len(forward.state_tensors()), stateless,
-                             [_quantizer_without_tensors(q) for q in forward_quantizers],
-                             [_quantizer_without_tensors(q) for q in backward_quantizers])
-    return plan
-
-
-def _gemm_call(plan_id: int, state: list[torch.Tensor], gemms: list[int], m_splits: list[int],
-               need_dgrad: bool, need_wgrad: bool, rebuild: bool = False,
-               save_original: bool = False, reduction: str = "") -> GemmCall:
-    """The GemmCall of a plan over these state tensors; `reduction` (reduction_key): the
-    tensor-parallel group and slots whose quantizer copies reduce their maxima this call."""
-    plan = _PLANS.get(plan_id)
-    if plan is None:
-        raise RuntimeError(
-            f"minifloat: unknown GEMM plan {plan_id}: a compiled graph from another process "
-            "ran before its modules were bound; run one step of the model under autocast first")
-    if plan.stateless is not None:
-        forward_quantizers, backward_quantizers = plan.stateless
-    else:
-        forward, _ = plan.forward.with_state_tensors(state[:plan.forward_state_count])
-        backward, _ = plan.backward.with_state_tensors(state[plan.forward_state_count:])
-        forward_quantizers, backward_quantizers = (forward.make_quantizers(),
-                                                   backward.make_quantizers())
-    if reduction:
-        group, slots = resolved(reduction)
-        forward_quantizers, backward_quantizers = with_amax_group(
-            forward_quantizers, backward_quantizers, group, slots)
-    return GemmCall.from_slots(forward_quantizers, backward_quantizers, gemms, m_splits,
-                               need_dgrad=need_dgrad, need_wgrad=need_wgrad,
-                               rebuild_weights=rebuild, save_original_input=save_original)
-
-
-def _slot_quantizers(plan_id: int, gemms: list[int], slot: int) -> list[Quantizer]:
-    """The tensor-less forward quantizers of slot `slot` (0 input, 1 weight) of these GEMMs."""
-    prototypes = _PLANS[plan_id].forward_prototypes
-    return [prototypes[len(FORWARD_SLOTS) * gemm + slot] for gemm in gemms]
-
-
-def _delayed(quantizers: list[Quantizer]) -> bool:
-    return all(type(q) is Float8Quantizer for q in quantizers)
-
-
-def rebuild_applies(plan_id: int, gemms: list[int]) -> bool:
-    """Whether the compiled ops can make these GEMMs' weight copies in backward: stateless
-    recipes, and plain delayed scaling, whose forward scales the forward op hands to backward
-    (the recipe state's are updated in between). Other stateful weights keep their copies."""
-    return _PLANS[plan_id].stateless is not None or _delayed(_slot_quantizers(plan_id, gemms, 1))
-
-
-def save_original_applies(plan_id: int, gemms: list[int]) -> bool:
-    """Whether the compiled backward can make these GEMMs' input copy itself (input_recast)."""
-    quantizers = _slot_quantizers(plan_id, gemms, 0)
-    return recasts(quantizers) and (_PLANS[plan_id].stateless is not None
-                                    or _delayed(quantizers))
-
-
-def _carried_counts(plan_id: int, gemms: list[int], need_dgrad: bool, need_wgrad: bool,
-                    rebuild: bool, save_original: bool) -> tuple[int, int]:
-    """How many delayed-scaling scales the forward op returns after the kept buffers: one per
-    weight it keeps no copy of, and (scale, scale_inv) of an input it keeps no copy of."""
-    weights = (len(gemms) if rebuild and need_dgrad
-               and _delayed(_slot_quantizers(plan_id, gemms, 1)) else 0)
-    inputs = (2 if save_original and need_wgrad
-              and _delayed(_slot_quantizers(plan_id, gemms, 0)) else 0)
-    return weights, inputs
 
 
 def _with_biases(biases: list[torch.Tensor], has_bias: list[bool]) -> list[torch.Tensor | None]:
@@ -284,7 +177,7 @@ def gemms_forward_impl(
     """[y, the buffers backward keeps (present ones, in order), delayed scales carried]; with
     `rebuild` no weight copy is kept, with `save_original` no input copy (backward quantizes
     them again; the autograd context keeps the weights and the input themselves, and under
-    delayed scaling the forward scales: _carried_counts). `input_amax`: [max|x|] where the
+    delayed scaling the forward scales: carried_counts). `input_amax`: [max|x|] where the
     traced graph computed it for the lean path's cast (lean_ops.compiled_amax), else [].
     `reduction` (reduction_key): a TP group's split operands, quantized with their maxima
     reduced over it (the collective runs inside the op, as eager runs it; not on fake
@@ -292,7 +185,7 @@ def gemms_forward_impl(
     if is_fake(x):
         reduction = ""
     if not state and not is_fake(x) and not reduction:  # one FP8 current-scaling GEMM
-        lean = lean_ops.lean_plan(plan, gemms, _PLANS[plan].stateless)
+        lean = lean_ops.lean_plan(plan, gemms, PLANS[plan].stateless)
         if lean is not None and lean_ops.forward_applies(x, weights):
             # save_original: no input copy kept; _backward makes it (input_recast.py)
             y, *kept = lean_ops.lean_forward(x, weights[0], biases[0] if has_bias[0] else None,
@@ -304,9 +197,9 @@ def gemms_forward_impl(
         if pair is not None:
             note_delayed_use(pair)
         state = [detached_alias(t) for t in state]
-    call = _gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad, rebuild,
+    call = gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad, rebuild,
                       save_original, reduction)
-    weight_scales, input_scales = _carried_counts(plan, gemms, need_dgrad, need_wgrad, rebuild,
+    weight_scales, input_scales = carried_counts(plan, gemms, need_dgrad, need_wgrad, rebuild,
                                                   save_original)
     # forward's delayed-scaling scales, copied before autocast's exit updates the state
     carried = [q.scale.clone() for q in call.weight_quantizers[:weight_scales]]
@@ -344,7 +237,7 @@ def _layout(plan: int, gemms: list[int], m_splits: list[int], x_shape: list[int]
         weights = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
         biases = [torch.empty(shape[0], dtype=dtype, device=device) if flag else None
                   for shape, flag in zip(shapes, has_bias, strict=True)]
-        call = _gemm_call(plan, fake_state, gemms, m_splits, need_dgrad, need_wgrad, rebuild,
+        call = gemm_call(plan, fake_state, gemms, m_splits, need_dgrad, need_wgrad, rebuild,
                           save_original)
         _, _, saved = gemms_forward(x, call, weights, biases)
     present = [t is not None for t in saved.tensors]
@@ -364,18 +257,8 @@ def _without_tensors(storage: QuantizedStorage | None) -> QuantizedStorage | Non
     for holder in [storage, *(getattr(storage, name, None)
                               for name in ("rowwise_storage", "columnwise_storage"))]:
         if holder is not None and holder.quantizer is not None:
-            holder.quantizer = _quantizer_without_tensors(holder.quantizer)
+            holder.quantizer = quantizer_without_tensors(holder.quantizer)
     return storage
-
-
-def _quantizer_without_tensors(quantizer: Quantizer) -> Quantizer:
-    clone = quantizer.copy()
-    for name, value in vars(clone).items():
-        if isinstance(value, torch.Tensor):
-            setattr(clone, name, None)
-        elif isinstance(value, Quantizer):
-            setattr(clone, name, _quantizer_without_tensors(value))
-    return clone
 
 
 def gemms_backward_impl(
@@ -393,7 +276,7 @@ def gemms_backward_impl(
     if is_fake(grad_output):
         reduction = ""
     if not state and not is_fake(grad_output) and not reduction:  # one FP8 current GEMM
-        lean = lean_ops.lean_plan(plan, gemms, _PLANS[plan].stateless)
+        lean = lean_ops.lean_plan(plan, gemms, PLANS[plan].stateless)
         if lean is not None and lean_ops.backward_applies(grad_output, x_shape, weight_shapes):
             outputs = lean_ops.lean_backward(grad_output, saved, lean, x_shape, has_bias[0],
                                              need_dgrad, need_wgrad, rebuild_from,
@@ -407,7 +290,7 @@ def gemms_backward_impl(
     buffers = iter(saved)
     x_qs, w_qs = layout.restore([next(buffers) if flag else None for flag in present])
     state = [detached_alias(t) for t in state]
-    call = _gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad, rebuild,
+    call = gemm_call(plan, state, gemms, m_splits, need_dgrad, need_wgrad, rebuild,
                       reduction=reduction)
     if rebuild:
         scales = rebuild_scales or [None] * len(rebuild_from)
@@ -454,7 +337,7 @@ def _setup_context(ctx, inputs, output) -> None:
     originals = [x] if save_original and need_wgrad else []
     # forward's max|x| (current scaling, lean_ops.compiled_amax): the recast's amax
     original_amax = list(input_amax) if originals else []
-    ctx.carried = _carried_counts(plan, gemms, need_dgrad, need_wgrad, rebuild, save_original)
+    ctx.carried = carried_counts(plan, gemms, need_dgrad, need_wgrad, rebuild, save_original)
     carried = sum(ctx.carried)
     kept = output[1:len(output) - carried]
     # state: aliases, see detached_alias; weights (rebuild) and input (save_original): as
@@ -485,7 +368,7 @@ def _backward(ctx, grads):
     rebuild_scales = [next(rest) for _ in range(weight_scales)]
     scales = tuple(next(rest) for _ in range(input_scales)) or None
     if originals:  # save_original_input: the input's copies, made here (input_recast.py)
-        saved = input_copy_buffers(originals[0], _slot_quantizers(plan, gemms, 0),
+        saved = input_copy_buffers(originals[0], slot_quantizers(plan, gemms, 0),
                                    scales, original_amax) + saved
     grad_output = grads[0].contiguous()
     outputs = iter(_gemms_backward_op(grad_output, saved, state, plan, gemms,
@@ -510,7 +393,7 @@ def _lean_current_casts(plan: int, gemm: int) -> int:
     """Which casts of GEMM `gemm`'s lean path (the ops' implementations take it for a
     stateless plan of one GEMM) use current scaling: INPUT_CURRENT | GRAD_OUTPUT_CURRENT bits.
     A constant to dynamo, which does not trace the plan cache this fills."""
-    lean = lean_ops.lean_plan(plan, [gemm], _PLANS[plan].stateless)
+    lean = lean_ops.lean_plan(plan, [gemm], PLANS[plan].stateless)
     if lean is None:
         return 0
     return ((INPUT_CURRENT if lean.input.scale is None else 0)
@@ -521,15 +404,15 @@ def _lean_current_casts(plan: int, gemm: int) -> int:
 def _reduces(plan: int, gemms: tuple[int, ...], slots: tuple[str, ...]) -> bool:
     """tp_reduction.reduces_split_maxima for a plan, a constant to dynamo (which then does not
     trace the plan cache)."""
-    return reduces_split_maxima(_PLANS[plan].forward_prototypes,
-                                _PLANS[plan].backward_prototypes, list(gemms), frozenset(slots))
+    return reduces_split_maxima(PLANS[plan].forward_prototypes,
+                                PLANS[plan].backward_prototypes, list(gemms), frozenset(slots))
 
 
 @torch._dynamo.assume_constant_result
 def _graph_cast_spec(plan: int, gemm: int) -> int:
     """graph_casts.spec_of the lean plan of GEMM `gemm` (0: not served), a constant to dynamo
     as _lean_current_casts is."""
-    return graph_casts.spec_of(lean_ops.lean_plan(plan, [gemm], _PLANS[plan].stateless))
+    return graph_casts.spec_of(lean_ops.lean_plan(plan, [gemm], PLANS[plan].stateless))
 
 
 def _lean_amax_forward(x: torch.Tensor, weights: list[torch.Tensor], state: list[torch.Tensor],
@@ -574,8 +457,8 @@ def compiled_gemms(
     """The module's GEMMs through the custom ops (the path torch.compile traces); `rebuild`:
     keep no weight copy for backward, `save_original_input`: no input copy (where the ops can
     make them in backward: rebuild_applies, save_original_applies). `amax_reduction` (group,
-    operand names): a tensor-parallel layer's split operands, whose maxima graph_casts
-    all-reduces in the graph (per-tensor FP8 current scaling of high-precision weights)."""
+    operand names): a tensor-parallel layer's split operands, whose maxima are all-reduced
+    before their casts (tp_reduction.py)."""
     quantized = [isinstance(weight, QuantizedTensor) for weight in weights]
     if any(quantized) and not all(quantized):
         raise NotImplementedError(
@@ -587,14 +470,14 @@ def compiled_gemms(
                 "weight.main_grad accumulation does not run under torch.compile yet; "
                 "let autograd produce weight.grad")
     # the casts and GEMMs in the traced graph where inductor compiles without CUDA graphs
-    # (graph_casts.wanted) or a tensor-parallel group reduces maxima; gemm_op's ops otherwise
+    # (graph_casts.wanted); gemm_op's ops otherwise. Either reduces a tensor-parallel group's
+    # maxima: graph_casts in the graph, the ops inside the op
     if amax_reduction is not None and not _reduces(plan, tuple(gemms),
                                                    tuple(sorted(amax_reduction[1]))):
         amax_reduction = None  # nothing per call to reduce: the ops run as without TP
     spec = (_graph_cast_spec(plan, gemms[0])
             if not state and len(gemms) == 1 and len(weights) == 1 else 0)
-    served = spec and graph_casts.applies(spec, x, weights[0])
-    if served and (amax_reduction is not None or graph_casts.wanted()):
+    if spec and graph_casts.applies(spec, x, weights[0]) and graph_casts.wanted():
         group, slots = amax_reduction or (None, frozenset())
         return graph_casts.GraphCastGemm.apply(
             x, weights[0], biases[0], spec, need_dgrad, need_wgrad,

@@ -27,10 +27,10 @@ The bytes and results are those of the lean path and of eager
 (tests/compile/test_graph_casts.py).
 
 Serves what the compiled lean path serves with current scaling on every cast: a stateless plan
-of one GEMM, high-precision weights, amax_epsilon 0, and lean_fp8.shapes_apply. It also serves
-tensor-parallel layers under torch.compile in any mode (the ops path does not): the operands
-split across the TP group's ranks have their maxima all-reduced in the graph (functional
-collectives), so each rank casts its shard with the whole tensor's scale, as eager does.
+of one GEMM, high-precision weights, amax_epsilon 0, and lean_fp8.shapes_apply. Under tensor
+parallelism the operands split across the TP group's ranks have their maxima all-reduced in
+the graph (functional collectives; the ops path reduces inside its op), so each rank casts its
+shard with the whole tensor's scale, as eager does.
 `save_original_input` keeps the input instead of its columnwise copy,
 `rebuild_weight_copy_in_backward` the weight instead of its copy; backward casts them again
 (the input with forward's amax). Everything else takes gemm_op's ops.

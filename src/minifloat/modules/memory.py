@@ -19,7 +19,7 @@ Both make bit for bit the copies forward would have kept (tests/modules/test_mem
 Under torch.compile the input option applies to per-tensor FP8 (current and delayed scaling;
 input_recast.recasts says why the other formats keep their input copies there) and the weight
 option to stateless recipes and plain delayed scaling (the forward op hands forward's scales to
-backward: gemm_op.rebuild_applies).
+backward: gemm_plans.rebuild_applies).
 """
 
 from __future__ import annotations
