@@ -42,18 +42,34 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 PARALLEL_MODES = (None, "column", "row")
 # torch 2.13 renamed the single-tensor collectives (the old names warn); torch 2.11 has only those
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_TRACED_REDUCE_SCATTER = (getattr(funcol, "reduce_scatter_single", None)
+                          or funcol.reduce_scatter_tensor)
+
+
+# gloo reduce-scatters from torch 2.13 (the release that renamed the collectives); before it,
+# a gloo group all-reduces and keeps its slice
+_GLOO_REDUCE_SCATTERS = hasattr(dist, "reduce_scatter_single")
 
 
 def _world(group: Any) -> int:
     return dist.get_world_size(group)
 
 
+# Under torch.compile the collectives are the functional ones (a new tensor out, waited on),
+# not the in-place calls that dynamo rewrites: on torch 2.11 with NCCL the rewritten in-place
+# reduce-scatter in an autograd.Function's backward returned zeros (a compiled sequence-parallel
+# layer's input gradient; measured on 2 x H200, eager and CPU gloo right).
+
+
 def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
     x = x.contiguous().clone()
     dist.all_reduce(x, group=group)
     return x
@@ -61,6 +77,8 @@ def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 def _all_gather_dim0(x: torch.Tensor, group: Any) -> torch.Tensor:
     x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return funcol.wait_tensor(funcol.all_gather_tensor(x, 0, group))
     out = x.new_empty((_world(group) * x.shape[0], *x.shape[1:]))
     _ALL_GATHER(out, x, group=group)
     return out
@@ -73,11 +91,13 @@ def _reduce_scatter_dim0(x: torch.Tensor, group: Any) -> torch.Tensor:
             f"sequence parallelism splits dim 0 over the {world} ranks of the TP group; the "
             f"tensor has {x.shape[0]} rows there (pad the sequence to a multiple of {world})")
     x = x.contiguous()
-    if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter: reduce, keep a slice
+    if dist.get_backend(group) == "gloo" and not _GLOO_REDUCE_SCATTERS:
         total = _all_reduce(x, group)
         rank = dist.get_rank(group)
         rows = x.shape[0] // world
         return total[rank * rows:(rank + 1) * rows].clone()
+    if torch.compiler.is_compiling():
+        return funcol.wait_tensor(_TRACED_REDUCE_SCATTER(x, "sum", 0, group))
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
     _REDUCE_SCATTER(out, x, group=group)
     return out
