@@ -346,14 +346,20 @@ def test_compiled_layers_reduce_the_split_maxima_in_the_graph():
         assert all(r["graphs"][key] == 1 for r in outcomes), (key, outcomes[0]["graphs"])
 
 
+def _mapping_inputs(world: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Every rank's input (rank r seeds its own) and the shared weight."""
+    inputs = [cpu_randn(8, 16, generator=torch.Generator().manual_seed(rank))
+              for rank in range(world)]
+    return inputs, cpu_randn(16, 16, generator=torch.Generator().manual_seed(7))
+
+
 def compiled_mappings_worker(rank: int, world: int) -> dict:
-    """The four TP mappings compiled (fullgraph) against eager, forward and input gradient."""
+    """The four TP mappings in `(mapping(x) @ w).sin()`, eager and compiled (fullgraph): output
+    and input gradient of each."""
     from minifloat.distributed import tensor_parallel as tp
 
     group = dist.group.WORLD
-    generator = torch.Generator().manual_seed(rank)
-    x = cpu_randn(8, 16, generator=generator)
-    weight = cpu_randn(16, 16, generator=torch.Generator().manual_seed(7))
+    inputs, weight = _mapping_inputs(world)
     mappings = {"copy": tp.copy_to_tensor_parallel, "reduce": tp.reduce_from_tensor_parallel,
                 "gather": tp.gather_along_sequence,
                 "scatter": tp.reduce_scatter_along_sequence}
@@ -363,7 +369,7 @@ def compiled_mappings_worker(rank: int, world: int) -> dict:
             return (mapping(t, group) @ weight).sin()
         runs = []
         for fn in (step, torch.compile(step, backend="aot_eager", fullgraph=True)):
-            leaf = x.clone().requires_grad_(True)
+            leaf = inputs[rank].clone().requires_grad_(True)
             y = fn(leaf)
             y.backward(torch.ones_like(y))
             runs.append((y.detach().cpu(), leaf.grad.cpu()))
@@ -371,11 +377,44 @@ def compiled_mappings_worker(rank: int, world: int) -> dict:
     return out
 
 
+def _one_process_mappings(rank: int, world: int) -> dict:
+    """What rank `rank` must get from each mapping, computed in one process from every rank's
+    input with no collective (y = sin(z W), its gradient cos(z W) W^T)."""
+    inputs, weight = _mapping_inputs(world)
+    inputs, weight = [t.cpu() for t in inputs], weight.cpu()
+
+    def forward_backward(z):
+        return (z @ weight).sin(), (z @ weight).cos() @ weight.t()
+
+    count = inputs[0].shape[0]
+    rows = count // world  # a rank's rows of the reduce-scattered sum
+    mine = slice(rank * rows, (rank + 1) * rows)
+    own = slice(rank * count, (rank + 1) * count)  # a rank's rows of the gathered sequence
+    total = sum(inputs)
+    gathered = torch.cat(inputs)
+    return {
+        # identity forward, input gradient summed over the ranks' own outputs
+        "copy": (forward_backward(inputs[rank])[0],
+                 sum(forward_backward(x)[1] for x in inputs)),
+        # summed forward, identity backward
+        "reduce": forward_backward(total),
+        # the whole sequence forward; backward sums every rank's (equal) gradient, keeps my rows
+        "gather": (forward_backward(gathered)[0], world * forward_backward(gathered)[1][own]),
+        # my rows of the sum forward; backward gathers every rank's rows' gradient
+        "scatter": (forward_backward(total[mine])[0],
+                    torch.cat([forward_backward(total[slice(r * rows, (r + 1) * rows)])[1]
+                               for r in range(world)])),
+    }
+
+
 def test_compiled_mappings_equal_eager():
-    """Each mapping compiled gives eager's output and input gradient. Under NCCL on torch 2.11
-    the in-place reduce-scatter that dynamo rewrote in the gather's backward gave a zero input
+    """Each mapping, eagerly, gives one process's result (within fp32 summation order), and
+    compiled gives eager's output and input gradient bitwise. Under NCCL on torch 2.11 the
+    in-place reduce-scatter that dynamo rewrote in the gather's backward gave a zero input
     gradient (2 x H200); the compiled mappings now call the functional collectives."""
-    for result in run_ranks(compiled_mappings_worker, 2, timeout=120):
+    for rank, result in enumerate(run_ranks(compiled_mappings_worker, 2, timeout=120)):
+        want = _one_process_mappings(rank, 2)
         for name, ((y, dx), (cy, cdx)) in result.items():
-            assert torch.equal(cy, y), f"{name}: output"
-            assert dx.abs().sum() > 0 and torch.equal(cdx, dx), f"{name}: input gradient"
+            assert close(y, want[name][0]) and close(dx, want[name][1]), f"{name}: eager"
+            assert torch.equal(cy, y), f"{name}: compiled output"
+            assert dx.abs().sum() > 0 and torch.equal(cdx, dx), f"{name}: compiled gradient"

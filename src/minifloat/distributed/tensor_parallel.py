@@ -48,10 +48,12 @@ PARALLEL_MODES = (None, "column", "row")
 # torch 2.13 renamed the single-tensor collectives (the old names warn); torch 2.11 has only those
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Under torch.compile the collectives below are the functional ones (a new tensor out, waited
+# on), not the in-place calls that dynamo rewrites: on torch 2.11 with NCCL the rewritten
+# in-place reduce-scatter in an autograd.Function's backward returned zeros (a compiled
+# sequence-parallel layer's input gradient; measured on 2 x H200, eager and CPU gloo right).
 _TRACED_REDUCE_SCATTER = (getattr(funcol, "reduce_scatter_single", None)
                           or funcol.reduce_scatter_tensor)
-
-
 # gloo reduce-scatters from torch 2.13 (the release that renamed the collectives); before it,
 # a gloo group all-reduces and keeps its slice
 _GLOO_REDUCE_SCATTERS = hasattr(dist, "reduce_scatter_single")
@@ -59,12 +61,6 @@ _GLOO_REDUCE_SCATTERS = hasattr(dist, "reduce_scatter_single")
 
 def _world(group: Any) -> int:
     return dist.get_world_size(group)
-
-
-# Under torch.compile the collectives are the functional ones (a new tensor out, waited on),
-# not the in-place calls that dynamo rewrites: on torch 2.11 with NCCL the rewritten in-place
-# reduce-scatter in an autograd.Function's backward returned zeros (a compiled sequence-parallel
-# layer's input gradient; measured on 2 x H200, eager and CPU gloo right).
 
 
 def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -44,6 +44,7 @@ import sys
 from collections.abc import Iterator
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch._dynamo.symbolic_convert import InstructionTranslator
 
 from ..gemm_paths import scaled_mm_bytes
@@ -159,8 +160,6 @@ def _maximum(x2d: torch.Tensor, role: str, reduce_mask: int, group) -> torch.Ten
     holding the group do (Quantizer.reduce_amax)."""
     amax = tensor_maximum(x2d)
     if reduce_mask & REDUCED[role]:
-        import torch.distributed._functional_collectives as funcol
-
         amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group))
     return amax
 
