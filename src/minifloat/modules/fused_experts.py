@@ -13,18 +13,23 @@ Where a format's blocks run along the rows (MXFP8 32, NVFP4 16), or on CUDA wher
 needs whole row groups (scaled_mm 16, blockwise 128), each expert's rows are padded with zero
 rows to the multiple (exact: a zero row changes no amax and its output is dropped). Unpadded,
 an H200 ran most expert GEMMs of a Mixtral decoded and emulated: 2.5x slower than bf16.
-The token counts per expert are read on the host, as transformers' own loop does; so under
-torch.compile the module runs eagerly (torch.compiler.disable: one graph break at the call, no
-recompile per routing).
+Under per-tensor FP8 current scaling the experts run on the device-offsets path
+(grouped_offsets.py): the routing layout, the casts and both grouped GEMMs take the groups as a
+device tensor, nothing is read on the host, so the module traces into a compiled graph
+(fullgraph) and an eager step does not wait for the GPU. MINIFLOAT_MOE_OFFSETS picks where:
+`compiled` (the default: under torch.compile; eagerly the lean path below), `always`, `never`.
 
-Under per-tensor FP8 (current or delayed scaling), eagerly, each grouped GEMM takes the lean
-grouped path (lean_grouped_fp8.py: one grouped FP8 GEMM in forward);
-everything else runs the experts' GEMMs through run_gemms.
+Otherwise the token counts per expert are read on the host, as transformers' own loop does; so
+under torch.compile that path runs eagerly (torch.compiler.disable: one graph break at the
+call, no recompile per routing). Under per-tensor FP8 (current or delayed scaling), eagerly,
+each grouped GEMM takes the lean grouped path (lean_grouped_fp8.py: one grouped FP8 GEMM in
+forward); everything else runs the experts' GEMMs through run_gemms.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from itertools import accumulate
 
 import torch
@@ -32,9 +37,17 @@ from torch import nn
 
 from ..autocast import active_token
 from . import lean_grouped_fp8
-from .base import QuantizedModule
+from .base import QuantizedModule, bind_live_modules
+from .gemm_op import GemmBinding
+from .grouped_offsets import GroupedOffsetsFP8, OffsetsCasts, routing_layout
+from .lean_fp8 import LeanPlan
 from .lean_grouped_fp8 import LeanGroupedFP8
-from .weights import runs_dequantized
+from .weights import runs_dequantized, weights_quantized_once
+
+# where the device-offsets path runs (module docstring): compiled, always or never
+OFFSETS_MODE = os.environ.get("MINIFLOAT_MOE_OFFSETS", "compiled")
+if OFFSETS_MODE not in ("compiled", "always", "never"):
+    raise ValueError(f"MINIFLOAT_MOE_OFFSETS={OFFSETS_MODE!r}: use compiled, always or never")
 
 
 class FusedExperts(QuantizedModule):
@@ -64,13 +77,66 @@ class FusedExperts(QuantizedModule):
         binding = self._bindings.get(token) or self.binding(token)
         return math.lcm(*(binding.rows_multiple(gemm, x) for gemm in range(self.num_gemms)))
 
-    # Eager under torch.compile too (one graph break at the call, the rest of the model stays
-    # compiled): the token counts are read on the host, and a traced forward turned every
-    # step's counts into guards, recompiling until dynamo's limit; eagerly the experts take
-    # the lean grouped path
-    @torch.compiler.disable
+    def binding(self, token: int) -> GemmBinding:
+        binding = super().binding(token)
+        # (a module unpickled from before this cache existed gets one here)
+        self.__dict__.setdefault("_offsets_casts", {})[token] = offsets_casts(
+            binding.lean_plans)
+        return binding
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        casts = self._device_offsets_casts(hidden_states, top_k_index.numel())
+        if casts is None:
+            return self._forward_host_counts(hidden_states, top_k_index, top_k_weights)
+        layout = routing_layout(top_k_index, self.num_experts, hidden_states.shape[0])
+        zero_row = hidden_states.new_zeros(1, hidden_states.shape[1])
+        x = torch.cat([hidden_states, zero_row])[layout.source]
+        grad = torch.is_grad_enabled()
+
+        def experts_gemm(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return GroupedOffsetsFP8.apply(inputs, weight, layout.ends, casts,
+                                           grad and inputs.requires_grad,
+                                           grad and weight.requires_grad)
+
+        gate, up = experts_gemm(x, self.gate_up_proj).chunk(2, dim=-1)
+        out = experts_gemm(self.act_fn(gate) * up, self.down_proj)[layout.real]
+        out = out * top_k_weights[layout.token, layout.slot, None]
+        return torch.zeros_like(hidden_states).index_add_(0, layout.token,
+                                                          out.to(hidden_states.dtype))
+
+    def _device_offsets_casts(self, x: torch.Tensor, pairs: int) -> OffsetsCasts | None:
+        """The casts of the device-offsets path for this call, or None (its mode, outside
+        autocast, a recipe other than uniform per-tensor current scaling, inside
+        quantize_weights_once, a small-M call that runs dequantized weights, or operands the
+        kernels do not take)."""
+        compiling = torch.compiler.is_compiling()
+        if OFFSETS_MODE == "never" or (OFFSETS_MODE == "compiled" and not compiling):
+            return None
+        token = active_token()
+        if token == 0 or weights_quantized_once() or runs_dequantized(pairs):
+            return None
+        if compiling:
+            bind_live_modules(token)
+        elif token not in self._bindings:
+            self.binding(token)
+        casts = self.__dict__.get("_offsets_casts", {}).get(token)
+        if casts is None or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16,
+                                                              torch.float32):
+            return None
+        for weight in (self.gate_up_proj, self.down_proj):
+            if (type(weight) not in (nn.Parameter, torch.Tensor) or weight.dim() != 3
+                    or weight.shape[1] % 16 or weight.shape[2] % 16):
+                return None
+        return casts
+
+    # The host-counts path: eager under torch.compile too (one graph break at the call, the
+    # rest of the model stays compiled): the token counts are read on the host, and a traced
+    # forward turned every step's counts into guards, recompiling until dynamo's limit;
+    # eagerly the experts take the lean grouped path
+    @torch.compiler.disable
+    def _forward_host_counts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
         experts, top_k = self.num_experts, top_k_index.shape[-1]
         chosen = top_k_index.reshape(-1)
         order = torch.argsort(chosen, stable=True)  # (token, slot) pairs grouped by expert
@@ -117,6 +183,26 @@ class FusedExperts(QuantizedModule):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, gate_up_proj={list(self.gate_up_proj.shape)}, "
                 f"down_proj={list(self.down_proj.shape)}, name={self.name!r}")
+
+
+def offsets_casts(plans: list[LeanPlan | None]) -> OffsetsCasts | None:
+    """The device-offsets path's casts when every expert GEMM of both parts has a lean plan of
+    current scaling with one setting per operand (every expert and part alike), else None."""
+    if not plans or any(plan is None for plan in plans):
+        return None
+    first = plans[0]
+    settings = {(cast.amax_epsilon, cast.power_2_scale) for plan in plans
+                for cast in (plan.input, plan.weight, plan.grad_output)}
+    for plan in plans:
+        for slot in ("input", "weight", "grad_output"):
+            cast = getattr(plan, slot)
+            if cast.scale is not None or cast.fp8_dtype != getattr(first, slot).fp8_dtype:
+                return None
+    if len(settings) != 1:
+        return None
+    (amax_epsilon, power_2_scale), = settings
+    return OffsetsCasts(first.input.fp8_dtype, first.weight.fp8_dtype,
+                        first.grad_output.fp8_dtype, amax_epsilon, power_2_scale)
 
 
 def fused_experts_layout(module: nn.Module) -> bool:

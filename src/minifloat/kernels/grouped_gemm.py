@@ -1,0 +1,162 @@
+"""Grouped FP8 GEMMs whose groups are given by device-side offsets (a mixture of experts).
+
+Why a kernel of minifloat's own: torch._scaled_grouped_mm takes E4M3 operands only on sm90,
+and the HYBRID recipes quantize gradients to E5M2, so a MoE layer's dgrad and wgrad had no
+grouped kernel and ran one _scaled_mm per expert, which needs every expert's row count on the
+host (a synchronisation per layer, and no torch.compile graph). These kernels read the groups'
+row ends from device memory, take any pair of E4M3/E5M2 operands (Triton's fp8 dot permits
+every combination on sm90) and apply each group's per-tensor scales in the epilogue.
+
+Layout contract (modules/grouped_offsets.py builds it): the rows of group g are
+[ends[g-1], ends[g]) with ends[-1] = 0, every end a multiple of GROUP_ROWS (128), so a block of
+BLOCK_M <= 128 rows never straddles two groups; rows from ends[E-1] on belong to no group.
+
+- `grouped_rows_gemm`: out[r, :] = (a[r, :] @ b[g]^T) * a_scale[g] * b_scale[g] for r in group
+  g (a [R, D], b [E, W, D]: the forward x W_g^T and the dgrad dy W_g = dy (W_g^T)^T); rows of
+  no group are written as zeros.
+- `grouped_reduction_gemm`: out[g] = (a[:, rows g] @ b[:, rows g]^T) * a_scale[g] * b_scale[g]
+  (a [W1, R], b [W2, R]: the wgrad dy_g^T x_g from the columnwise copies); an empty group's
+  result is zeros.
+
+Accumulation: fp32. `precise=False` lets sm90's FP8 MMA accumulate at its own precision
+(cuBLAS' fast accumulation, the forward's setting); `precise=True` promotes each 32-deep MMA's
+partial sum to the fp32 accumulator (the split accumulator the backward GEMMs use).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import launch
+
+GROUP_ROWS = 128  # every group's row count is a multiple of this (the layout contract)
+_OUT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _group_of_block(ends_ptr, start, GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr):
+    """The group holding row `start` (GROUPS when it is past the last group's end)."""
+    index = tl.arange(0, GROUPS_POW2)
+    ends = tl.load(ends_ptr + index, mask=index < GROUPS, other=0x7FFFFFFF)
+    return tl.sum((ends <= start).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _rows_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows, width, depth,
+                 stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_om, stride_on,
+                 GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE: tl.constexpr,
+                 OUT_TYPE: tl.constexpr):
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(width, BLOCK_N)
+    pid_m, pid_n = pid // n_blocks, pid % n_blocks
+    start = pid_m * BLOCK_M
+    offs_m = start + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_mask = (offs_m[:, None] < rows) & (offs_n[None, :] < width)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    group = _group_of_block(ends_ptr, start, GROUPS, GROUPS_POW2)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if group < GROUPS:  # else rows of no group: zeros
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = (b_ptr + group.to(tl.int64) * stride_bg + offs_n[:, None] * stride_bn
+                  + offs_k[None, :] * stride_bk)
+        for k in range(0, depth, BLOCK_K):
+            k_mask = offs_k[None, :] < depth - k
+            a = tl.load(a_ptrs, mask=k_mask, other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_n[:, None] < width) & k_mask, other=0.0)
+            if PRECISE:
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=32)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        acc = acc * (tl.load(a_scale_ptr + group) * tl.load(b_scale_ptr + group))
+    tl.store(out_ptrs, acc.to(OUT_TYPE), mask=out_mask)
+
+
+@triton.jit
+def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, width_a,
+                      width_b, stride_ai, stride_ar, stride_bj, stride_br, stride_og, stride_oi,
+                      stride_oj, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, OUT_TYPE: tl.constexpr):
+    group = tl.program_id(0)
+    pid = tl.program_id(1)
+    n_blocks = tl.cdiv(width_b, BLOCK_N)
+    pid_m, pid_n = pid // n_blocks, pid % n_blocks
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = tl.load(ends_ptr + group - 1, mask=group > 0, other=0)
+    last = tl.load(ends_ptr + group)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_ai + (first + offs_k)[None, :] * stride_ar
+    b_ptrs = b_ptr + offs_n[:, None] * stride_bj + (first + offs_k)[None, :] * stride_br
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    # whole BLOCK_K steps: every group's row count is a multiple of GROUP_ROWS >= BLOCK_K
+    for _ in range(first, last, BLOCK_K):
+        a = tl.load(a_ptrs, mask=offs_m[:, None] < width_a, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_n[:, None] < width_b, other=0.0)
+        if PRECISE:
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=32)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BLOCK_K * stride_ar
+        b_ptrs += BLOCK_K * stride_br
+    alpha = tl.load(a_scale_ptr + group) * tl.load(b_scale_ptr + group)
+    # an empty group's sum is zero whatever its scales hold
+    result = tl.where(last > first, acc * alpha, 0.0)
+    out_ptrs = (out_ptr + group.to(tl.int64) * stride_og + offs_m[:, None] * stride_oi
+                + offs_n[None, :] * stride_oj)
+    tl.store(out_ptrs, result.to(OUT_TYPE),
+             mask=(offs_m[:, None] < width_a) & (offs_n[None, :] < width_b))
+
+
+def _tiles(device: torch.device) -> dict[str, int]:
+    """Block sizes and launch settings: 128 x 128 x 128 with 8 warps on a GPU (sm90's FP8
+    MMA shape; 4 stages of fp8 tiles fit its shared memory), small blocks under the
+    interpreter (the CPU tests)."""
+    if device.type == "cuda":
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)
+    return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
+
+
+def grouped_rows_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
+                      b_scale_inv: torch.Tensor, ends: torch.Tensor, out_dtype: torch.dtype,
+                      *, precise: bool) -> torch.Tensor:
+    """out [R, W] in out_dtype (module docstring). a [R, D] and b [E, W, D] FP8 (any strides),
+    scales fp32 [E], ends int32 [E]."""
+    rows, depth = a.shape
+    groups, width = b.shape[0], b.shape[1]
+    out = torch.empty(rows, width, dtype=out_dtype, device=a.device)
+    tiles = _tiles(a.device)
+    stages = tiles.pop("num_stages")
+    warps = tiles.pop("num_warps")
+    grid = (triton.cdiv(rows, tiles["BLOCK_M"]) * triton.cdiv(width, tiles["BLOCK_N"]),)
+    launch(_rows_kernel, grid, a, b, out, a_scale_inv, b_scale_inv, ends, rows, width, depth,
+           a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
+           out.stride(1), num_warps=warps, options=dict(num_stages=stages), GROUPS=groups,
+           GROUPS_POW2=triton.next_power_of_2(groups), **tiles, PRECISE=precise,
+           OUT_TYPE=_OUT_TYPES[out_dtype])
+    return out
+
+
+def grouped_reduction_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
+                           b_scale_inv: torch.Tensor, ends: torch.Tensor,
+                           out_dtype: torch.dtype, *, precise: bool) -> torch.Tensor:
+    """out [E, W1, W2] in out_dtype (module docstring). a [W1, R] and b [W2, R] FP8 (any
+    strides), scales fp32 [E], ends int32 [E]."""
+    width_a, width_b, groups = a.shape[0], b.shape[0], ends.shape[0]
+    out = torch.empty(groups, width_a, width_b, dtype=out_dtype, device=a.device)
+    tiles = _tiles(a.device)
+    stages = tiles.pop("num_stages")
+    warps = tiles.pop("num_warps")
+    grid = (groups, triton.cdiv(width_a, tiles["BLOCK_M"]) * triton.cdiv(width_b,
+                                                                         tiles["BLOCK_N"]))
+    launch(_reduction_kernel, grid, a, b, out, a_scale_inv, b_scale_inv, ends, width_a,
+           width_b, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
+           out.stride(1), out.stride(2), num_warps=warps, options=dict(num_stages=stages),
+           **tiles, PRECISE=precise, OUT_TYPE=_OUT_TYPES[out_dtype])
+    return out

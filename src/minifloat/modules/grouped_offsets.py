@@ -1,0 +1,213 @@
+"""A mixture of experts' grouped FP8 GEMMs with the groups on the device: nothing read on the host.
+
+Why: FusedExperts' lean path (lean_grouped_fp8.py) needs every expert's token count on the
+host, to split the rows and to call one _scaled_mm per expert where no grouped kernel takes the
+operands (E5M2 gradients). That read waits for the GPU once a layer, so the host cannot run
+ahead, and under torch.compile the experts ran as a graph break (BENCHMARKS.md, twenty-third
+session: hf-mixtral-moe FP8 at 0.65x bf16 eager, 0.75x compiled). Here the layout, the casts
+and the GEMMs take the groups as a device tensor of row ends, so a compiled model traces the
+experts in its graph (fullgraph) and an eager step does not synchronise.
+
+The layout (`routing_layout`): the (token, slot) pairs sorted by expert, each expert's rows
+padded with zero rows to a multiple of GROUP_ROWS (128), in a buffer whose row count depends on
+the shapes only: pairs + experts * 127, rounded up to 128; the rows past the last expert's own
+end join the last group (zero rows: exact, as every padding row is: a zero row raises no amax,
+adds nothing to a weight gradient and its output is dropped). So a 128-row tile never straddles
+two groups, every group's row count is a multiple of 128, and ends[-1] is the buffer's size.
+
+The casts (`cast_groups`, `cast_stacked_weights`): per-tensor current scaling, each expert's
+rows and each expert's weight a tensor of its own: the bytes and scales of numerics'
+quantize_current_scaling on that expert's rows alone (what the general path quantizes), in
+torch ops that a compiled graph fuses. The columnwise copies of per-tensor FP8 are the rowwise
+bytes transposed (NUMERICS.md §2).
+
+The GEMMs (`grouped_rows_gemm`, `grouped_reduction_gemm`: torch ops with fake
+implementations) run kernels/grouped_gemm.py on CUDA (any E4M3/E5M2 pair) and, elsewhere, the
+reference: the operands' FP8 values (exact in fp32) through torch._grouped_mm in fp32, then
+each group's alpha = scale_inv(a) * scale_inv(b), then the output dtype (numerics.gemm's
+order). Forward accumulates fast, backward with split accumulators, as the lean path's
+_scaled_mm calls do.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import kernels
+from ..numerics.formats import cast_to_fp8, fp8_format
+from ..numerics.per_tensor import scale_from_amax
+from ..quantizers.base import kernel_module
+from .op_define import define_op
+
+GROUP_ROWS = 128  # kernels.grouped_gemm.GROUP_ROWS: the kernels' layout contract
+
+
+class OffsetsCasts(NamedTuple):
+    """The current-scaling settings of the three operands, the same for every expert (plain
+    constants: a compiled graph guards on their values, equal in every layer)."""
+
+    input_dtype: torch.dtype
+    weight_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    amax_epsilon: float
+    power_2_scale: bool
+
+
+class RoutingLayout(NamedTuple):
+    """Where each routed (token, slot) pair sits in the padded, expert-sorted rows."""
+
+    source: torch.Tensor  # [R] the token each row copies (tokens: the zero row)
+    real: torch.Tensor  # [pairs] the row of each pair, pairs in expert order
+    token: torch.Tensor  # [pairs] the token of each pair, in the same order
+    slot: torch.Tensor  # [pairs] its top-k slot
+    ends: torch.Tensor  # [E] int32: group g is rows [ends[g-1], ends[g])
+
+
+def padded_rows(pairs: int, experts: int) -> int:
+    """The layout's row count: room for every expert's padding, from the shapes alone."""
+    return -(-(pairs + experts * (GROUP_ROWS - 1)) // GROUP_ROWS) * GROUP_ROWS
+
+
+def routing_layout(top_k_index: torch.Tensor, experts: int, tokens: int) -> RoutingLayout:
+    """The padded layout of `top_k_index`'s routing [tokens, top_k], on its device."""
+    top_k = top_k_index.shape[-1]
+    chosen = top_k_index.reshape(-1)
+    pairs = chosen.numel()
+    order = torch.argsort(chosen, stable=True)
+    counts = chosen.new_zeros(experts).scatter_add_(0, chosen, torch.ones_like(chosen))
+    padded = (counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
+    padded_ends = torch.cumsum(padded, 0)
+    starts = torch.cumsum(counts, 0) - counts
+    # sorted pair i of expert e goes to row i + (e's padded start - e's start)
+    shift = padded_ends - padded - starts
+    real = torch.arange(pairs, device=chosen.device) + shift[chosen[order]]
+    rows = padded_rows(pairs, experts)
+    token = order // top_k
+    source = torch.full((rows,), tokens, dtype=torch.long, device=chosen.device)
+    source = source.index_put((real,), token)
+    ends = torch.cat([padded_ends[:-1], padded_ends.new_full((1,), rows)]).to(torch.int32)
+    return RoutingLayout(source, real, token, order % top_k, ends)
+
+
+def tile_groups(ends: torch.Tensor, rows: int) -> torch.Tensor:
+    """The group of each GROUP_ROWS-row tile [rows / GROUP_ROWS] (int64)."""
+    starts = torch.arange(0, rows, GROUP_ROWS, device=ends.device, dtype=torch.int32)
+    return torch.searchsorted(ends, starts, right=True)
+
+
+def cast_groups(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, amax_epsilon: float,
+                power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bytes [R, D], scale_inv [E] fp32): each group's rows cast with current scaling on their
+    own amax (NaN in a group gives that group NaN, as the per-tensor cast does)."""
+    rows, depth = x.shape
+    groups = ends.shape[0]
+    tiles = x.detach().reshape(rows // GROUP_ROWS, GROUP_ROWS, depth)
+    tile_amax = tiles.abs().amax(dim=(1, 2)).float()
+    tile_group = tile_groups(ends, rows)
+    member = tile_group[None, :] == torch.arange(groups, device=x.device)[:, None]
+    amax = torch.where(member, tile_amax[None, :], 0.0).amax(dim=1)
+    scale = scale_from_amax(amax, fp8_format(dtype).max_value, amax_epsilon=amax_epsilon,
+                            power_2_scale=power_2_scale)
+    data = cast_to_fp8(tiles.float() * scale[tile_group][:, None, None], dtype)
+    return data.reshape(rows, depth), torch.reciprocal(scale)
+
+
+def cast_stacked_weights(weight: torch.Tensor, dtype: torch.dtype, amax_epsilon: float,
+                         power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bytes [E, N, K], scale_inv [E]): each expert's weight its own current-scaling cast."""
+    w = weight.detach()
+    amax = w.abs().amax(dim=(1, 2)).float()
+    scale = scale_from_amax(amax, fp8_format(dtype).max_value, amax_epsilon=amax_epsilon,
+                            power_2_scale=power_2_scale)
+    return cast_to_fp8(w.float() * scale[:, None, None], dtype), torch.reciprocal(scale)
+
+
+# ---- the two grouped GEMMs as torch ops ----
+
+def _kernel_serves(a: torch.Tensor) -> bool:
+    return kernels.available(a)
+
+
+def _group_alpha(a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor) -> torch.Tensor:
+    return a_scale_inv.float() * b_scale_inv.float()
+
+
+def _rows_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
+               b_scale_inv: torch.Tensor, ends: torch.Tensor, out_dtype: torch.dtype,
+               precise: bool) -> torch.Tensor:
+    """out[rows of g] = (a[rows of g] @ b[g]^T) * a_scale_inv[g] * b_scale_inv[g]."""
+    if _kernel_serves(a):
+        return kernel_module("grouped_gemm").grouped_rows_gemm(
+            a, b, a_scale_inv, b_scale_inv, ends, out_dtype, precise=precise)
+    product = torch._grouped_mm(a.float(), b.float().transpose(-2, -1), offs=ends)
+    alpha = _group_alpha(a_scale_inv, b_scale_inv)
+    row_alpha = alpha[tile_groups(ends, a.shape[0])].repeat_interleave(GROUP_ROWS)
+    return (product * row_alpha[:, None]).to(out_dtype)
+
+
+def _rows_gemm_fake(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
+                    b_scale_inv: torch.Tensor, ends: torch.Tensor, out_dtype: torch.dtype,
+                    precise: bool) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
+
+
+def _reduction_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
+                    b_scale_inv: torch.Tensor, ends: torch.Tensor, out_dtype: torch.dtype,
+                    precise: bool) -> torch.Tensor:
+    """out[g] = (a[:, rows of g] @ b[:, rows of g]^T) * a_scale_inv[g] * b_scale_inv[g]."""
+    if _kernel_serves(a):
+        return kernel_module("grouped_gemm").grouped_reduction_gemm(
+            a, b, a_scale_inv, b_scale_inv, ends, out_dtype, precise=precise)
+    product = torch._grouped_mm(a.float(), b.float().t(), offs=ends)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    alpha = _group_alpha(a_scale_inv, b_scale_inv)
+    return torch.where(counts[:, None, None] > 0, product * alpha[:, None, None],
+                       0.0).to(out_dtype)
+
+
+def _reduction_gemm_fake(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
+                         b_scale_inv: torch.Tensor, ends: torch.Tensor, out_dtype: torch.dtype,
+                         precise: bool) -> torch.Tensor:
+    return a.new_empty(ends.shape[0], a.shape[0], b.shape[0], dtype=out_dtype)
+
+
+grouped_rows_gemm = define_op("grouped_rows_gemm", _rows_gemm, _rows_gemm_fake)
+grouped_reduction_gemm = define_op("grouped_reduction_gemm", _reduction_gemm,
+                                   _reduction_gemm_fake)
+
+
+class GroupedOffsetsFP8(torch.autograd.Function):
+    """y[rows of g] = x[rows of g] W_g^T for the 3-D weight [E, N, K], the groups given by
+    `ends` on the device; per-tensor FP8 current scaling per expert and operand."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
+                casts: OffsetsCasts, need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
+        eps, power_2 = casts.amax_epsilon, casts.power_2_scale
+        x_bytes, x_scale_inv = cast_groups(x, ends, casts.input_dtype, eps, power_2)
+        w_bytes, w_scale_inv = cast_stacked_weights(weight, casts.weight_dtype, eps, power_2)
+        y = grouped_rows_gemm(x_bytes, w_bytes, x_scale_inv, w_scale_inv, ends, x.dtype, False)
+        # the columnwise copies backward reads: x^T for wgrad, each W_g^T for dgrad
+        x_t = x_bytes.t().contiguous() if need_wgrad else None
+        w_t = w_bytes.transpose(1, 2).contiguous() if need_dgrad else None
+        ctx.save_for_backward(x_t, x_scale_inv, w_t, w_scale_inv, ends)
+        ctx.casts, ctx.need_dgrad, ctx.need_wgrad = casts, need_dgrad, need_wgrad
+        ctx.weight_dtype = weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x_t, x_scale_inv, w_t, w_scale_inv, ends = ctx.saved_tensors
+        casts = ctx.casts
+        dy_bytes, dy_scale_inv = cast_groups(grad_output.contiguous(), ends, casts.grad_dtype,
+                                             casts.amax_epsilon, casts.power_2_scale)
+        grad_x = grad_weight = None
+        if ctx.need_dgrad:
+            grad_x = grouped_rows_gemm(dy_bytes, w_t, dy_scale_inv, w_scale_inv, ends,
+                                       grad_output.dtype, True)
+        if ctx.need_wgrad:
+            grad_weight = grouped_reduction_gemm(dy_bytes.t().contiguous(), x_t, dy_scale_inv,
+                                                 x_scale_inv, ends, ctx.weight_dtype, True)
+        return grad_x, grad_weight, None, None, None, None

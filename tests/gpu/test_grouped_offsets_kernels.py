@@ -1,0 +1,140 @@
+"""kernels/grouped_gemm.py's grouped FP8 GEMMs with device-side group ends against an
+independent float64 computation: each group's FP8 values (exact) multiplied group by group,
+times its two scales, then rounded to the output dtype.
+
+Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 with triton installed; skipped elsewhere.
+Every pair of E4M3/E5M2 operands (HYBRID's gradients are E5M2), an empty group, a group that
+ends the buffer with extra zero rows, and both accumulation settings. The GEMM's summation order
+is its own, so results agree to one rounding of the output dtype, not bitwise; the bound below
+(bf16: 2^-8 relative) fails on a wrong group, scale, offset or transpose (errors of order 1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minifloat.kernels import kernel_device
+
+DEVICE = kernel_device()
+if DEVICE is None:
+    pytest.skip("needs CUDA, or TRITON_INTERPRET=1 with triton installed", allow_module_level=True)
+
+grouped_gemm = pytest.importorskip("minifloat.kernels.grouped_gemm")
+
+if DEVICE.type == "cpu":
+    # Triton 3.6's interpreter turns a runtime loop bound into an int with int(array of shape
+    # (1,)), which numpy 2 refuses; the kernels' loops run over runtime bounds (the groups'
+    # ends). Read the one element instead, for this module's kernels under the interpreter.
+    import numpy as np
+    from triton.runtime import interpreter
+
+    _patch_tensor = interpreter._patch_lang_tensor
+
+    def _patch_tensor_with_index(tensor, scope):
+        _patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__",
+                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = _patch_tensor_with_index
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+GROUP_ROWS = grouped_gemm.GROUP_ROWS
+# a bf16 result rounds to nearest on the GPU (half an ulp: 2^-9 relative at worst), but the
+# interpreter's fp32 -> bf16 conversion truncates (a whole ulp)
+BF16_BOUND = 2**-8 if DEVICE.type == "cuda" else 2**-7
+
+
+def fp8_values(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 8).to(dtype)
+
+
+def layout(counts):
+    """Group ends for per-group row counts (multiples of GROUP_ROWS), and the rows of each."""
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    starts = [int(e) - c for e, c in zip(ends, counts, strict=True)]
+    return ends, [slice(s, s + c) for s, c in zip(starts, counts, strict=True)]
+
+
+def relative_error(actual, expected):
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("a_dtype", FP8)
+@pytest.mark.parametrize("b_dtype", FP8)
+@pytest.mark.parametrize("precise", [False, True])
+def test_rows_gemm_each_group_through_its_own_weight(a_dtype, b_dtype, precise):
+    counts = [GROUP_ROWS, 0, 2 * GROUP_ROWS, GROUP_ROWS]  # an empty group
+    ends, rows = layout(counts)
+    depth, width = 96, 80  # not multiples of the blocks: masked edges
+    a = fp8_values((sum(counts), depth), a_dtype, 0)
+    b = fp8_values((len(counts), width, depth), b_dtype, 1)
+    a_scale = torch.tensor([0.5, 3.0, 0.25, 2.0])
+    b_scale = torch.tensor([0.125, 1.0, 4.0, 0.75])
+    out = grouped_gemm.grouped_rows_gemm(
+        a.to(DEVICE), b.to(DEVICE), a_scale.to(DEVICE), b_scale.to(DEVICE), ends.to(DEVICE),
+        torch.bfloat16, precise=precise).cpu()
+    assert out.shape == (sum(counts), width) and out.dtype == torch.bfloat16
+    for g, piece in enumerate(rows):
+        if counts[g] == 0:
+            continue
+        want = (a[piece].double() @ b[g].double().t()) * (a_scale[g].double() * b_scale[g])
+        assert relative_error(out[piece], want) < BF16_BOUND
+
+
+def test_rows_gemm_strided_operands_and_rows_past_the_last_group():
+    """b given as the transposed view of [E, D, W] bytes (dgrad reads W_g^T's copy), output
+    fp32, and rows after the last group's end written as zeros."""
+    counts = [GROUP_ROWS, GROUP_ROWS]
+    ends, rows = layout(counts)
+    total = sum(counts) + GROUP_ROWS
+    a = fp8_values((total, 64), torch.float8_e5m2, 2)
+    b_t = fp8_values((2, 64, 48), torch.float8_e4m3fn, 3)  # [E, D, W]
+    scales = torch.tensor([1.5, 0.5])
+    out = grouped_gemm.grouped_rows_gemm(
+        a.to(DEVICE), b_t.to(DEVICE).transpose(1, 2), scales.to(DEVICE), scales.to(DEVICE),
+        ends.to(DEVICE), torch.float32, precise=True).cpu()
+    for g, piece in enumerate(rows):
+        want = (a[piece].double() @ b_t[g].double()) * (scales[g].double() ** 2)
+        assert relative_error(out[piece], want) < 1e-6
+    assert torch.equal(out[sum(counts):], torch.zeros(GROUP_ROWS, 48))
+
+
+@pytest.mark.parametrize("a_dtype", FP8)
+@pytest.mark.parametrize("precise", [False, True])
+def test_reduction_gemm_sums_each_groups_rows(a_dtype, precise):
+    counts = [2 * GROUP_ROWS, 0, GROUP_ROWS]
+    ends, rows = layout(counts)
+    a = fp8_values((40, sum(counts)), a_dtype, 4)  # dy^T [N, R]
+    b = fp8_values((72, sum(counts)), torch.float8_e4m3fn, 5)  # x^T [K, R]
+    a_scale = torch.tensor([0.5, float("nan"), 2.0])  # an empty group's scale is never read
+    b_scale = torch.tensor([0.25, 1.0, 3.0])
+    out = grouped_gemm.grouped_reduction_gemm(
+        a.to(DEVICE), b.to(DEVICE), a_scale.to(DEVICE), b_scale.to(DEVICE), ends.to(DEVICE),
+        torch.bfloat16, precise=precise).cpu()
+    assert out.shape == (3, 40, 72)
+    assert torch.equal(out[1], torch.zeros(40, 72, dtype=torch.bfloat16))
+    for g in (0, 2):
+        want = (a[:, rows[g]].double() @ b[:, rows[g]].double().t()) * (
+            a_scale[g].double() * b_scale[g])
+        assert relative_error(out[g], want) < BF16_BOUND
+
+
+def test_ops_take_the_kernels_and_agree_with_the_reference(monkeypatch):
+    """The torch ops (modules/grouped_offsets.py) run these kernels here; forced onto the
+    reference (torch._grouped_mm in fp32 on the CPU), they give the same values to rounding."""
+    from minifloat.modules import grouped_offsets
+
+    counts = [GROUP_ROWS, 3 * GROUP_ROWS]
+    ends, _ = layout(counts)
+    a = fp8_values((sum(counts), 64), torch.float8_e4m3fn, 6)
+    b = fp8_values((2, 32, 64), torch.float8_e4m3fn, 7)
+    scales = torch.tensor([0.5, 2.0])
+    args = (a, b, scales, scales, ends)
+    fast = grouped_offsets.grouped_rows_gemm(*[t.to(DEVICE) for t in args], torch.bfloat16,
+                                             False).cpu()
+    monkeypatch.setattr(grouped_offsets, "_kernel_serves", lambda _a: False)
+    reference = grouped_offsets.grouped_rows_gemm(*args, torch.bfloat16, False)
+    assert relative_error(fast, reference) < 2 * BF16_BOUND  # two roundings apart
