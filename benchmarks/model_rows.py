@@ -13,9 +13,11 @@ from dataclasses import dataclass, replace
 RECIPE_NAMES = ("fp8-current", "fp8-delayed", "fp8-block", "mxfp8", "nvfp4")
 LOW_MEMORY = "-lowmem"
 GRAPH_CASTS = "-graphcasts"
+MOE_OFFSETS = "-offsets"  # a MoE's experts on the device-offsets path eagerly too
 KINDS = ("bf16", "torchao-tensorwise", *RECIPE_NAMES,
          *(name + LOW_MEMORY for name in RECIPE_NAMES),
-         *(name + GRAPH_CASTS for name in ("fp8-current", "fp8-current" + LOW_MEMORY)))
+         *(name + GRAPH_CASTS for name in ("fp8-current", "fp8-current" + LOW_MEMORY)),
+         "fp8-current" + MOE_OFFSETS)
 # each recipe eager, eager with CUDA graphs, and compiled with CUDA graphs (default-mode compiled
 # rows are host-bound, BENCHMARKS.md 2026-11-25: ask for them by name), and FP8 current's whole
 # step as one graph

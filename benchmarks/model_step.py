@@ -24,6 +24,9 @@ in one process, from the same seed (equal initial weights) on the same random to
                                          row's steps, as they are by default for compiles
                                          without CUDA graphs; MINIFLOAT_GRAPH_CASTS=1 does it
                                          for all)
+  fp8-current-offsets-<mode>             a MoE's experts on the device-offsets path in eager
+                                         steps too (minifloat.modules.fused_experts, mode
+                                         `always`; compiled steps take it by default)
   <any>-compiled-reduce-overhead         the same with torch.compile(mode="reduce-overhead")
                                          (--compile-mode reduce-overhead|both adds them)
   <kind>-graphed                         eager, forward+loss+backward captured as CUDA graphs
@@ -102,6 +105,7 @@ from model_rows import (  # noqa: E402,F401 - the row vocabulary, used here and 
     GRAPHED,
     KINDS,
     LOW_MEMORY,
+    MOE_OFFSETS,
     RECIPE_NAMES,
     REDUCE_OVERHEAD,
     STEP_GRAPHED,
@@ -129,17 +133,22 @@ SEED = 0
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def recipe_context(recipe, graph_casts: bool | None = None) -> contextlib.AbstractContextManager:
+def recipe_context(recipe, graph_casts: bool | None = None, moe_offsets: str | None = None
+                   ) -> contextlib.AbstractContextManager:
     """What a row's forward runs under: minifloat.autocast(recipe) (nothing without a recipe),
     with the casts in the traced graph switched on (True: -graphcasts rows) or off (False), or
-    left to the library (None: on wherever the compile runs without CUDA graphs)."""
+    left to the library (None: on wherever the compile runs without CUDA graphs), and a MoE's
+    device-offsets mode (-offsets rows: `always`; None: the library's default)."""
     context = contextlib.ExitStack()
     if recipe is not None:
         import minifloat as mf
+        from minifloat.modules import fused_experts
         from minifloat.modules import graph_casts as graph_casts_module
 
         if graph_casts is not None:
             context.enter_context(graph_casts_module.switched(graph_casts))
+        if moe_offsets is not None:
+            context.enter_context(fused_experts.offsets_mode(moe_offsets))
         context.enter_context(mf.autocast(recipe=recipe))
     return context
 
@@ -158,6 +167,7 @@ class TrainStep:
     optimizer: torch.optim.Optimizer
     recipe: object | None = None
     graph_casts: bool | None = None  # True: the casts in the traced graph (None: by default)
+    moe_offsets: str | None = None  # fused_experts.offsets_mode for the steps (None: default)
     mark_step: bool = False
     host16: bool = True  # whether the 16-token forward+backward is measured for this row
     keep: list = field(default_factory=list)  # objects that must outlive the step (graphs)
@@ -168,7 +178,7 @@ class TrainStep:
     def forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.mark_step:
             torch.compiler.cudagraph_mark_step_begin()
-        with recipe_context(self.recipe, self.graph_casts):
+        with recipe_context(self.recipe, self.graph_casts, self.moe_offsets):
             loss = self.loss_fn(tokens)
         loss.backward()
         return loss
@@ -236,7 +246,7 @@ def prepare_row(spec: RowSpec, model: torch.nn.Module, device: str,
     if spec.kind not in ("bf16", "torchao-tensorwise"):
         import minifloat as mf
 
-        kind = spec.kind.removesuffix(GRAPH_CASTS)
+        kind = spec.kind.removesuffix(GRAPH_CASTS).removesuffix(MOE_OFFSETS)
         recipe = minifloat_recipe(kind.removesuffix(LOW_MEMORY))
         mf.convert_model(model, recipe=recipe, filter_fn=not_head)
         report = model.minifloat_conversion
@@ -253,6 +263,7 @@ def prepare_row(spec: RowSpec, model: torch.nn.Module, device: str,
     step = TrainStep(model, loss_fn, make_optimizer(model, capturable=spec.step_graphed),
                      recipe=recipe,
                      graph_casts=True if spec.kind.endswith(GRAPH_CASTS) else None,
+                     moe_offsets="always" if spec.kind.endswith(MOE_OFFSETS) else None,
                      mark_step=spec.compile_mode == "reduce-overhead",
                      host16=not (spec.compiled or spec.graphed or spec.step_graphed),
                      conversion=conversion)

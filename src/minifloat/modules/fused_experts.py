@@ -28,8 +28,10 @@ forward); everything else runs the experts' GEMMs through run_gemms.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from itertools import accumulate
 
 import torch
@@ -48,6 +50,19 @@ from .weights import runs_dequantized, weights_quantized_once
 OFFSETS_MODE = os.environ.get("MINIFLOAT_MOE_OFFSETS", "compiled")
 if OFFSETS_MODE not in ("compiled", "always", "never"):
     raise ValueError(f"MINIFLOAT_MOE_OFFSETS={OFFSETS_MODE!r}: use compiled, always or never")
+
+
+@contextlib.contextmanager
+def offsets_mode(mode: str) -> Iterator[None]:
+    """MINIFLOAT_MOE_OFFSETS for the calls inside (benchmarks compare the paths in one run)."""
+    global OFFSETS_MODE
+    if mode not in ("compiled", "always", "never"):
+        raise ValueError(f"offsets_mode({mode!r}): use compiled, always or never")
+    kept, OFFSETS_MODE = OFFSETS_MODE, mode
+    try:
+        yield
+    finally:
+        OFFSETS_MODE = kept
 
 
 class FusedExperts(QuantizedModule):

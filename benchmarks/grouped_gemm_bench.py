@@ -1,0 +1,154 @@
+"""The MoE grouped GEMMs on device-side group offsets against torch's grouped kernels.
+
+Why: FusedExperts' device-offsets path (modules/grouped_offsets.py) runs its three GEMMs per
+expert projection on minifloat's Triton kernels (kernels/grouped_gemm.py), the only grouped
+kernels that take HYBRID's E5M2 gradients. This times them, in one process, against what a user
+has otherwise at the same shapes: torch._grouped_mm in bf16 (transformers' experts on CUDA) and
+torch._scaled_grouped_mm (E4M3 only, CUTLASS) for the forward GEMM.
+
+Rows per projection (gate_up: x [R, D] -> [R, 2F]; down: [R, F] -> [R, D]):
+  fprop  bf16 _grouped_mm | _scaled_grouped_mm E4M3 | Triton E4M3 x E4M3 (fast accumulation)
+  dgrad  bf16 _grouped_mm | Triton E5M2 x E4M3 (split accumulation)
+  wgrad  bf16 _grouped_mm (2d x 2d) | Triton E5M2 x E4M3 (split accumulation)
+Each: median of --repeats launches timed by CUDA events, after --warmup; TFLOP/s counts the
+routed rows only (2 * pairs * in * out).
+
+Usage: python benchmarks/grouped_gemm_bench.py [--tokens 8192] [--top-k 2] [--experts 8]
+           [--hidden 2048] [--ffn 4096] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from minifloat.modules.grouped_offsets import routing_layout  # noqa: E402
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+# (BLOCK_M <= 128 and BLOCK_K dividing 128: the layout contract) x warps x stages
+SWEEP = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (128, 128, 64, 4, 4),
+         (64, 128, 128, 4, 4), (128, 128, 128, 4, 4)]
+
+
+def timed_ms(fn, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def projection_rows(name: str, rows: int, pairs: int, ends: torch.Tensor, experts: int,
+                    width_in: int, width_out: int, warmup: int, repeats: int) -> list[dict]:
+    from minifloat.kernels import grouped_gemm  # imports triton: CUDA machines only
+
+    device = "cuda"
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(rows, width_in, device=device, generator=g, dtype=torch.bfloat16)
+    w = torch.randn(experts, width_out, width_in, device=device, generator=g,
+                    dtype=torch.bfloat16) / width_in ** 0.5
+    dy = torch.randn(rows, width_out, device=device, generator=g, dtype=torch.bfloat16)
+    scales = torch.ones(experts, device=device)
+    x8, w8, dy8 = x.to(E4M3), w.to(E4M3), dy.to(E5M2)
+    w8_t = w8.transpose(1, 2).contiguous()
+    x8_t, dy8_t = x8.t().contiguous(), dy8.t().contiguous()
+    flops = 2.0 * pairs * width_in * width_out
+    cases = {
+        ("fprop", "bf16 _grouped_mm"): lambda: torch._grouped_mm(x, w.transpose(1, 2),
+                                                                 offs=ends),
+        ("fprop", "_scaled_grouped_mm E4M3"): lambda: torch._scaled_grouped_mm(
+            x8, w8.transpose(1, 2), torch.ones(rows, device=device),
+            torch.ones(experts, width_out, device=device), offs=ends,
+            out_dtype=torch.bfloat16, use_fast_accum=True),
+        ("fprop", "triton E4M3xE4M3"): lambda: grouped_gemm.grouped_rows_gemm(
+            x8, w8, scales, scales, ends, torch.bfloat16, precise=False),
+        ("dgrad", "bf16 _grouped_mm"): lambda: torch._grouped_mm(dy, w, offs=ends),
+        ("dgrad", "triton E5M2xE4M3"): lambda: grouped_gemm.grouped_rows_gemm(
+            dy8, w8_t, scales, scales, ends, torch.bfloat16, precise=True),
+        ("wgrad", "bf16 _grouped_mm"): lambda: torch._grouped_mm(dy.t(), x, offs=ends),
+        ("wgrad", "triton E5M2xE4M3"): lambda: grouped_gemm.grouped_reduction_gemm(
+            dy8_t, x8_t, scales, scales, ends, torch.bfloat16, precise=True),
+    }
+    results = []
+    for (gemm, kernel), fn in cases.items():
+        try:
+            ms = timed_ms(fn, warmup, repeats)
+        except Exception as error:  # noqa: BLE001 - a kernel a torch build lacks: say so
+            results.append(dict(projection=name, gemm=gemm, kernel=kernel, error=str(error)))
+            continue
+        results.append(dict(projection=name, gemm=gemm, kernel=kernel, ms=round(ms, 4),
+                            tflops=round(flops / ms / 1e9, 1)))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=4096)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the Triton kernels under other tile settings")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("grouped_gemm_bench: needs CUDA")
+        return
+    g = torch.Generator().manual_seed(0)
+    index = torch.stack([torch.randperm(args.experts, generator=g)[:args.top_k]
+                         for _ in range(args.tokens)]).cuda()
+    layout = routing_layout(index, args.experts, args.tokens)
+    rows, pairs = layout.source.shape[0], args.tokens * args.top_k
+    results = []
+    for name, width_in, width_out in (("gate_up", args.hidden, 2 * args.ffn),
+                                      ("down", args.ffn, args.hidden)):
+        results += projection_rows(name, rows, pairs, layout.ends, args.experts, width_in,
+                                   width_out, args.warmup, args.repeats)
+    from minifloat.kernels import grouped_gemm
+
+    default_tiles = grouped_gemm._tiles
+    for tiles in SWEEP if args.sweep else ():
+        block_m, block_n, block_k, warps, stages = tiles
+        grouped_gemm._tiles = lambda _device, t=tiles: dict(
+            BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_K=t[2], num_warps=t[3], num_stages=t[4])
+        for name, width_in, width_out in (("gate_up", args.hidden, 2 * args.ffn),
+                                          ("down", args.ffn, args.hidden)):
+            for row in projection_rows(name, rows, pairs, layout.ends, args.experts, width_in,
+                                       width_out, args.warmup, args.repeats):
+                if row["kernel"].startswith("triton"):
+                    row["kernel"] += f" tiles {block_m}x{block_n}x{block_k} w{warps} s{stages}"
+                    results.append(row)
+    grouped_gemm._tiles = default_tiles
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.tokens} tokens x "
+          f"top-{args.top_k} over {args.experts} experts ({rows} padded rows), d {args.hidden},"
+          f" ffn {args.ffn}\n")
+    print("| projection | GEMM | kernel | ms | TFLOP/s |\n|---|---|---|---:|---:|")
+    for row in results:
+        print(f"| {row['projection']} | {row['gemm']} | {row['kernel']} | "
+              f"{row.get('ms', row.get('error', ''))} | {row.get('tflops', '')} |")
+    if args.out:
+        args.out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(),
+                                            torch=torch.__version__, args=vars(args) | dict(
+                                                out=str(args.out)), rows=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()

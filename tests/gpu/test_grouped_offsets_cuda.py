@@ -1,0 +1,96 @@
+"""FusedExperts on device-side group offsets on CUDA (modules/grouped_offsets.py,
+kernels/grouped_gemm.py) against the general path, without a host synchronisation, and
+compiled by inductor with fullgraph=True.
+
+The device path quantizes the bytes the general path quantizes (the CPU tests check them bit
+for bit); here its GEMMs are the Triton grouped kernels (E5M2 gradients included) against one
+_scaled_mm per expert, so outputs agree to summation order and gradients to E5M2's resolution.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minifloat as mf
+from minifloat.modules import fused_experts as fused_experts_module
+from modules.test_any_token_count import fused_experts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+HYBRID = mf.Float8CurrentScaling()
+E4M3 = mf.Float8CurrentScaling(fp8_format=mf.Format.E4M3)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def routed(tokens, experts, hidden, empty_expert=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g)
+    index = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
+    if empty_expert is not None:
+        keep = (index != empty_expert).all(dim=1)
+        x, index = x[keep], index[keep]
+    weights = torch.rand(index.shape[0], 2, generator=g)
+    dy = torch.randn(x.shape, generator=g)
+    return [t.cuda() for t in (x, index, weights, dy)]
+
+
+def step(experts, x, index, weights, dy, recipe, mode):
+    x = x.clone().to(torch.bfloat16).requires_grad_(True)
+    with fused_experts_module.offsets_mode(mode), mf.autocast(recipe=recipe):
+        y = experts(x, index, weights.to(torch.bfloat16))
+    y.backward(dy.to(torch.bfloat16))
+    grads = [p.grad.clone() for p in experts.parameters()]
+    experts.zero_grad(set_to_none=True)
+    return [y.detach(), x.grad, *grads]
+
+
+@pytest.mark.parametrize("recipe", [HYBRID, E4M3], ids=["hybrid", "e4m3"])
+@pytest.mark.parametrize("empty_expert", [None, 3])
+def test_device_offsets_equal_the_general_path(recipe, empty_expert):
+    torch.manual_seed(0)
+    experts = fused_experts(8, 256, 512, device="cuda").to(torch.bfloat16)
+    inputs = routed(999, 8, 256, empty_expert)
+    got = step(experts, *inputs, recipe, "always")
+    want = step(experts, *inputs, recipe, "never")
+    assert relative_error(got[0], want[0]) < 5e-3  # forward: E4M3 x E4M3
+    for a, b in zip(got[1:], want[1:], strict=True):  # E5M2 gradients under HYBRID
+        assert relative_error(a, b) < (5e-3 if recipe is E4M3 else 5e-2)
+
+
+def test_no_host_synchronisation():
+    torch.manual_seed(0)
+    experts = fused_experts(8, 256, 512, device="cuda").to(torch.bfloat16)
+    inputs = routed(640, 8, 256)
+    step(experts, *inputs, HYBRID, "always")  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(experts, *inputs, HYBRID, "always")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(RuntimeError):  # the check is live: the host-counts path reads counts
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(experts, *inputs, HYBRID, "never")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def test_inductor_fullgraph_equals_eager():
+    torch.manual_seed(0)
+    experts = fused_experts(8, 256, 512, device="cuda").to(torch.bfloat16)
+    inputs = routed(999, 8, 256)
+    want = step(experts, *inputs, HYBRID, "always")
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, fullgraph=True)
+    got = step(compiled, *inputs, HYBRID, "compiled")
+    got_again = step(compiled, *routed(999, 8, 256, seed=1)[:3], inputs[3], HYBRID, "compiled")
+    assert all(torch.isfinite(t).all() for t in got_again)
+    assert relative_error(got[0], want[0]) < 5e-3
+    for a, b in zip(got[1:], want[1:], strict=True):
+        assert relative_error(a, b) < 5e-2

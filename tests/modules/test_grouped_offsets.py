@@ -1,0 +1,189 @@
+"""FusedExperts on device-side group offsets (modules/grouped_offsets.py) on the CPU.
+
+Checked against independent computations: the layout against the routing it lays out, the
+saved bytes against numerics' per-tensor current-scaling cast of each expert's rows alone, the
+outputs and gradients against the general path (one LinearGemms per expert GEMM, host-side
+splits). Then what a compiled model needs: a transformers Mixtral traces with fullgraph=True,
+computes bitwise what the eager device path computes, and a new routing does not recompile.
+Recipes the path does not serve (delayed scaling, MXFP8) keep the host-counts path.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import minifloat as mf
+from minifloat.modules import fused_experts as fused_experts_module
+from minifloat.modules.grouped_offsets import (
+    GROUP_ROWS,
+    GroupedOffsetsFP8,
+    padded_rows,
+    routing_layout,
+)
+from minifloat.numerics.per_tensor import quantize_current_scaling
+from modules.test_any_token_count import fused_experts
+from modules.test_lean_grouped_fp8 import routed, run
+from training._reference import rel_err
+
+HYBRID = mf.Float8CurrentScaling()
+E4M3 = mf.Float8CurrentScaling(fp8_format=mf.Format.E4M3)
+
+
+@pytest.fixture
+def offsets_calls(monkeypatch):
+    """Count the device-offsets GEMM calls (and their inputs' row counts)."""
+    calls = []
+    original = GroupedOffsetsFP8.forward
+
+    def counting(ctx, x, *args):
+        calls.append(x.shape[0])
+        return original(ctx, x, *args)
+
+    monkeypatch.setattr(GroupedOffsetsFP8, "forward", staticmethod(counting))
+    return calls
+
+
+def test_layout_puts_each_pair_in_its_experts_padded_rows():
+    g = torch.Generator().manual_seed(0)
+    tokens, experts, top_k = 50, 5, 2
+    index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    index[index == 3] = 4  # expert 3 gets nothing
+    index[:, 1] = torch.where(index[:, 1] == index[:, 0], (index[:, 0] + 1) % 3, index[:, 1])
+    layout = routing_layout(index, experts, tokens)
+    rows = padded_rows(tokens * top_k, experts)
+    assert layout.source.shape == (rows,) and rows % GROUP_ROWS == 0
+    ends = layout.ends.tolist()
+    assert ends[-1] == rows and all(end % GROUP_ROWS == 0 for end in ends)
+    counts = torch.bincount(index.reshape(-1), minlength=experts).tolist()
+    starts = [0, *ends[:-1]]
+    for e in range(experts):  # each expert's tokens, in token order, then zero rows (tokens)
+        mine = [t for t in range(tokens) for k in range(top_k) if index[t, k] == e]
+        block = layout.source[starts[e]:ends[e]].tolist()
+        assert block[:counts[e]] == mine
+        assert all(row == tokens for row in block[counts[e]:])
+        assert ends[e] - starts[e] == (-(-counts[e] // GROUP_ROWS) * GROUP_ROWS
+                                       if e < experts - 1 else rows - starts[e])
+    # each pair's row holds its token, and (token, slot) names the pair
+    assert torch.equal(layout.source[layout.real], layout.token)
+    assert torch.equal(index[layout.token, layout.slot],
+                       torch.sort(index.reshape(-1), stable=True).values)
+
+
+@pytest.mark.parametrize("recipe", [HYBRID, E4M3], ids=["hybrid", "e4m3"])
+@pytest.mark.parametrize("empty_expert", [None, 2])
+def test_device_offsets_equal_the_general_path(offsets_calls, recipe, empty_expert):
+    torch.manual_seed(0)
+    experts = fused_experts(4, 32, 48)
+    inputs = routed(empty_expert=empty_expert)
+    with fused_experts_module.offsets_mode("always"):
+        y, dx, grads, saved = run(experts, *inputs, recipe=recipe)
+    assert offsets_calls == [padded_rows(80, 4)] * 2, "both grouped GEMMs on device offsets"
+    with fused_experts_module.offsets_mode("never"):
+        y_g, dx_g, grads_g, _ = run(experts, *inputs, recipe=recipe)
+    assert len(offsets_calls) == 2
+    for got, want in ((y, y_g), (dx, dx_g), *zip(grads, grads_g, strict=True)):
+        assert rel_err(got, want) < 1e-6
+    # saved for backward: gate_up's x^T, its W^T copy, down's input^T, its W^T copy
+    assert [t.shape for t in saved] == [(32, 640), (4, 32, 96), (48, 640), (4, 48, 32)]
+
+
+def test_saved_bytes_are_each_experts_own_current_scaling_cast():
+    """The input's columnwise bytes of each expert's rows equal numerics' cast of those rows
+    alone (transposed), and the weight copy each expert's own cast: an independent computation
+    with no padding, no grouping and no other expert's rows."""
+    torch.manual_seed(2)
+    weight = torch.randn(3, 32, 64)
+    counts = [GROUP_ROWS, 0, 2 * GROUP_ROWS]
+    x = torch.zeros(sum(counts), 64)
+    real = {0: 100, 2: 130}  # real rows per expert, the rest zero padding
+    x[:100] = torch.randn(100, 64) * 5
+    x[GROUP_ROWS:GROUP_ROWS + 130] = torch.randn(130, 64) / 7
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    packed = []
+    x.requires_grad_(True)
+    casts = fused_experts_module.OffsetsCasts(torch.float8_e4m3fn, torch.float8_e4m3fn,
+                                              torch.float8_e5m2, 0.0, False)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        GroupedOffsetsFP8.apply(x, weight, ends, casts, True, True)
+    x_t, x_scale_inv, w_t, w_scale_inv, _ = packed
+    starts = {0: 0, 2: GROUP_ROWS}
+    for e, rows in real.items():
+        data, scale_inv = quantize_current_scaling(x[starts[e]:starts[e] + rows].detach(),
+                                                   torch.float8_e4m3fn)
+        got = x_t[:, starts[e]:starts[e] + rows].t()
+        assert torch.equal(got.view(torch.uint8), data.view(torch.uint8))
+        assert torch.equal(x_scale_inv[e], scale_inv)
+    for e in range(3):
+        data, scale_inv = quantize_current_scaling(weight[e], torch.float8_e4m3fn)
+        assert torch.equal(w_t[e].t().view(torch.uint8), data.view(torch.uint8))
+        assert torch.equal(w_scale_inv[e], scale_inv)
+
+
+def test_nan_in_one_experts_rows_stays_nan():
+    torch.manual_seed(3)
+    experts = fused_experts(3, 32, 32)
+    x, index, weights, _ = routed(tokens=24, hidden=32, experts=3)
+    x[0, 0] = float("nan")
+    with torch.no_grad(), mf.autocast(recipe=HYBRID), fused_experts_module.offsets_mode(
+            "always"):
+        y = experts(x, index, weights)
+    assert torch.isnan(y[0]).any()
+    # a token routed to neither of token 0's experts keeps finite values
+    others = [t for t in range(24) if not set(index[t].tolist()) & set(index[0].tolist())]
+    if others:
+        assert torch.isfinite(y[others]).all()
+
+
+@pytest.mark.parametrize("recipe", [mf.DelayedScaling(), mf.MXFP8BlockScaling()],
+                         ids=["delayed", "mxfp8"])
+def test_other_recipes_keep_the_host_counts_path(offsets_calls, recipe):
+    torch.manual_seed(0)
+    experts = fused_experts(4, 32, 64)
+    with fused_experts_module.offsets_mode("always"):
+        run(experts, *routed(tokens=64), recipe=recipe)
+    assert offsets_calls == []
+
+
+def test_offsets_mode_refuses_an_unknown_mode():
+    with (pytest.raises(ValueError, match="compiled, always or never"),
+          fused_experts_module.offsets_mode("sometimes")):
+        pass
+
+
+def test_compiled_mixtral_traces_the_experts_in_one_graph_and_does_not_recompile():
+    """fullgraph=True (a host read of the token counts would break it), the same loss and
+    gradients as the eager device path bitwise, and a second routing reuses the graph."""
+    pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    from models.test_transformers import build, not_head
+
+    model = build("mixtral")
+    mf.convert_model(model, filter_fn=not_head)
+    eager = copy.deepcopy(model)
+
+    def step(module, tokens):
+        with mf.autocast(recipe=HYBRID):
+            loss = module(tokens, labels=tokens).loss
+        loss.backward()
+        return loss.detach()
+
+    first, second = (torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(s))
+                     for s in (1, 5))
+    with fused_experts_module.offsets_mode("always"):
+        want = step(eager, first)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    got = step(compiled, first)
+    assert torch.equal(got, want)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), name
+    graphs = counters["stats"]["unique_graphs"]
+    step(compiled, second)
+    assert counters["stats"]["unique_graphs"] == graphs == 1
