@@ -57,9 +57,11 @@ def test_device_offsets_equal_the_general_path(recipe, empty_expert):
     inputs = routed(999, 8, 256, empty_expert)
     got = step(experts, *inputs, recipe, "always")
     want = step(experts, *inputs, recipe, "never")
-    assert relative_error(got[0], want[0]) < 5e-3  # forward: E4M3 x E4M3
-    for a, b in zip(got[1:], want[1:], strict=True):  # E5M2 gradients under HYBRID
-        assert relative_error(a, b) < (5e-3 if recipe is E4M3 else 5e-2)
+    errors = [relative_error(a, b) for a, b in zip(got, want, strict=True)]
+    # forward E4M3 x E4M3; the gradients pass through the intermediate's FP8 cast, whose
+    # roundings flip where the two GEMMs' summation orders differ (E5M2 under HYBRID)
+    assert errors[0] < 5e-3, errors
+    assert max(errors[1:]) < (1e-2 if recipe is E4M3 else 5e-2), errors
 
 
 def test_no_host_synchronisation():
@@ -82,15 +84,40 @@ def test_no_host_synchronisation():
 
 
 def test_inductor_fullgraph_equals_eager():
+    """One grouped GEMM compiled by inductor computes eager's bytes and values bitwise (the
+    casts are numerics' torch ops, the GEMMs opaque ops); the whole experts module within the
+    flips of FP8 roundings, because inductor keeps act_fn(gate) * up in fp32 where eager
+    rounds it to bf16 between the two ops. A second routing runs the same graph."""
+    from minifloat.autocast import active_token
+    from minifloat.modules.fused_experts import offsets_casts
+    from minifloat.modules.grouped_offsets import GroupedOffsetsFP8, routing_layout
+
     torch.manual_seed(0)
     experts = fused_experts(8, 256, 512, device="cuda").to(torch.bfloat16)
-    inputs = routed(999, 8, 256)
-    want = step(experts, *inputs, HYBRID, "always")
+    x, index, weights, dy = routed(999, 8, 256)
+    layout = routing_layout(index, 8, 999)
+    with mf.autocast(recipe=HYBRID):
+        casts = offsets_casts(experts.binding(active_token()).lean_plans)
+    rows = torch.cat([x, x.new_zeros(1, 256)]).to(torch.bfloat16)[layout.source]
+
+    def one_gemm(inputs, weight):
+        return GroupedOffsetsFP8.apply(inputs, weight, layout.ends, casts, True, True)
+
+    results = []
+    for fn in (one_gemm, torch.compile(one_gemm, fullgraph=True)):
+        inputs = rows.clone().requires_grad_(True)
+        weight = experts.gate_up_proj.detach().clone().requires_grad_(True)
+        y = fn(inputs, weight)
+        y.backward(torch.ones_like(y))
+        results.append((y, inputs.grad, weight.grad))
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+
+    want = step(experts, x, index, weights, dy, HYBRID, "always")
     torch._dynamo.reset()
     compiled = torch.compile(experts, fullgraph=True)
-    got = step(compiled, *inputs, HYBRID, "compiled")
-    got_again = step(compiled, *routed(999, 8, 256, seed=1)[:3], inputs[3], HYBRID, "compiled")
-    assert all(torch.isfinite(t).all() for t in got_again)
-    assert relative_error(got[0], want[0]) < 5e-3
-    for a, b in zip(got[1:], want[1:], strict=True):
-        assert relative_error(a, b) < 5e-2
+    got = step(compiled, x, index, weights, dy, HYBRID, "compiled")
+    again = step(compiled, *routed(999, 8, 256, seed=1)[:3], dy, HYBRID, "compiled")
+    assert all(torch.isfinite(t).all() for t in again)
+    errors = [relative_error(a, b) for a, b in zip(got, want, strict=True)]
+    assert max(errors) < 5e-2, errors

@@ -43,6 +43,9 @@ GROUP_ROWS = grouped_gemm.GROUP_ROWS
 # a bf16 result rounds to nearest on the GPU (half an ulp: 2^-9 relative at worst), but the
 # interpreter's fp32 -> bf16 conversion truncates (a whole ulp)
 BF16_BOUND = 2**-8 if DEVICE.type == "cuda" else 2**-7
+# an fp32 result: sm90's FP8 MMA adds its products at less than fp32's precision (an H200
+# measured 4e-5 at depth 64); the interpreter multiplies in fp32
+FP32_BOUND = 2e-4 if DEVICE.type == "cuda" else 1e-6
 
 
 def fp8_values(shape, dtype, seed):
@@ -98,7 +101,7 @@ def test_rows_gemm_strided_operands_and_rows_past_the_last_group():
         ends.to(DEVICE), torch.float32, precise=True).cpu()
     for g, piece in enumerate(rows):
         want = (a[piece].double() @ b_t[g].double()) * (scales[g].double() ** 2)
-        assert relative_error(out[piece], want) < 1e-6
+        assert relative_error(out[piece], want) < FP32_BOUND
     assert torch.equal(out[sum(counts):], torch.zeros(GROUP_ROWS, 48))
 
 

@@ -19,8 +19,9 @@ BLOCK_M <= 128 rows never straddles two groups; rows from ends[E-1] on belong to
   result is zeros.
 
 Accumulation: fp32. `precise=False` lets sm90's FP8 MMA accumulate at its own precision
-(cuBLAS' fast accumulation, the forward's setting); `precise=True` promotes each 32-deep MMA's
-partial sum to the fp32 accumulator (the split accumulator the backward GEMMs use).
+(cuBLAS' fast accumulation, the forward's setting); `precise=True` promotes each BLOCK_K-deep
+(128) partial sum to the fp32 accumulator (the split accumulator the backward GEMMs use; every
+32 cost the dgrad 40% more time on an H200).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import triton.language as tl
 from .launch import launch
 
 GROUP_ROWS = 128  # every group's row count is a multiple of this (the layout contract)
+_GROUP_ROWS = tl.constexpr(GROUP_ROWS)
 _OUT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -69,7 +71,7 @@ def _rows_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows
             a = tl.load(a_ptrs, mask=k_mask, other=0.0)
             b = tl.load(b_ptrs, mask=(offs_n[:, None] < width) & k_mask, other=0.0)
             if PRECISE:
-                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=32)
+                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
             a_ptrs += BLOCK_K * stride_ak
@@ -89,8 +91,10 @@ def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr,
     pid_m, pid_n = pid // n_blocks, pid % n_blocks
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    first = tl.load(ends_ptr + group - 1, mask=group > 0, other=0)
-    last = tl.load(ends_ptr + group)
+    # the group's rows start and end on GROUP_ROWS: said to the compiler, so that it loads
+    # whole 16-byte vectors along them (without it, an H200 ran this kernel at 21 TFLOP/s)
+    first = tl.multiple_of(tl.load(ends_ptr + group - 1, mask=group > 0, other=0), _GROUP_ROWS)
+    last = tl.multiple_of(tl.load(ends_ptr + group), _GROUP_ROWS)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m[:, None] * stride_ai + (first + offs_k)[None, :] * stride_ar
     b_ptrs = b_ptr + offs_n[:, None] * stride_bj + (first + offs_k)[None, :] * stride_br
@@ -100,7 +104,7 @@ def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr,
         a = tl.load(a_ptrs, mask=offs_m[:, None] < width_a, other=0.0)
         b = tl.load(b_ptrs, mask=offs_n[:, None] < width_b, other=0.0)
         if PRECISE:
-            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=32)
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
         else:
             acc = tl.dot(a, tl.trans(b), acc)
         a_ptrs += BLOCK_K * stride_ar
@@ -115,11 +119,11 @@ def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr,
 
 
 def _tiles(device: torch.device) -> dict[str, int]:
-    """Block sizes and launch settings: 128 x 128 x 128 with 8 warps on a GPU (sm90's FP8
-    MMA shape; 4 stages of fp8 tiles fit its shared memory), small blocks under the
-    interpreter (the CPU tests)."""
+    """Block sizes and launch settings: 128 x 128 x 128 with 8 warps and 3 stages on a GPU
+    (the fastest of benchmarks/grouped_gemm_bench.py --sweep on an H200 at Mixtral-style
+    shapes for the row kernel), small blocks under the interpreter (the CPU tests)."""
     if device.type == "cuda":
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
     return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
 
 
