@@ -35,8 +35,8 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 # (BLOCK_M <= 128 and BLOCK_K dividing 128: the layout contract) x warps x stages
-SWEEP = [(128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (128, 128, 64, 4, 4),
-         (128, 256, 64, 8, 4)]
+SWEEP = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5),
+         (128, 128, 64, 8, 5), (64, 256, 128, 8, 4)]
 
 
 def timed_ms(fn, warmup: int, repeats: int) -> float:
@@ -127,7 +127,7 @@ def main() -> None:
     default_tiles = grouped_gemm._tiles
     for tiles in SWEEP if args.sweep else ():
         block_m, block_n, block_k, warps, stages = tiles
-        grouped_gemm._tiles = lambda _device, t=tiles: dict(
+        grouped_gemm._tiles = lambda _device, _stages, t=tiles: dict(
             BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_K=t[2], num_warps=t[3], num_stages=t[4])
         for name, width_in, width_out in (("gate_up", args.hidden, 2 * args.ffn),
                                           ("down", args.ffn, args.hidden)):

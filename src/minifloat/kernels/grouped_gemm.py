@@ -118,12 +118,13 @@ def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr,
              mask=(offs_m[:, None] < width_a) & (offs_n[None, :] < width_b))
 
 
-def _tiles(device: torch.device) -> dict[str, int]:
-    """Block sizes and launch settings: 128 x 128 x 128 with 8 warps and 3 stages on a GPU
+def _tiles(device: torch.device, stages: int) -> dict[str, int]:
+    """Block sizes and launch settings: 128 x 128 x 128 with 8 warps on a GPU, `stages` deep
     (the fastest of benchmarks/grouped_gemm_bench.py --sweep on an H200 at Mixtral-style
-    shapes for the row kernel), small blocks under the interpreter (the CPU tests)."""
+    shapes: 3 for the fast-accumulating forward, 4 for the split-accumulating backward
+    GEMMs), small blocks under the interpreter (the CPU tests)."""
     if device.type == "cuda":
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=stages)
     return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
 
 
@@ -135,7 +136,7 @@ def grouped_rows_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tenso
     rows, depth = a.shape
     groups, width = b.shape[0], b.shape[1]
     out = torch.empty(rows, width, dtype=out_dtype, device=a.device)
-    tiles = _tiles(a.device)
+    tiles = _tiles(a.device, 4 if precise else 3)
     stages = tiles.pop("num_stages")
     warps = tiles.pop("num_warps")
     grid = (triton.cdiv(rows, tiles["BLOCK_M"]) * triton.cdiv(width, tiles["BLOCK_N"]),)
@@ -154,7 +155,7 @@ def grouped_reduction_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.
     strides), scales fp32 [E], ends int32 [E]."""
     width_a, width_b, groups = a.shape[0], b.shape[0], ends.shape[0]
     out = torch.empty(groups, width_a, width_b, dtype=out_dtype, device=a.device)
-    tiles = _tiles(a.device)
+    tiles = _tiles(a.device, 4)
     stages = tiles.pop("num_stages")
     warps = tiles.pop("num_warps")
     grid = (groups, triton.cdiv(width_a, tiles["BLOCK_M"]) * triton.cdiv(width_b,
