@@ -187,3 +187,22 @@ def test_compiled_mixtral_traces_the_experts_in_one_graph_and_does_not_recompile
     graphs = counters["stats"]["unique_graphs"]
     step(compiled, second)
     assert counters["stats"]["unique_graphs"] == graphs == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_saturating_encode_gives_the_reference_bytes(dtype):
+    """Values over every binade (subnormals, ties, past the maximum), signed zeros, inf and
+    NaN: the two-op encoding equals numerics' cast_to_fp8 byte for byte."""
+    from minifloat.modules.grouped_offsets import saturating_encode
+    from minifloat.numerics.formats import cast_to_fp8
+
+    g = torch.Generator().manual_seed(0)
+    exponents = torch.randint(-26, 20, (20000,), generator=g).float()
+    values = torch.randn(20000, generator=g) * torch.exp2(exponents)
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    grid = torch.unique(grid[torch.isfinite(grid)])  # every value of the format, sorted
+    ties = (grid[1:] + grid[:-1]) / 2  # halfway between neighbours: round to even
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e30])
+    for x in (values, grid, ties, special):
+        got, want = saturating_encode(x, dtype), cast_to_fp8(x, dtype)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

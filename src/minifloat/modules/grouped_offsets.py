@@ -18,8 +18,9 @@ two groups, every group's row count is a multiple of 128, and ends[-1] is the bu
 The casts (`cast_groups`, `cast_stacked_weights`): per-tensor current scaling, each expert's
 rows and each expert's weight a tensor of its own: the bytes and scales of numerics'
 quantize_current_scaling on that expert's rows alone (what the general path quantizes), in
-torch ops that a compiled graph fuses. The columnwise copies of per-tensor FP8 are the rowwise
-bytes transposed (NUMERICS.md §2).
+torch ops that a compiled graph fuses (the scales by numerics' scale_from_amax, the bytes by a
+clamp and one conversion: `saturating_encode`). The columnwise copies of per-tensor FP8 are
+the rowwise bytes transposed (NUMERICS.md §2).
 
 The GEMMs (`grouped_rows_gemm`, `grouped_reduction_gemm`: torch ops with fake
 implementations) run kernels/grouped_gemm.py on CUDA (any E4M3/E5M2 pair) and, elsewhere, the
@@ -36,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from .. import kernels
-from ..numerics.formats import cast_to_fp8, fp8_format
+from ..numerics.formats import fp8_format
 from ..numerics.per_tensor import scale_from_amax
 from ..quantizers.base import kernel_module
 from .op_define import define_op
@@ -91,6 +92,15 @@ def routing_layout(top_k_index: torch.Tensor, experts: int, tokens: int) -> Rout
     return RoutingLayout(source, real, token, order % top_k, ends)
 
 
+def saturating_encode(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """numerics.cast_to_fp8's bytes for fp32 values in two fusible ops: clamp to +-max
+    (saturation; NaN passes), then torch's conversion, which rounds to nearest even itself
+    (input_recast.per_tensor_cast's argument). The reference's own grid arithmetic, fused by
+    inductor, was the largest part of a compiled MoE step's cast time on an H200."""
+    limit = fp8_format(dtype).max_value
+    return torch.clamp(scaled, -limit, limit).to(dtype)
+
+
 def tile_groups(ends: torch.Tensor, rows: int) -> torch.Tensor:
     """The group of each GROUP_ROWS-row tile [rows / GROUP_ROWS] (int64)."""
     starts = torch.arange(0, rows, GROUP_ROWS, device=ends.device, dtype=torch.int32)
@@ -110,7 +120,7 @@ def cast_groups(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, amax_ep
     amax = torch.where(member, tile_amax[None, :], 0.0).amax(dim=1)
     scale = scale_from_amax(amax, fp8_format(dtype).max_value, amax_epsilon=amax_epsilon,
                             power_2_scale=power_2_scale)
-    data = cast_to_fp8(tiles.float() * scale[tile_group][:, None, None], dtype)
+    data = saturating_encode(tiles.float() * scale[tile_group][:, None, None], dtype)
     return data.reshape(rows, depth), torch.reciprocal(scale)
 
 
@@ -121,7 +131,7 @@ def cast_stacked_weights(weight: torch.Tensor, dtype: torch.dtype, amax_epsilon:
     amax = w.abs().amax(dim=(1, 2)).float()
     scale = scale_from_amax(amax, fp8_format(dtype).max_value, amax_epsilon=amax_epsilon,
                             power_2_scale=power_2_scale)
-    return cast_to_fp8(w.float() * scale[:, None, None], dtype), torch.reciprocal(scale)
+    return saturating_encode(w.float() * scale[:, None, None], dtype), torch.reciprocal(scale)
 
 
 # ---- the two grouped GEMMs as torch ops ----
