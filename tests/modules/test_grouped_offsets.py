@@ -23,6 +23,7 @@ from minifloat.modules.grouped_offsets import (
     padded_rows,
     routing_layout,
 )
+from minifloat.modules.grouped_offsets_blocks import GroupedOffsetsBlocks
 from minifloat.numerics.per_tensor import quantize_current_scaling
 from modules.test_any_token_count import fused_experts
 from modules.test_lean_grouped_fp8 import routed, run
@@ -43,6 +44,20 @@ def offsets_calls(monkeypatch):
         return original(ctx, x, *args)
 
     monkeypatch.setattr(GroupedOffsetsFP8, "forward", staticmethod(counting))
+    return calls
+
+
+@pytest.fixture
+def blocks_calls(monkeypatch):
+    """Count the block formats' device-offsets GEMM calls (and their inputs' row counts)."""
+    calls = []
+    original = GroupedOffsetsBlocks.forward
+
+    def counting(ctx, x, *args):
+        calls.append(x.shape[0])
+        return original(ctx, x, *args)
+
+    monkeypatch.setattr(GroupedOffsetsBlocks, "forward", staticmethod(counting))
     return calls
 
 
@@ -137,14 +152,45 @@ def test_nan_in_one_experts_rows_stays_nan():
         assert torch.isfinite(y[others]).all()
 
 
-@pytest.mark.parametrize("recipe", [mf.DelayedScaling(), mf.MXFP8BlockScaling()],
-                         ids=["delayed", "mxfp8"])
-def test_other_recipes_keep_the_host_counts_path(offsets_calls, recipe):
+@pytest.mark.parametrize("recipe", [mf.DelayedScaling(), mf.NVFP4BlockScaling(),
+                                    mf.Float8BlockScaling(power_2_scale=False)],
+                         ids=["delayed", "nvfp4", "block-fp32-scales"])
+def test_other_recipes_keep_the_host_counts_path(offsets_calls, blocks_calls, recipe):
     torch.manual_seed(0)
     experts = fused_experts(4, 32, 64)
     with fused_experts_module.offsets_mode("always"):
         run(experts, *routed(tokens=64), recipe=recipe)
-    assert offsets_calls == []
+    assert offsets_calls == [] and blocks_calls == []
+
+
+@pytest.mark.parametrize("recipe", [mf.MXFP8BlockScaling(), mf.Float8BlockScaling()],
+                         ids=["mxfp8", "block"])
+@pytest.mark.parametrize("empty_expert", [None, 2])
+def test_block_formats_on_device_offsets_equal_the_general_path(blocks_calls, recipe,
+                                                                 empty_expert):
+    """MXFP8 and FP8 block scaling (grouped_offsets_blocks.py): the whole padded buffer
+    quantized at once gives each expert the blocks of its own rows, so outputs and gradients
+    equal the general path's (per-expert quantizers, host splits) to summation order."""
+    torch.manual_seed(0)
+    experts = fused_experts(4, 128, 64)  # 2-D weight tiles: N (2F, D) in whole 128s
+    inputs = routed(tokens=40, hidden=128, empty_expert=empty_expert)
+    with fused_experts_module.offsets_mode("always"):
+        y, dx, grads, _ = run(experts, *inputs, recipe=recipe)
+    assert blocks_calls == [padded_rows(80, 4)] * 2
+    with fused_experts_module.offsets_mode("never"):
+        y_g, dx_g, grads_g, _ = run(experts, *inputs, recipe=recipe)
+    for got, want in ((y, y_g), (dx, dx_g), *zip(grads, grads_g, strict=True)):
+        assert rel_err(got, want) < 1e-6
+
+
+def test_block_tiles_that_would_cross_experts_keep_the_host_counts_path(blocks_calls):
+    """2-D 128x128 weight tiles over [E * N, K] cut at experts only when N is a multiple of
+    128: gate_up's N = 96 here."""
+    torch.manual_seed(0)
+    experts = fused_experts(4, 64, 48)
+    with fused_experts_module.offsets_mode("always"):
+        run(experts, *routed(tokens=40, hidden=64), recipe=mf.Float8BlockScaling())
+    assert blocks_calls == []
 
 
 def test_offsets_mode_refuses_an_unknown_mode():
@@ -153,20 +199,26 @@ def test_offsets_mode_refuses_an_unknown_mode():
         pass
 
 
-def test_compiled_mixtral_traces_the_experts_in_one_graph_and_does_not_recompile():
+@pytest.mark.parametrize("recipe,hidden", [(HYBRID, 64), (mf.MXFP8BlockScaling(), 64),
+                                           (mf.Float8BlockScaling(), 128)],
+                         ids=["fp8-current", "mxfp8", "block"])
+def test_compiled_mixtral_traces_the_experts_in_one_graph_and_does_not_recompile(recipe, hidden):
     """fullgraph=True (a host read of the token counts would break it), the same loss and
-    gradients as the eager device path bitwise, and a second routing reuses the graph."""
-    pytest.importorskip("transformers")
+    gradients as the eager device path bitwise, and a second routing reuses the graph.
+    (Block FP8's 2-D weight tiles need the experts' N = hidden in whole 128s.)"""
+    transformers = pytest.importorskip("transformers")
     from torch._dynamo.utils import counters
 
-    from models.test_transformers import build, not_head
+    from models.test_transformers import SMALL, not_head
 
-    model = build("mixtral")
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **{**SMALL, "hidden_size": hidden}, num_local_experts=4, num_experts_per_tok=2))
     mf.convert_model(model, filter_fn=not_head)
     eager = copy.deepcopy(model)
 
     def step(module, tokens):
-        with mf.autocast(recipe=HYBRID):
+        with mf.autocast(recipe=recipe):
             loss = module(tokens, labels=tokens).loss
         loss.backward()
         return loss.detach()

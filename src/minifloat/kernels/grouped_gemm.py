@@ -46,6 +46,16 @@ def _group_of_block(ends_ptr, start, GROUPS: tl.constexpr, GROUPS_POW2: tl.const
 
 
 @triton.jit
+def _accumulate(a, b, acc, PRECISE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + a @ b^T: with PRECISE, this BLOCK_K-deep partial sum promoted to fp32 apart."""
+    if PRECISE:
+        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+    else:
+        acc = tl.dot(a, tl.trans(b), acc)
+    return acc
+
+
+@triton.jit
 def _rows_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows, width, depth,
                  stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_om, stride_on,
                  GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -70,10 +80,7 @@ def _rows_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows
             k_mask = offs_k[None, :] < depth - k
             a = tl.load(a_ptrs, mask=k_mask, other=0.0)
             b = tl.load(b_ptrs, mask=(offs_n[:, None] < width) & k_mask, other=0.0)
-            if PRECISE:
-                acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
+            acc = _accumulate(a, b, acc, PRECISE, BLOCK_K)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
         acc = acc * (tl.load(a_scale_ptr + group) * tl.load(b_scale_ptr + group))
@@ -103,10 +110,7 @@ def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr,
     for _ in range(first, last, BLOCK_K):
         a = tl.load(a_ptrs, mask=offs_m[:, None] < width_a, other=0.0)
         b = tl.load(b_ptrs, mask=offs_n[:, None] < width_b, other=0.0)
-        if PRECISE:
-            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
+        acc = _accumulate(a, b, acc, PRECISE, BLOCK_K)
         a_ptrs += BLOCK_K * stride_ar
         b_ptrs += BLOCK_K * stride_br
     alpha = tl.load(a_scale_ptr + group) * tl.load(b_scale_ptr + group)
@@ -120,9 +124,10 @@ def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr,
 
 def _tiles(device: torch.device, stages: int) -> dict[str, int]:
     """Block sizes and launch settings: 128 x 128 x 128 with 8 warps on a GPU, `stages` deep
-    (the fastest of benchmarks/grouped_gemm_bench.py --sweep on an H200 at Mixtral-style
-    shapes: 3 for the fast-accumulating forward, 4 for the split-accumulating backward
-    GEMMs), small blocks under the interpreter (the CPU tests)."""
+    (benchmarks/grouped_gemm_bench.py --sweep on an H200 at Mixtral-style shapes: 3 fastest
+    for the fast-accumulating forward; for the split-accumulating backward GEMMs 4 beat 3 in
+    one call, and 3-5 fell within the sweep's noise in the next), small blocks under the
+    interpreter (the CPU tests)."""
     if device.type == "cuda":
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=stages)
     return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)

@@ -13,13 +13,15 @@ Where a format's blocks run along the rows (MXFP8 32, NVFP4 16), or on CUDA wher
 needs whole row groups (scaled_mm 16, blockwise 128), each expert's rows are padded with zero
 rows to the multiple (exact: a zero row changes no amax and its output is dropped). Unpadded,
 an H200 ran most expert GEMMs of a Mixtral decoded and emulated: 2.5x slower than bf16.
-Under per-tensor FP8 current scaling the experts run on the device-offsets path
-(grouped_offsets.py): the routing layout, the casts and both grouped GEMMs take the groups as a
-device tensor, nothing is read on the host, so the module traces into a compiled graph
-(fullgraph) and an eager step does not wait for the GPU. MINIFLOAT_MOE_OFFSETS picks where:
+Under per-tensor FP8 current scaling, MXFP8 and FP8 block scaling (power-of-2 scales) the
+experts run on the device-offsets path (grouped_offsets.py, grouped_offsets_blocks.py): the
+routing layout, the casts and the grouped GEMMs take the groups as a device tensor, nothing is
+read on the host, so the module traces into a compiled graph (fullgraph) and an eager step does
+not wait for the GPU. MINIFLOAT_MOE_OFFSETS picks where:
 `compiled` (the default: under torch.compile; eagerly the lean path below), `always`, `never`.
 
-Otherwise the token counts per expert are read on the host, as transformers' own loop does; so
+Otherwise (delayed scaling, NVFP4, shapes whose blocks would cross experts) the token counts
+per expert are read on the host, as transformers' own loop does; so
 under torch.compile that path runs eagerly (torch.compiler.disable: one graph break at the
 call, no recompile per routing). Under per-tensor FP8 (current or delayed scaling), eagerly,
 each grouped GEMM takes the lean grouped path (lean_grouped_fp8.py: one grouped FP8 GEMM in
@@ -42,8 +44,10 @@ from . import lean_grouped_fp8
 from .base import QuantizedModule, bind_live_modules
 from .gemm_op import GemmBinding
 from .grouped_offsets import GroupedOffsetsFP8, OffsetsCasts, routing_layout
+from .grouped_offsets_blocks import GroupedOffsetsBlocks, OffsetsBlocks, offsets_blocks
 from .lean_fp8 import LeanPlan
 from .lean_grouped_fp8 import LeanGroupedFP8
+from .linear_function import BACKWARD_SLOTS, FORWARD_SLOTS
 from .weights import runs_dequantized, weights_quantized_once
 
 # where the device-offsets path runs (module docstring): compiled, always or never
@@ -94,25 +98,32 @@ class FusedExperts(QuantizedModule):
 
     def binding(self, token: int) -> GemmBinding:
         binding = super().binding(token)
+        plan = offsets_casts(binding.lean_plans)
+        if plan is None:
+            gemms = range(self.num_gemms)
+            forward, backward = binding.forward_quantizers, binding.backward_quantizers
+            plan = offsets_blocks([forward[len(FORWARD_SLOTS) * g] for g in gemms],
+                                  [forward[len(FORWARD_SLOTS) * g + 1] for g in gemms],
+                                  [backward[len(BACKWARD_SLOTS) * g] for g in gemms])
         # (a module unpickled from before this cache existed gets one here)
-        self.__dict__.setdefault("_offsets_casts", {})[token] = offsets_casts(
-            binding.lean_plans)
+        self.__dict__.setdefault("_offsets_plans", {})[token] = plan
         return binding
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        casts = self._device_offsets_casts(hidden_states, top_k_index.numel())
-        if casts is None:
+        plan = self._device_offsets_plan(hidden_states, top_k_index.numel())
+        if plan is None:
             return self._forward_host_counts(hidden_states, top_k_index, top_k_weights)
         layout = routing_layout(top_k_index, self.num_experts, hidden_states.shape[0])
         zero_row = hidden_states.new_zeros(1, hidden_states.shape[1])
         x = torch.cat([hidden_states, zero_row])[layout.source]
         grad = torch.is_grad_enabled()
 
+        function = GroupedOffsetsFP8 if isinstance(plan, OffsetsCasts) else GroupedOffsetsBlocks
+
         def experts_gemm(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            return GroupedOffsetsFP8.apply(inputs, weight, layout.ends, casts,
-                                           grad and inputs.requires_grad,
-                                           grad and weight.requires_grad)
+            return function.apply(inputs, weight, layout.ends, plan,
+                                  grad and inputs.requires_grad, grad and weight.requires_grad)
 
         gate, up = experts_gemm(x, self.gate_up_proj).chunk(2, dim=-1)
         out = experts_gemm(self.act_fn(gate) * up, self.down_proj)[layout.real]
@@ -120,11 +131,12 @@ class FusedExperts(QuantizedModule):
         return torch.zeros_like(hidden_states).index_add_(0, layout.token,
                                                           out.to(hidden_states.dtype))
 
-    def _device_offsets_casts(self, x: torch.Tensor, pairs: int) -> OffsetsCasts | None:
-        """The casts of the device-offsets path for this call, or None (its mode, outside
-        autocast, a recipe other than uniform per-tensor current scaling, inside
+    def _device_offsets_plan(self, x: torch.Tensor, pairs: int
+                             ) -> OffsetsCasts | OffsetsBlocks | None:
+        """The device-offsets path's plan for this call (FP8 current scaling's casts, or the
+        block formats'), or None: its mode, outside autocast, another recipe, inside
         quantize_weights_once, a small-M call that runs dequantized weights, or operands the
-        kernels do not take)."""
+        path does not take."""
         compiling = torch.compiler.is_compiling()
         if OFFSETS_MODE == "never" or (OFFSETS_MODE == "compiled" and not compiling):
             return None
@@ -135,15 +147,17 @@ class FusedExperts(QuantizedModule):
             bind_live_modules(token)
         elif token not in self._bindings:
             self.binding(token)
-        casts = self.__dict__.get("_offsets_casts", {}).get(token)
-        if casts is None or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16,
-                                                              torch.float32):
+        plan = self.__dict__.get("_offsets_plans", {}).get(token)
+        if plan is None or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16,
+                                                             torch.float32):
             return None
         for weight in (self.gate_up_proj, self.down_proj):
             if (type(weight) not in (nn.Parameter, torch.Tensor) or weight.dim() != 3
                     or weight.shape[1] % 16 or weight.shape[2] % 16):
                 return None
-        return casts
+            if isinstance(plan, OffsetsBlocks) and not blocks_fit(plan, x, weight):
+                return None
+        return plan
 
     # The host-counts path: eager under torch.compile too (one graph break at the call, the
     # rest of the model stays compiled): the token counts are read on the host, and a traced
@@ -218,6 +232,20 @@ def offsets_casts(plans: list[LeanPlan | None]) -> OffsetsCasts | None:
     (amax_epsilon, power_2_scale), = settings
     return OffsetsCasts(first.input.fp8_dtype, first.weight.fp8_dtype,
                         first.grad_output.fp8_dtype, amax_epsilon, power_2_scale)
+
+
+def blocks_fit(blocks: OffsetsBlocks, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the block formats' blocks cut at experts and rows (grouped_offsets_blocks.py):
+    MXFP8 needs K (and N for a gradient) in whole 32s, 2-D tiles N in whole 128s; on CUDA the
+    grouped GEMM takes bf16 activations and weights."""
+    _, n, k = weight.shape
+    if x.is_cuda and not (x.dtype == weight.dtype == torch.bfloat16):
+        return False
+    if "mxfp8" in (blocks.input.kind, blocks.weight.kind) and k % 32:
+        return False
+    if blocks.grad_output.kind == "mxfp8" and n % 32:
+        return False
+    return n % blocks.weight.weight_rows_multiple() == 0
 
 
 def fused_experts_layout(module: nn.Module) -> bool:
