@@ -213,7 +213,8 @@ def test_compiled_mixtral_traces_the_experts_in_one_graph_and_does_not_recompile
 
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        **{**SMALL, "hidden_size": hidden}, num_local_experts=4, num_experts_per_tok=2))
+        **{**SMALL, "hidden_size": hidden, "num_hidden_layers": 1}, num_local_experts=4,
+        num_experts_per_tok=2))
     mf.convert_model(model, filter_fn=not_head)
     eager = copy.deepcopy(model)
 
