@@ -97,7 +97,8 @@ def test_inductor_fullgraph_equals_eager():
     rows = torch.cat([x, x.new_zeros(1, 256)]).to(torch.bfloat16)[layout.source]
 
     def one_gemm(inputs, weight):
-        return GroupedOffsetsFP8.apply(inputs, weight, layout.ends, casts, True, True)
+        return GroupedOffsetsFP8.apply(inputs, weight, layout.ends, casts, True, True, False,
+                                       False)
 
     results = []
     for fn in (one_gemm, torch.compile(one_gemm, fullgraph=True)):

@@ -122,7 +122,7 @@ def test_saved_bytes_are_each_experts_own_current_scaling_cast():
     casts = fused_experts_module.OffsetsCasts(torch.float8_e4m3fn, torch.float8_e4m3fn,
                                               torch.float8_e5m2, 0.0, False)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
-        GroupedOffsetsFP8.apply(x, weight, ends, casts, True, True)
+        GroupedOffsetsFP8.apply(x, weight, ends, casts, True, True, False, False)
     x_t, x_scale_inv, w_t, w_scale_inv, _ = packed
     starts = {0: 0, 2: GROUP_ROWS}
     for e, rows in real.items():
@@ -259,3 +259,41 @@ def test_saturating_encode_gives_the_reference_bytes(dtype):
     for x in (values, grid, ties, special):
         got, want = saturating_encode(x, dtype), cast_to_fp8(x, dtype)
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("recipe", [HYBRID, mf.MXFP8BlockScaling()], ids=["hybrid", "mxfp8"])
+def test_memory_options_keep_the_originals_and_compute_the_same(recipe):
+    """rebuild_weight_copies_in_backward and save_original_inputs on the device path: backward
+    casts the weights (and x) again instead of keeping forward's copies: the weights' copies
+    are not kept (fewer bytes), with both options no FP8 buffer is, and the results are the
+    same bit for bit."""
+    torch.manual_seed(0)
+    experts = fused_experts(4, 32, 64)
+    inputs = routed()
+    weights = {p.data_ptr() for p in experts.parameters()}
+
+    def kept_and_results():
+        kept = []
+        x = inputs[0].clone().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t,
+                                                      lambda t: t), mf.autocast(
+                recipe=recipe), fused_experts_module.offsets_mode("always"):
+            y = experts(x, inputs[1], inputs[2])
+        y.backward(inputs[3])
+        results = [y.detach(), x.grad] + [p.grad.clone() for p in experts.parameters()]
+        experts.zero_grad(set_to_none=True)
+        copies = sum(t.numel() * t.element_size() for t in kept if t.data_ptr() not in weights)
+        return copies, kept, results
+
+    copies_default, _, want = kept_and_results()
+    mf.rebuild_weight_copies_in_backward(experts)
+    copies_rebuild, kept, got = kept_and_results()
+    assert copies_default - copies_rebuild >= sum(  # at least a byte per weight element
+        p.numel() for p in experts.parameters())
+    assert weights <= {t.data_ptr() for t in kept}  # the weights themselves instead
+    mf.save_original_inputs(experts)
+    _, kept, got_both = kept_and_results()
+    assert not any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in kept)
+    for results in (got, got_both):
+        for a, b in zip(results, want, strict=True):
+            assert torch.equal(a, b)

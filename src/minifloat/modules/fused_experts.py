@@ -123,7 +123,9 @@ class FusedExperts(QuantizedModule):
 
         def experts_gemm(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return function.apply(inputs, weight, layout.ends, plan,
-                                  grad and inputs.requires_grad, grad and weight.requires_grad)
+                                  grad and inputs.requires_grad, grad and weight.requires_grad,
+                                  self.rebuild_weight_copy_in_backward,
+                                  self.save_original_input)
 
         gate, up = experts_gemm(x, self.gate_up_proj).chunk(2, dim=-1)
         out = experts_gemm(self.act_fn(gate) * up, self.down_proj)[layout.real]

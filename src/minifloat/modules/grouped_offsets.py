@@ -190,34 +190,53 @@ grouped_reduction_gemm = define_op("grouped_reduction_gemm", _reduction_gemm,
 
 class GroupedOffsetsFP8(torch.autograd.Function):
     """y[rows of g] = x[rows of g] W_g^T for the 3-D weight [E, N, K], the groups given by
-    `ends` on the device; per-tensor FP8 current scaling per expert and operand."""
+    `ends` on the device; per-tensor FP8 current scaling per expert and operand.
+
+    `rebuild` (the module's rebuild_weight_copy_in_backward): keep the weight, not its FP8
+    copy, and cast it again in backward; `save_original` (save_original_input): keep x, not
+    its columnwise copy, and cast it again (current scaling: the same bytes either way)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
-                casts: OffsetsCasts, need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
+                casts: OffsetsCasts, need_dgrad: bool, need_wgrad: bool, rebuild: bool,
+                save_original: bool) -> torch.Tensor:
         eps, power_2 = casts.amax_epsilon, casts.power_2_scale
         x_bytes, x_scale_inv = cast_groups(x, ends, casts.input_dtype, eps, power_2)
         w_bytes, w_scale_inv = cast_stacked_weights(weight, casts.weight_dtype, eps, power_2)
         y = grouped_rows_gemm(x_bytes, w_bytes, x_scale_inv, w_scale_inv, ends, x.dtype, False)
-        # the columnwise copies backward reads: x^T for wgrad, each W_g^T for dgrad
-        x_t = x_bytes.t().contiguous() if need_wgrad else None
-        w_t = w_bytes.transpose(1, 2).contiguous() if need_dgrad else None
-        ctx.save_for_backward(x_t, x_scale_inv, w_t, w_scale_inv, ends)
+        # what backward reads: x^T's bytes for wgrad, each W_g^T's for dgrad (or what makes
+        # them again)
+        x_kept = w_kept = None
+        if need_wgrad:
+            x_kept = x.detach() if save_original else x_bytes.t().contiguous()
+        if need_dgrad:
+            w_kept = weight.detach() if rebuild else w_bytes.transpose(1, 2).contiguous()
+        ctx.save_for_backward(x_kept, x_scale_inv, w_kept, w_scale_inv, ends)
         ctx.casts, ctx.need_dgrad, ctx.need_wgrad = casts, need_dgrad, need_wgrad
+        ctx.rebuild, ctx.save_original = rebuild, save_original
         ctx.weight_dtype = weight.dtype
         return y
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        x_t, x_scale_inv, w_t, w_scale_inv, ends = ctx.saved_tensors
+        x_kept, x_scale_inv, w_kept, w_scale_inv, ends = ctx.saved_tensors
         casts = ctx.casts
+        eps, power_2 = casts.amax_epsilon, casts.power_2_scale
         dy_bytes, dy_scale_inv = cast_groups(grad_output.contiguous(), ends, casts.grad_dtype,
-                                             casts.amax_epsilon, casts.power_2_scale)
+                                             eps, power_2)
         grad_x = grad_weight = None
         if ctx.need_dgrad:
+            w_t = w_kept
+            if ctx.rebuild:
+                w_bytes, _ = cast_stacked_weights(w_kept, casts.weight_dtype, eps, power_2)
+                w_t = w_bytes.transpose(1, 2).contiguous()
             grad_x = grouped_rows_gemm(dy_bytes, w_t, dy_scale_inv, w_scale_inv, ends,
                                        grad_output.dtype, True)
         if ctx.need_wgrad:
+            x_t = x_kept
+            if ctx.save_original:
+                x_bytes, _ = cast_groups(x_kept, ends, casts.input_dtype, eps, power_2)
+                x_t = x_bytes.t().contiguous()
             grad_weight = grouped_reduction_gemm(dy_bytes.t().contiguous(), x_t, dy_scale_inv,
                                                  x_scale_inv, ends, ctx.weight_dtype, True)
-        return grad_x, grad_weight, None, None, None, None
+        return grad_x, grad_weight, None, None, None, None, None, None

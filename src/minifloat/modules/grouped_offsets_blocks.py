@@ -119,40 +119,63 @@ _grouped_mm = define_op("exact_grouped_mm", _exact_grouped_mm, _exact_grouped_mm
 
 class GroupedOffsetsBlocks(torch.autograd.Function):
     """y[rows of g] = x[rows of g] W_g^T for the 3-D weight [E, N, K] under block formats,
-    the groups given by `ends` on the device (module docstring)."""
+    the groups given by `ends` on the device (module docstring). `rebuild` and
+    `save_original`: keep the weight or x instead of backward's copy of it (as
+    GroupedOffsetsFP8 does)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
-                blocks: OffsetsBlocks, need_dgrad: bool, need_wgrad: bool) -> torch.Tensor:
+                blocks: OffsetsBlocks, need_dgrad: bool, need_wgrad: bool, rebuild: bool,
+                save_original: bool) -> torch.Tensor:
         experts, n, k = weight.shape
-        stacked = weight.reshape(experts * n, k)
         x_rows = blocks.input.values(x, columnwise=False)
-        w_rows = blocks.weight.values(stacked, columnwise=False).reshape(experts, n, k)
+        w_rows = blocks.weight.values(weight.reshape(experts * n, k),
+                                      columnwise=False).reshape(experts, n, k)
         y = _grouped_mm(x_rows, w_rows.transpose(1, 2), ends, x.dtype)
-        # backward's operands: x's columnwise values for wgrad, W's for dgrad (kept in the
-        # GEMM's dtype: exact)
-        keep = torch.float32 if x.device.type == "cpu" else torch.bfloat16
-        x_cols = blocks.input.values(x, columnwise=True).to(keep) if need_wgrad else None
-        w_cols = (blocks.weight.values(stacked, columnwise=True).reshape(experts, n, k).to(keep)
-                  if need_dgrad else None)
-        ctx.save_for_backward(x_cols, w_cols, ends)
+        x_kept = w_kept = None
+        if need_wgrad:
+            x_kept = x.detach() if save_original else _columns(blocks.input, x)
+        if need_dgrad:
+            w_kept = weight.detach() if rebuild else _weight_columns(blocks.weight, weight)
+        ctx.save_for_backward(x_kept, w_kept, ends)
         ctx.blocks, ctx.need_dgrad, ctx.need_wgrad = blocks, need_dgrad, need_wgrad
+        ctx.rebuild, ctx.save_original = rebuild, save_original
         ctx.weight_dtype = weight.dtype
         return y
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        x_cols, w_cols, ends = ctx.saved_tensors
+        x_kept, w_kept, ends = ctx.saved_tensors
+        blocks = ctx.blocks
         dy = grad_output.contiguous()
         grad_x = grad_weight = None
         if ctx.need_dgrad:
-            dy_rows = ctx.blocks.grad_output.values(dy, columnwise=False)
-            grad_x = _grouped_mm(dy_rows, w_cols, ends, grad_output.dtype)
+            w_cols = _weight_columns(blocks.weight, w_kept) if ctx.rebuild else w_kept
+            grad_x = _grouped_mm(blocks.grad_output.values(dy, columnwise=False), w_cols, ends,
+                                 grad_output.dtype)
         if ctx.need_wgrad:
-            dy_cols = ctx.blocks.grad_output.values(dy, columnwise=True)
+            x_cols = _columns(blocks.input, x_kept) if ctx.save_original else x_kept
+            dy_cols = blocks.grad_output.values(dy, columnwise=True)
             product = _grouped_mm(dy_cols.t(), x_cols, ends, torch.float32)
             counts = torch.diff(ends, prepend=ends.new_zeros(1))
             # an empty group's gradient is zero, whatever the kernel leaves there
             grad_weight = torch.where(counts[:, None, None] > 0, product,
                                       0.0).to(ctx.weight_dtype)
-        return grad_x, grad_weight, None, None, None, None
+        return grad_x, grad_weight, None, None, None, None, None, None
+
+
+def _kept_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype backward's dequantized copies are kept in: the GEMM's (exact either way)."""
+    return torch.float32 if x.device.type == "cpu" else torch.bfloat16
+
+
+def _columns(cast: BlockCast, x: torch.Tensor) -> torch.Tensor:
+    """x's columnwise copy's values [R, K], for wgrad."""
+    return cast.values(x, columnwise=True).to(_kept_dtype(x))
+
+
+def _weight_columns(cast: BlockCast, weight: torch.Tensor) -> torch.Tensor:
+    """The stacked weights' columnwise copies' values [E, N, K], for dgrad."""
+    experts, n, k = weight.shape
+    return cast.values(weight.reshape(experts * n, k),
+                       columnwise=True).reshape(experts, n, k).to(_kept_dtype(weight))
