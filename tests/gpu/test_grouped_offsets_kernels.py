@@ -141,3 +141,31 @@ def test_ops_take_the_kernels_and_agree_with_the_reference(monkeypatch):
     monkeypatch.setattr(grouped_offsets, "_kernel_serves", lambda _a: False)
     reference = grouped_offsets.grouped_rows_gemm(*args, torch.bfloat16, False)
     assert relative_error(fast, reference) < 2 * BF16_BOUND  # two roundings apart
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_cast_writes_each_groups_reference_bytes(fp8_dtype, dtype):
+    """kernels/grouped_cast.py against numerics' cast_to_fp8 of each group's rows times that
+    group's scale (an independent per-group computation), NaN of either sign, infinities and
+    products that round into the subnormals or past the maximum included; the columnwise
+    copy is the rowwise bytes transposed."""
+    from minifloat.numerics.formats import cast_to_fp8
+
+    grouped_cast = pytest.importorskip("minifloat.kernels.grouped_cast")
+    counts = [GROUP_ROWS, 0, 2 * GROUP_ROWS]
+    ends, rows = layout(counts)
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(sum(counts), 96, generator=g)
+         * torch.exp2(torch.randint(-20, 12, (sum(counts), 96), generator=g).float()))
+    x[3, 5], x[200, 7], x[300, 0], x[301, 1] = (float("nan"), -float("nan"), float("inf"),
+                                                -float("inf"))
+    x = x.to(dtype)
+    scale = torch.tensor([3.0e-3, 7.0, 2.5e4])
+    data, data_t = grouped_cast.grouped_cast(x.to(DEVICE), scale.to(DEVICE), ends.to(DEVICE),
+                                             fp8_dtype, columnwise=True)
+    data, data_t = data.cpu().view(torch.uint8), data_t.cpu().view(torch.uint8)
+    for group, piece in enumerate(rows):
+        want = cast_to_fp8(x[piece].float() * scale[group], fp8_dtype).view(torch.uint8)
+        assert torch.equal(data[piece], want)
+    assert torch.equal(data_t, data.t())

@@ -38,7 +38,7 @@ _OUT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 
 
 @triton.jit
-def _group_of_block(ends_ptr, start, GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr):
+def group_of_block(ends_ptr, start, GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr):
     """The group holding row `start` (GROUPS when it is past the last group's end)."""
     index = tl.arange(0, GROUPS_POW2)
     ends = tl.load(ends_ptr + index, mask=index < GROUPS, other=0x7FFFFFFF)
@@ -69,7 +69,7 @@ def _rows_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     out_mask = (offs_m[:, None] < rows) & (offs_n[None, :] < width)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    group = _group_of_block(ends_ptr, start, GROUPS, GROUPS_POW2)
+    group = group_of_block(ends_ptr, start, GROUPS, GROUPS_POW2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if group < GROUPS:  # else rows of no group: zeros
         offs_k = tl.arange(0, BLOCK_K)

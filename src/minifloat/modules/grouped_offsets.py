@@ -19,8 +19,10 @@ The casts (`cast_groups`, `cast_stacked_weights`): per-tensor current scaling, e
 rows and each expert's weight a tensor of its own: the bytes and scales of numerics'
 quantize_current_scaling on that expert's rows alone (what the general path quantizes), in
 torch ops that a compiled graph fuses (the scales by numerics' scale_from_amax, the bytes by a
-clamp and one conversion: `saturating_encode`). The columnwise copies of per-tensor FP8 are
-the rowwise bytes transposed (NUMERICS.md §2).
+clamp and one conversion: `saturating_encode`). Eagerly, where the kernels run, the bytes come
+from kernels instead: kernels/grouped_cast.py for the rows (both copies in one launch) and the
+multi-tensor launch pair for the experts' weights (the lean path's). The columnwise copies of
+per-tensor FP8 are the rowwise bytes transposed (NUMERICS.md §2).
 
 The GEMMs (`grouped_rows_gemm`, `grouped_reduction_gemm`: torch ops with fake
 implementations) run kernels/grouped_gemm.py on CUDA (any E4M3/E5M2 pair) and, elsewhere, the
@@ -107,31 +109,61 @@ def tile_groups(ends: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(ends, starts, right=True)
 
 
+def _cast_kernels_serve(x: torch.Tensor) -> bool:
+    """Whether the eager casts run minifloat's kernels (a compiled graph fuses the torch ops
+    below instead: that is the configuration BENCHMARKS.md measured)."""
+    return (kernels.available(x) and not torch.compiler.is_compiling() and x.is_contiguous()
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
 def cast_groups(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, amax_epsilon: float,
-                power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bytes [R, D], scale_inv [E] fp32): each group's rows cast with current scaling on their
-    own amax (NaN in a group gives that group NaN, as the per-tensor cast does)."""
+                power_2_scale: bool, *, columnwise: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(bytes [R, D], their transpose [D, R] if `columnwise`, scale_inv [E] fp32): each
+    group's rows cast with current scaling on their own amax (NaN in a group gives that group
+    NaN, as the per-tensor cast does)."""
     rows, depth = x.shape
     groups = ends.shape[0]
-    tiles = x.detach().reshape(rows // GROUP_ROWS, GROUP_ROWS, depth)
+    x = x.detach()
+    tiles = x.reshape(rows // GROUP_ROWS, GROUP_ROWS, depth)
     tile_amax = tiles.abs().amax(dim=(1, 2)).float()
     tile_group = tile_groups(ends, rows)
     member = tile_group[None, :] == torch.arange(groups, device=x.device)[:, None]
     amax = torch.where(member, tile_amax[None, :], 0.0).amax(dim=1)
     scale = scale_from_amax(amax, fp8_format(dtype).max_value, amax_epsilon=amax_epsilon,
                             power_2_scale=power_2_scale)
-    data = saturating_encode(tiles.float() * scale[tile_group][:, None, None], dtype)
-    return data.reshape(rows, depth), torch.reciprocal(scale)
+    if _cast_kernels_serve(x):
+        data, data_t = kernel_module("grouped_cast").grouped_cast(x, scale, ends, dtype,
+                                                                  columnwise=columnwise)
+    else:
+        data = saturating_encode(tiles.float() * scale[tile_group][:, None, None],
+                                 dtype).reshape(rows, depth)
+        data_t = data.t().contiguous() if columnwise else None
+    return data, data_t, torch.reciprocal(scale)
 
 
 def cast_stacked_weights(weight: torch.Tensor, dtype: torch.dtype, amax_epsilon: float,
-                         power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bytes [E, N, K], scale_inv [E]): each expert's weight its own current-scaling cast."""
+                         power_2_scale: bool, *, columnwise: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(bytes [E, N, K], each expert's transpose [E, K, N] if `columnwise`, scale_inv [E]):
+    each expert's weight its own current-scaling cast. Eagerly on a kernel device: the
+    multi-tensor kernels' one launch pair for all experts (the lean path's)."""
     w = weight.detach()
+    experts, n, k = w.shape
+    if _cast_kernels_serve(w):
+        stacked = kernel_module("multi_tensor").quantize_current_scaling_stacked(
+            list(w.unbind(0)), dtype, amax_epsilon=amax_epsilon, power_2_scale=power_2_scale,
+            rowwise=True, columnwise=columnwise)
+        size = experts * n * k  # whole 16-byte pieces (N, K multiples of 16): no gaps
+        data_t = stacked.data_t[:size].view(experts, k, n) if columnwise else None
+        return (stacked.data[:size].view(experts, n, k), data_t,
+                stacked.scales().contiguous())
     amax = w.abs().amax(dim=(1, 2)).float()
     scale = scale_from_amax(amax, fp8_format(dtype).max_value, amax_epsilon=amax_epsilon,
                             power_2_scale=power_2_scale)
-    return saturating_encode(w.float() * scale[:, None, None], dtype), torch.reciprocal(scale)
+    data = saturating_encode(w.float() * scale[:, None, None], dtype)
+    data_t = data.transpose(1, 2).contiguous() if columnwise else None
+    return data, data_t, torch.reciprocal(scale)
 
 
 # ---- the two grouped GEMMs as torch ops ----
@@ -201,16 +233,15 @@ class GroupedOffsetsFP8(torch.autograd.Function):
                 casts: OffsetsCasts, need_dgrad: bool, need_wgrad: bool, rebuild: bool,
                 save_original: bool) -> torch.Tensor:
         eps, power_2 = casts.amax_epsilon, casts.power_2_scale
-        x_bytes, x_scale_inv = cast_groups(x, ends, casts.input_dtype, eps, power_2)
-        w_bytes, w_scale_inv = cast_stacked_weights(weight, casts.weight_dtype, eps, power_2)
+        # backward reads x^T's bytes for wgrad, each W_g^T's for dgrad (or what makes them
+        # again)
+        x_bytes, x_t, x_scale_inv = cast_groups(x, ends, casts.input_dtype, eps, power_2,
+                                                columnwise=need_wgrad and not save_original)
+        w_bytes, w_t, w_scale_inv = cast_stacked_weights(
+            weight, casts.weight_dtype, eps, power_2, columnwise=need_dgrad and not rebuild)
         y = grouped_rows_gemm(x_bytes, w_bytes, x_scale_inv, w_scale_inv, ends, x.dtype, False)
-        # what backward reads: x^T's bytes for wgrad, each W_g^T's for dgrad (or what makes
-        # them again)
-        x_kept = w_kept = None
-        if need_wgrad:
-            x_kept = x.detach() if save_original else x_bytes.t().contiguous()
-        if need_dgrad:
-            w_kept = weight.detach() if rebuild else w_bytes.transpose(1, 2).contiguous()
+        x_kept = (x.detach() if save_original else x_t) if need_wgrad else None
+        w_kept = (weight.detach() if rebuild else w_t) if need_dgrad else None
         ctx.save_for_backward(x_kept, x_scale_inv, w_kept, w_scale_inv, ends)
         ctx.casts, ctx.need_dgrad, ctx.need_wgrad = casts, need_dgrad, need_wgrad
         ctx.rebuild, ctx.save_original = rebuild, save_original
@@ -222,21 +253,22 @@ class GroupedOffsetsFP8(torch.autograd.Function):
         x_kept, x_scale_inv, w_kept, w_scale_inv, ends = ctx.saved_tensors
         casts = ctx.casts
         eps, power_2 = casts.amax_epsilon, casts.power_2_scale
-        dy_bytes, dy_scale_inv = cast_groups(grad_output.contiguous(), ends, casts.grad_dtype,
-                                             eps, power_2)
+        dy_bytes, dy_t, dy_scale_inv = cast_groups(grad_output.contiguous(), ends,
+                                                   casts.grad_dtype, eps, power_2,
+                                                   columnwise=ctx.need_wgrad)
         grad_x = grad_weight = None
         if ctx.need_dgrad:
             w_t = w_kept
             if ctx.rebuild:
-                w_bytes, _ = cast_stacked_weights(w_kept, casts.weight_dtype, eps, power_2)
-                w_t = w_bytes.transpose(1, 2).contiguous()
+                _, w_t, _ = cast_stacked_weights(w_kept, casts.weight_dtype, eps, power_2,
+                                                 columnwise=True)
             grad_x = grouped_rows_gemm(dy_bytes, w_t, dy_scale_inv, w_scale_inv, ends,
                                        grad_output.dtype, True)
         if ctx.need_wgrad:
             x_t = x_kept
             if ctx.save_original:
-                x_bytes, _ = cast_groups(x_kept, ends, casts.input_dtype, eps, power_2)
-                x_t = x_bytes.t().contiguous()
-            grad_weight = grouped_reduction_gemm(dy_bytes.t().contiguous(), x_t, dy_scale_inv,
-                                                 x_scale_inv, ends, ctx.weight_dtype, True)
+                _, x_t, _ = cast_groups(x_kept, ends, casts.input_dtype, eps, power_2,
+                                        columnwise=True)
+            grad_weight = grouped_reduction_gemm(dy_t, x_t, dy_scale_inv, x_scale_inv, ends,
+                                                 ctx.weight_dtype, True)
         return grad_x, grad_weight, None, None, None, None, None, None
