@@ -112,7 +112,7 @@ def tile_groups(ends: torch.Tensor, rows: int) -> torch.Tensor:
 def _cast_kernels_serve(x: torch.Tensor) -> bool:
     """Whether the eager casts run minifloat's kernels (a compiled graph fuses the torch ops
     below instead: that is the configuration BENCHMARKS.md measured)."""
-    return (kernels.available(x) and not torch.compiler.is_compiling() and x.is_contiguous()
+    return (not torch.compiler.is_compiling() and kernels.available(x) and x.is_contiguous()
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
