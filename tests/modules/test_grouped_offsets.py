@@ -33,32 +33,29 @@ HYBRID = mf.Float8CurrentScaling()
 E4M3 = mf.Float8CurrentScaling(fp8_format=mf.Format.E4M3)
 
 
-@pytest.fixture
-def offsets_calls(monkeypatch):
-    """Count the device-offsets GEMM calls (and their inputs' row counts)."""
+def counting_calls(monkeypatch, function) -> list[int]:
+    """The row counts of the inputs of every call of `function`'s forward."""
     calls = []
-    original = GroupedOffsetsFP8.forward
+    original = function.forward
 
     def counting(ctx, x, *args):
         calls.append(x.shape[0])
         return original(ctx, x, *args)
 
-    monkeypatch.setattr(GroupedOffsetsFP8, "forward", staticmethod(counting))
+    monkeypatch.setattr(function, "forward", staticmethod(counting))
     return calls
+
+
+@pytest.fixture
+def offsets_calls(monkeypatch):
+    """The per-tensor FP8 device-offsets GEMM calls."""
+    return counting_calls(monkeypatch, GroupedOffsetsFP8)
 
 
 @pytest.fixture
 def blocks_calls(monkeypatch):
-    """Count the block formats' device-offsets GEMM calls (and their inputs' row counts)."""
-    calls = []
-    original = GroupedOffsetsBlocks.forward
-
-    def counting(ctx, x, *args):
-        calls.append(x.shape[0])
-        return original(ctx, x, *args)
-
-    monkeypatch.setattr(GroupedOffsetsBlocks, "forward", staticmethod(counting))
-    return calls
+    """The block formats' device-offsets GEMM calls."""
+    return counting_calls(monkeypatch, GroupedOffsetsBlocks)
 
 
 def test_layout_puts_each_pair_in_its_experts_padded_rows():
