@@ -96,7 +96,7 @@ def projection_rows(name: str, rows: int, pairs: int, ends: torch.Tensor, expert
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--top-k", type=int, default=2)
@@ -108,10 +108,10 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true",
                         help="also time the Triton kernels under other tile settings")
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("grouped_gemm_bench: needs CUDA")
-        return
+        return 0
     g = torch.Generator().manual_seed(0)
     index = torch.stack([torch.randperm(args.experts, generator=g)[:args.top_k]
                          for _ in range(args.tokens)]).cuda()
@@ -148,7 +148,9 @@ def main() -> None:
         args.out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(),
                                             torch=torch.__version__, args=vars(args) | dict(
                                                 out=str(args.out)), rows=results), indent=1))
+    return 1 if any("error" in row for row in results if row["kernel"].startswith("triton"))\
+        else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

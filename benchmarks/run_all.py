@@ -1,7 +1,8 @@
 """Run the benchmarks, writing JSON under --out (scripts/gpu-check calls this).
 
-Order: quantize bandwidth, the Linear step (with torchao and CUDA graphs), then the model step
-against plain PyTorch (model_step.py, issue 15):
+Order: quantize bandwidth, the Linear step (with torchao and CUDA graphs), the MoE grouped
+GEMMs on device offsets (grouped_gemm_bench.py, against torch's grouped kernels), then the
+model step against plain PyTorch (model_step.py, issue 15):
 - presets 1b and small, the default rows (plain bf16 eager, graphed and compiled, torchao
   tensorwise compiled, each minifloat recipe eager, graphed and compiled with reduce-overhead)
   -> model_step.json;
@@ -25,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpt_step  # noqa: E402
+import grouped_gemm_bench  # noqa: E402
 import linear_step  # noqa: E402
 import model_step  # noqa: E402
 import quantize_bandwidth  # noqa: E402
@@ -61,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         failures += quantize_bandwidth.main(["--out", str(args.out)]) != 0
         failures += linear_step.main(["--out", str(args.out), "--torchao", "--rounds", "3",
                                       "--cuda-graph", "fp8-current,fp8-delayed"]) != 0
+        failures += grouped_gemm_bench.main(["--out", str(args.out / "grouped_gemm.json")]) != 0
     for command in model_step_commands(args.out):
         failures += model_step.main(command) != 0
     if args.gpt_step:
