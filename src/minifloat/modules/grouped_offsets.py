@@ -18,11 +18,12 @@ two groups, every group's row count is a multiple of 128, and ends[-1] is the bu
 The casts (`cast_groups`, `cast_stacked_weights`): per-tensor current scaling, each expert's
 rows and each expert's weight a tensor of its own: the bytes and scales of numerics'
 quantize_current_scaling on that expert's rows alone (what the general path quantizes), in
-torch ops that a compiled graph fuses (the scales by numerics' scale_from_amax, the bytes by a
-clamp and one conversion: `saturating_encode`). Eagerly, where the kernels run, the bytes come
-from kernels instead: kernels/grouped_cast.py for the rows (both copies in one launch) and the
-multi-tensor launch pair for the experts' weights (the lean path's). The columnwise copies of
-per-tensor FP8 are the rowwise bytes transposed (NUMERICS.md §2).
+two ops (`grouped_rows_cast`, `stacked_weights_cast`): where the kernels run,
+kernels/grouped_cast.py for the rows (both copies in one launch; the groups' maxima and scales
+in torch ops before it, numerics' scale_from_amax) and the multi-tensor launch pair for the
+experts' weights (the lean path's); elsewhere torch ops (a clamp and one conversion:
+`saturating_encode`). The columnwise copies of per-tensor FP8 are the rowwise bytes
+transposed (NUMERICS.md §2).
 
 The GEMMs (`grouped_rows_gemm`, `grouped_reduction_gemm`: torch ops with fake
 implementations) run kernels/grouped_gemm.py on CUDA (any E4M3/E5M2 pair) and, elsewhere, the
@@ -110,10 +111,69 @@ def tile_groups(ends: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _cast_kernels_serve(x: torch.Tensor) -> bool:
-    """Whether the eager casts run minifloat's kernels (a compiled graph fuses the torch ops
-    below instead: that is the configuration BENCHMARKS.md measured)."""
-    return (not torch.compiler.is_compiling() and kernels.available(x) and x.is_contiguous()
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    return kernels.available(x) and x.is_contiguous() and x.dtype in (
+        torch.float32, torch.bfloat16, torch.float16)
+
+
+def _rows_cast(x: torch.Tensor, scale: torch.Tensor, ends: torch.Tensor,
+               fp8_dtype: torch.dtype, columnwise: bool) -> list[torch.Tensor]:
+    """[bytes [R, D], their transpose [D, R] if columnwise]: the rows of group g cast with
+    scale[g]; kernels/grouped_cast.py (one launch, both copies) where the kernels run."""
+    if _cast_kernels_serve(x):
+        data, data_t = kernel_module("grouped_cast").grouped_cast(x, scale, ends, fp8_dtype,
+                                                                  columnwise=columnwise)
+    else:
+        rows, depth = x.shape
+        tiles = x.reshape(rows // GROUP_ROWS, GROUP_ROWS, depth).float()
+        data = saturating_encode(tiles * scale[tile_groups(ends, rows)][:, None, None],
+                                 fp8_dtype).reshape(rows, depth)
+        data_t = data.t().contiguous() if columnwise else None
+    return [data, data_t] if columnwise else [data]
+
+
+def _rows_cast_fake(x: torch.Tensor, scale: torch.Tensor, ends: torch.Tensor,
+                    fp8_dtype: torch.dtype, columnwise: bool) -> list[torch.Tensor]:
+    rows, depth = x.shape
+    return [x.new_empty(rows, depth, dtype=fp8_dtype)] + (
+        [x.new_empty(depth, rows, dtype=fp8_dtype)] if columnwise else [])
+
+
+def _weights_cast(weight: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float,
+                  power_2_scale: bool, columnwise: bool) -> list[torch.Tensor]:
+    """[bytes [E, N, K], each expert's transpose [E, K, N] if columnwise, scale_inv [E]]: each
+    expert's weight its own current-scaling cast; the multi-tensor kernels' one launch pair
+    for all experts (the lean path's) where the kernels run."""
+    experts, n, k = weight.shape
+    if _cast_kernels_serve(weight):
+        stacked = kernel_module("multi_tensor").quantize_current_scaling_stacked(
+            list(weight.unbind(0)), fp8_dtype, amax_epsilon=amax_epsilon,
+            power_2_scale=power_2_scale, rowwise=True, columnwise=columnwise)
+        size = experts * n * k  # whole 16-byte pieces (N, K multiples of 16): no gaps
+        data = stacked.data[:size].view(experts, n, k)
+        data_t = stacked.data_t[:size].view(experts, k, n) if columnwise else None
+        scale_inv = stacked.scales().contiguous()
+    else:
+        amax = weight.abs().amax(dim=(1, 2)).float()
+        scale = scale_from_amax(amax, fp8_format(fp8_dtype).max_value,
+                                amax_epsilon=amax_epsilon, power_2_scale=power_2_scale)
+        data = saturating_encode(weight.float() * scale[:, None, None], fp8_dtype)
+        data_t = data.transpose(1, 2).contiguous() if columnwise else None
+        scale_inv = torch.reciprocal(scale)
+    return [data, data_t, scale_inv] if columnwise else [data, scale_inv]
+
+
+def _weights_cast_fake(weight: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float,
+                       power_2_scale: bool, columnwise: bool) -> list[torch.Tensor]:
+    experts, n, k = weight.shape
+    return [weight.new_empty(experts, n, k, dtype=fp8_dtype)] + (
+        [weight.new_empty(experts, k, n, dtype=fp8_dtype)] if columnwise else []) + [
+        weight.new_empty(experts, dtype=torch.float32)]
+
+
+# Ops: a compiled graph runs the kernels too (its own fused code would make the transposed
+# copies in a second pass, as graph_casts.py found for the per-tensor casts)
+grouped_rows_cast = define_op("grouped_rows_cast", _rows_cast, _rows_cast_fake)
+stacked_weights_cast = define_op("stacked_weights_cast", _weights_cast, _weights_cast_fake)
 
 
 def cast_groups(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, amax_epsilon: float,
@@ -121,49 +181,29 @@ def cast_groups(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, amax_ep
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(bytes [R, D], their transpose [D, R] if `columnwise`, scale_inv [E] fp32): each
     group's rows cast with current scaling on their own amax (NaN in a group gives that group
-    NaN, as the per-tensor cast does)."""
+    NaN, as the per-tensor cast does). The maxima and scales in torch ops (a compiled graph
+    fuses the maxima into x's producer), the bytes by the grouped_rows_cast op."""
     rows, depth = x.shape
     groups = ends.shape[0]
     x = x.detach()
-    tiles = x.reshape(rows // GROUP_ROWS, GROUP_ROWS, depth)
-    tile_amax = tiles.abs().amax(dim=(1, 2)).float()
-    tile_group = tile_groups(ends, rows)
-    member = tile_group[None, :] == torch.arange(groups, device=x.device)[:, None]
+    tile_amax = x.reshape(rows // GROUP_ROWS, GROUP_ROWS, depth).abs().amax(dim=(1, 2)).float()
+    member = (tile_groups(ends, rows)[None, :]
+              == torch.arange(groups, device=x.device)[:, None])
     amax = torch.where(member, tile_amax[None, :], 0.0).amax(dim=1)
     scale = scale_from_amax(amax, fp8_format(dtype).max_value, amax_epsilon=amax_epsilon,
                             power_2_scale=power_2_scale)
-    if _cast_kernels_serve(x):
-        data, data_t = kernel_module("grouped_cast").grouped_cast(x, scale, ends, dtype,
-                                                                  columnwise=columnwise)
-    else:
-        data = saturating_encode(tiles.float() * scale[tile_group][:, None, None],
-                                 dtype).reshape(rows, depth)
-        data_t = data.t().contiguous() if columnwise else None
-    return data, data_t, torch.reciprocal(scale)
+    copies = grouped_rows_cast(x, scale, ends, dtype, columnwise)
+    return copies[0], copies[1] if columnwise else None, torch.reciprocal(scale)
 
 
 def cast_stacked_weights(weight: torch.Tensor, dtype: torch.dtype, amax_epsilon: float,
                          power_2_scale: bool, *, columnwise: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(bytes [E, N, K], each expert's transpose [E, K, N] if `columnwise`, scale_inv [E]):
-    each expert's weight its own current-scaling cast. Eagerly on a kernel device: the
-    multi-tensor kernels' one launch pair for all experts (the lean path's)."""
-    w = weight.detach()
-    experts, n, k = w.shape
-    if _cast_kernels_serve(w):
-        stacked = kernel_module("multi_tensor").quantize_current_scaling_stacked(
-            list(w.unbind(0)), dtype, amax_epsilon=amax_epsilon, power_2_scale=power_2_scale,
-            rowwise=True, columnwise=columnwise)
-        size = experts * n * k  # whole 16-byte pieces (N, K multiples of 16): no gaps
-        data_t = stacked.data_t[:size].view(experts, k, n) if columnwise else None
-        return (stacked.data[:size].view(experts, n, k), data_t,
-                stacked.scales().contiguous())
-    amax = w.abs().amax(dim=(1, 2)).float()
-    scale = scale_from_amax(amax, fp8_format(dtype).max_value, amax_epsilon=amax_epsilon,
-                            power_2_scale=power_2_scale)
-    data = saturating_encode(w.float() * scale[:, None, None], dtype)
-    data_t = data.transpose(1, 2).contiguous() if columnwise else None
-    return data, data_t, torch.reciprocal(scale)
+    each expert's weight its own current-scaling cast, by the stacked_weights_cast op."""
+    copies = stacked_weights_cast(weight.detach(), dtype, amax_epsilon, power_2_scale,
+                                  columnwise)
+    return copies[0], copies[1] if columnwise else None, copies[-1]
 
 
 # ---- the two grouped GEMMs as torch ops ----
