@@ -58,13 +58,14 @@ def blocks_calls(monkeypatch):
     return counting_calls(monkeypatch, GroupedOffsetsBlocks)
 
 
-def test_layout_puts_each_pair_in_its_experts_padded_rows():
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_layout_puts_each_pair_in_its_experts_padded_rows(index_dtype):
     g = torch.Generator().manual_seed(0)
     tokens, experts, top_k = 50, 5, 2
     index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     index[index == 3] = 4  # expert 3 gets nothing
     index[:, 1] = torch.where(index[:, 1] == index[:, 0], (index[:, 0] + 1) % 3, index[:, 1])
-    layout = routing_layout(index, experts, tokens)
+    layout = routing_layout(index.to(index_dtype), experts, tokens)
     rows = padded_rows(tokens * top_k, experts)
     assert layout.source.shape == (rows,) and rows % GROUP_ROWS == 0
     ends = layout.ends.tolist()

@@ -77,7 +77,7 @@ def padded_rows(pairs: int, experts: int) -> int:
 def routing_layout(top_k_index: torch.Tensor, experts: int, tokens: int) -> RoutingLayout:
     """The padded layout of `top_k_index`'s routing [tokens, top_k], on its device."""
     top_k = top_k_index.shape[-1]
-    chosen = top_k_index.reshape(-1)
+    chosen = top_k_index.reshape(-1).long()  # (a router may give int32 indices)
     pairs = chosen.numel()
     order = torch.argsort(chosen, stable=True)
     counts = chosen.new_zeros(experts).scatter_add_(0, chosen, torch.ones_like(chosen))
