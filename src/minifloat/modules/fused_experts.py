@@ -97,6 +97,9 @@ class FusedExperts(QuantizedModule):
         return math.lcm(*(binding.rows_multiple(gemm, x) for gemm in range(self.num_gemms)))
 
     def binding(self, token: int) -> GemmBinding:
+        """QuantizedModule's binding, and with it this recipe's device-offsets plan (FP8
+        current scaling's casts, the block formats', or None), kept per recipe token so that a
+        compiled forward reads a constant."""
         binding = super().binding(token)
         plan = offsets_casts(binding.lean_plans)
         if plan is None:
