@@ -149,7 +149,7 @@ def test_grouped_cast_writes_each_groups_reference_bytes(fp8_dtype, dtype):
     """kernels/grouped_cast.py against numerics' cast_to_fp8 of each group's rows times that
     group's scale (an independent per-group computation), NaN of either sign, infinities and
     products that round into the subnormals or past the maximum included; the columnwise
-    copy is the rowwise bytes transposed."""
+    copy is the rowwise bytes transposed, also when it is the only copy asked for."""
     from minifloat.numerics.formats import cast_to_fp8
 
     grouped_cast = pytest.importorskip("minifloat.kernels.grouped_cast")
@@ -162,9 +162,11 @@ def test_grouped_cast_writes_each_groups_reference_bytes(fp8_dtype, dtype):
                                                 -float("inf"))
     x = x.to(dtype)
     scale = torch.tensor([3.0e-3, 7.0, 2.5e4])
-    data, data_t = grouped_cast.grouped_cast(x.to(DEVICE), scale.to(DEVICE), ends.to(DEVICE),
-                                             fp8_dtype, columnwise=True)
+    args = (x.to(DEVICE), scale.to(DEVICE), ends.to(DEVICE), fp8_dtype)
+    data, data_t = grouped_cast.grouped_cast(*args, rowwise=True, columnwise=True)
     data, data_t = data.cpu().view(torch.uint8), data_t.cpu().view(torch.uint8)
+    none, data_t_alone = grouped_cast.grouped_cast(*args, rowwise=False, columnwise=True)
+    assert none is None and torch.equal(data_t_alone.cpu().view(torch.uint8), data_t)
     for group, piece in enumerate(rows):
         want = cast_to_fp8(x[piece].float() * scale[group], fp8_dtype).view(torch.uint8)
         assert torch.equal(data[piece], want)

@@ -30,7 +30,7 @@ def _grouped_cast_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, ends_ptr, rows,
                          GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                          BF16_BITS: tl.constexpr, E5M2: tl.constexpr, HW_CAST: tl.constexpr,
-                         COLUMNWISE: tl.constexpr):
+                         ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -41,28 +41,33 @@ def _grouped_cast_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, ends_ptr, rows,
     group = tl.minimum(group_of_block(ends_ptr, pid_m * BLOCK_M, GROUPS, GROUPS_POW2),
                        GROUPS - 1)
     codes = fp8_codes(x * tl.load(scale_ptr + group), E5M2, HW_CAST)
-    tl.store(data_ptr + offs_m[:, None].to(tl.int64) * depth + offs_k[None, :], codes,
-             mask=mask)
+    if ROWWISE:
+        tl.store(data_ptr + offs_m[:, None].to(tl.int64) * depth + offs_k[None, :], codes,
+                 mask=mask)
     if COLUMNWISE:
         tl.store(data_t_ptr + offs_k[None, :].to(tl.int64) * rows + offs_m[:, None], codes,
                  mask=mask)
 
 
 def grouped_cast(x: torch.Tensor, scale: torch.Tensor, ends: torch.Tensor,
-                 fp8_dtype: torch.dtype, *, columnwise: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(data [R, D], data_t [D, R] or None) of x [R, D] (contiguous fp32/bf16/fp16), the
-    rows of group g cast with scale[g] (fp32 [E]); ends int32 [E]."""
+                 fp8_dtype: torch.dtype, *, rowwise: bool, columnwise: bool
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(data [R, D] or None, data_t [D, R] or None) of x [R, D] (contiguous fp32/bf16/fp16),
+    the rows of group g cast with scale[g] (fp32 [E]); ends int32 [E]. Only the copies asked
+    for are written (a backward that recasts a kept input needs its transpose alone)."""
+    if not (rowwise or columnwise):
+        raise ValueError("grouped_cast: ask for the rowwise or the columnwise copy")
     rows, depth = x.shape
     groups = ends.shape[0]
-    data = torch.empty(rows, depth, dtype=torch.uint8, device=x.device)
-    data_t = (torch.empty(depth, rows, dtype=torch.uint8, device=x.device) if columnwise
-              else data)
+    data = torch.empty(rows, depth, dtype=torch.uint8, device=x.device) if rowwise else None
+    data_t = torch.empty(depth, rows, dtype=torch.uint8, device=x.device) if columnwise else None
     view, bf16_bits = kernel_view(x)
     block_m, block_k = (64, 64) if x.is_cuda else (32, 32)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(depth, block_k))
-    launch(_grouped_cast_kernel, grid, view, data, data_t, scale, ends, rows, depth,
-           num_warps=4, GROUPS=groups, GROUPS_POW2=triton.next_power_of_2(groups),
-           BLOCK_M=block_m, BLOCK_K=block_k, BF16_BITS=bf16_bits, E5M2=is_e5m2(fp8_dtype),
-           HW_CAST=x.is_cuda, COLUMNWISE=columnwise)
-    return data.view(fp8_dtype), data_t.view(fp8_dtype) if columnwise else None
+    launch(_grouped_cast_kernel, grid, view, data if rowwise else data_t,
+           data_t if columnwise else data, scale, ends, rows, depth, num_warps=4,
+           GROUPS=groups, GROUPS_POW2=triton.next_power_of_2(groups), BLOCK_M=block_m,
+           BLOCK_K=block_k, BF16_BITS=bf16_bits, E5M2=is_e5m2(fp8_dtype), HW_CAST=x.is_cuda,
+           ROWWISE=rowwise, COLUMNWISE=columnwise)
+    return (data.view(fp8_dtype) if rowwise else None,
+            data_t.view(fp8_dtype) if columnwise else None)

@@ -15,15 +15,15 @@ end join the last group (zero rows: exact, as every padding row is: a zero row r
 adds nothing to a weight gradient and its output is dropped). So a 128-row tile never straddles
 two groups, every group's row count is a multiple of 128, and ends[-1] is the buffer's size.
 
-The casts (`cast_groups`, `cast_stacked_weights`): per-tensor current scaling, each expert's
-rows and each expert's weight a tensor of its own: the bytes and scales of numerics'
-quantize_current_scaling on that expert's rows alone (what the general path quantizes), in
-two ops (`grouped_rows_cast`, `stacked_weights_cast`): where the kernels run,
+The casts (`group_scales` with `cast_groups`, and `cast_stacked_weights`): per-tensor current
+scaling, each expert's rows and each expert's weight a tensor of its own: the bytes and scales
+of numerics' quantize_current_scaling on that expert's rows alone (what the general path
+quantizes), in two ops (`grouped_rows_cast`, `stacked_weights_cast`): where the kernels run,
 kernels/grouped_cast.py for the rows (both copies in one launch; the groups' maxima and scales
 in torch ops before it, numerics' scale_from_amax) and the multi-tensor launch pair for the
 experts' weights (the lean path's); elsewhere torch ops (a clamp and one conversion:
-`saturating_encode`). The columnwise copies of per-tensor FP8 are the rowwise bytes
-transposed (NUMERICS.md §2).
+`saturating_encode`). The columnwise copies of per-tensor FP8 are the rowwise bytes transposed
+(NUMERICS.md §2).
 
 The GEMMs (`grouped_rows_gemm`, `grouped_reduction_gemm`: torch ops with fake
 implementations) run kernels/grouped_gemm.py on CUDA (any E4M3/E5M2 pair) and, elsewhere, the
@@ -116,40 +116,42 @@ def _cast_kernels_serve(x: torch.Tensor) -> bool:
 
 
 def _rows_cast(x: torch.Tensor, scale: torch.Tensor, ends: torch.Tensor,
-               fp8_dtype: torch.dtype, columnwise: bool) -> list[torch.Tensor]:
-    """[bytes [R, D], their transpose [D, R] if columnwise]: the rows of group g cast with
-    scale[g]; kernels/grouped_cast.py (one launch, both copies) where the kernels run."""
+               fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool) -> list[torch.Tensor]:
+    """[bytes [R, D] if rowwise, their transpose [D, R] if columnwise]: the rows of group g
+    cast with scale[g]; kernels/grouped_cast.py (one launch, both copies) where the kernels
+    run."""
     if _cast_kernels_serve(x):
-        data, data_t = kernel_module("grouped_cast").grouped_cast(x, scale, ends, fp8_dtype,
-                                                                  columnwise=columnwise)
+        data, data_t = kernel_module("grouped_cast").grouped_cast(
+            x, scale, ends, fp8_dtype, rowwise=rowwise, columnwise=columnwise)
     else:
         rows, depth = x.shape
         tiles = x.reshape(rows // GROUP_ROWS, GROUP_ROWS, depth).float()
         data = saturating_encode(tiles * scale[tile_groups(ends, rows)][:, None, None],
                                  fp8_dtype).reshape(rows, depth)
         data_t = data.t().contiguous() if columnwise else None
-    return [data, data_t] if columnwise else [data]
+    return [t for t, wanted in ((data, rowwise), (data_t, columnwise)) if wanted]
 
 
 def _rows_cast_fake(x: torch.Tensor, scale: torch.Tensor, ends: torch.Tensor,
-                    fp8_dtype: torch.dtype, columnwise: bool) -> list[torch.Tensor]:
+                    fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool
+                    ) -> list[torch.Tensor]:
     rows, depth = x.shape
-    return [x.new_empty(rows, depth, dtype=fp8_dtype)] + (
-        [x.new_empty(depth, rows, dtype=fp8_dtype)] if columnwise else [])
+    return [x.new_empty(shape, dtype=fp8_dtype) for shape, wanted in
+            (((rows, depth), rowwise), ((depth, rows), columnwise)) if wanted]
 
 
 def _weights_cast(weight: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float,
-                  power_2_scale: bool, columnwise: bool) -> list[torch.Tensor]:
-    """[bytes [E, N, K], each expert's transpose [E, K, N] if columnwise, scale_inv [E]]: each
-    expert's weight its own current-scaling cast; the multi-tensor kernels' one launch pair
-    for all experts (the lean path's) where the kernels run."""
+                  power_2_scale: bool, rowwise: bool, columnwise: bool) -> list[torch.Tensor]:
+    """[bytes [E, N, K] if rowwise, each expert's transpose [E, K, N] if columnwise,
+    scale_inv [E]]: each expert's weight its own current-scaling cast; the multi-tensor
+    kernels' one launch pair for all experts (the lean path's) where the kernels run."""
     experts, n, k = weight.shape
     if _cast_kernels_serve(weight):
         stacked = kernel_module("multi_tensor").quantize_current_scaling_stacked(
             list(weight.unbind(0)), fp8_dtype, amax_epsilon=amax_epsilon,
-            power_2_scale=power_2_scale, rowwise=True, columnwise=columnwise)
+            power_2_scale=power_2_scale, rowwise=rowwise, columnwise=columnwise)
         size = experts * n * k  # whole 16-byte pieces (N, K multiples of 16): no gaps
-        data = stacked.data[:size].view(experts, n, k)
+        data = stacked.data[:size].view(experts, n, k) if rowwise else None
         data_t = stacked.data_t[:size].view(experts, k, n) if columnwise else None
         scale_inv = stacked.scales().contiguous()
     else:
@@ -159,14 +161,15 @@ def _weights_cast(weight: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: fl
         data = saturating_encode(weight.float() * scale[:, None, None], fp8_dtype)
         data_t = data.transpose(1, 2).contiguous() if columnwise else None
         scale_inv = torch.reciprocal(scale)
-    return [data, data_t, scale_inv] if columnwise else [data, scale_inv]
+    return [t for t, wanted in ((data, rowwise), (data_t, columnwise)) if wanted] + [scale_inv]
 
 
 def _weights_cast_fake(weight: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float,
-                       power_2_scale: bool, columnwise: bool) -> list[torch.Tensor]:
+                       power_2_scale: bool, rowwise: bool, columnwise: bool
+                       ) -> list[torch.Tensor]:
     experts, n, k = weight.shape
-    return [weight.new_empty(experts, n, k, dtype=fp8_dtype)] + (
-        [weight.new_empty(experts, k, n, dtype=fp8_dtype)] if columnwise else []) + [
+    return [weight.new_empty(shape, dtype=fp8_dtype) for shape, wanted in
+            (((experts, n, k), rowwise), ((experts, k, n), columnwise)) if wanted] + [
         weight.new_empty(experts, dtype=torch.float32)]
 
 
@@ -176,34 +179,43 @@ grouped_rows_cast = define_op("grouped_rows_cast", _rows_cast, _rows_cast_fake)
 stacked_weights_cast = define_op("stacked_weights_cast", _weights_cast, _weights_cast_fake)
 
 
-def cast_groups(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, amax_epsilon: float,
-                power_2_scale: bool, *, columnwise: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(bytes [R, D], their transpose [D, R] if `columnwise`, scale_inv [E] fp32): each
-    group's rows cast with current scaling on their own amax (NaN in a group gives that group
-    NaN, as the per-tensor cast does). The maxima and scales in torch ops (a compiled graph
-    fuses the maxima into x's producer), the bytes by the grouped_rows_cast op."""
+def group_scales(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, amax_epsilon: float,
+                 power_2_scale: bool) -> torch.Tensor:
+    """Each group's current-scaling scale [E] fp32 from the maximum of its rows (NaN in a
+    group gives that group NaN's scale, as the per-tensor cast does), in torch ops: a
+    compiled graph fuses the maxima into x's producer."""
     rows, depth = x.shape
     groups = ends.shape[0]
-    x = x.detach()
-    tile_amax = x.reshape(rows // GROUP_ROWS, GROUP_ROWS, depth).abs().amax(dim=(1, 2)).float()
+    tile_amax = x.detach().reshape(rows // GROUP_ROWS, GROUP_ROWS, depth).abs().amax(
+        dim=(1, 2)).float()
     member = (tile_groups(ends, rows)[None, :]
               == torch.arange(groups, device=x.device)[:, None])
     amax = torch.where(member, tile_amax[None, :], 0.0).amax(dim=1)
-    scale = scale_from_amax(amax, fp8_format(dtype).max_value, amax_epsilon=amax_epsilon,
-                            power_2_scale=power_2_scale)
-    copies = grouped_rows_cast(x, scale, ends, dtype, columnwise)
-    return copies[0], copies[1] if columnwise else None, torch.reciprocal(scale)
+    return scale_from_amax(amax, fp8_format(dtype).max_value, amax_epsilon=amax_epsilon,
+                           power_2_scale=power_2_scale)
+
+
+def cast_groups(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor,
+                *, rowwise: bool = True, columnwise: bool = False
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(bytes [R, D] if `rowwise`, their transpose [D, R] if `columnwise`): group g's rows
+    cast with scale[g] (group_scales), by the grouped_rows_cast op."""
+    copies = iter(grouped_rows_cast(x.detach(), scale, ends, dtype, rowwise, columnwise))
+    return next(copies) if rowwise else None, next(copies) if columnwise else None
 
 
 def cast_stacked_weights(weight: torch.Tensor, dtype: torch.dtype, amax_epsilon: float,
-                         power_2_scale: bool, *, columnwise: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(bytes [E, N, K], each expert's transpose [E, K, N] if `columnwise`, scale_inv [E]):
-    each expert's weight its own current-scaling cast, by the stacked_weights_cast op."""
-    copies = stacked_weights_cast(weight.detach(), dtype, amax_epsilon, power_2_scale,
-                                  columnwise)
-    return copies[0], copies[1] if columnwise else None, copies[-1]
+                         power_2_scale: bool, *, rowwise: bool = True,
+                         columnwise: bool = False
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """(bytes [E, N, K] if `rowwise`, each expert's transpose [E, K, N] if `columnwise`,
+    scale_inv [E]): each expert's weight its own current-scaling cast, by the
+    stacked_weights_cast op."""
+    copies = iter(stacked_weights_cast(weight.detach(), dtype, amax_epsilon, power_2_scale,
+                                       rowwise, columnwise))
+    data = next(copies) if rowwise else None
+    data_t = next(copies) if columnwise else None
+    return data, data_t, next(copies)
 
 
 # ---- the two grouped GEMMs as torch ops ----
@@ -274,15 +286,18 @@ class GroupedOffsetsFP8(torch.autograd.Function):
                 save_original: bool) -> torch.Tensor:
         eps, power_2 = casts.amax_epsilon, casts.power_2_scale
         # backward reads x^T's bytes for wgrad, each W_g^T's for dgrad (or what makes them
-        # again)
-        x_bytes, x_t, x_scale_inv = cast_groups(x, ends, casts.input_dtype, eps, power_2,
-                                                columnwise=need_wgrad and not save_original)
+        # again: x with forward's scales, the weights, which the cast takes its maxima from)
+        x_scale = group_scales(x, ends, casts.input_dtype, eps, power_2)
+        x_bytes, x_t = cast_groups(x, ends, casts.input_dtype, x_scale,
+                                   columnwise=need_wgrad and not save_original)
         w_bytes, w_t, w_scale_inv = cast_stacked_weights(
             weight, casts.weight_dtype, eps, power_2, columnwise=need_dgrad and not rebuild)
+        x_scale_inv = torch.reciprocal(x_scale)
         y = grouped_rows_gemm(x_bytes, w_bytes, x_scale_inv, w_scale_inv, ends, x.dtype, False)
         x_kept = (x.detach() if save_original else x_t) if need_wgrad else None
         w_kept = (weight.detach() if rebuild else w_t) if need_dgrad else None
-        ctx.save_for_backward(x_kept, x_scale_inv, w_kept, w_scale_inv, ends)
+        ctx.save_for_backward(x_kept, x_scale if save_original else None, x_scale_inv, w_kept,
+                              w_scale_inv, ends)
         ctx.casts, ctx.need_dgrad, ctx.need_wgrad = casts, need_dgrad, need_wgrad
         ctx.rebuild, ctx.save_original = rebuild, save_original
         ctx.weight_dtype = weight.dtype
@@ -290,25 +305,27 @@ class GroupedOffsetsFP8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        x_kept, x_scale_inv, w_kept, w_scale_inv, ends = ctx.saved_tensors
+        x_kept, x_scale, x_scale_inv, w_kept, w_scale_inv, ends = ctx.saved_tensors
         casts = ctx.casts
         eps, power_2 = casts.amax_epsilon, casts.power_2_scale
-        dy_bytes, dy_t, dy_scale_inv = cast_groups(grad_output.contiguous(), ends,
-                                                   casts.grad_dtype, eps, power_2,
-                                                   columnwise=ctx.need_wgrad)
+        dy = grad_output.contiguous()
+        dy_scale = group_scales(dy, ends, casts.grad_dtype, eps, power_2)
+        dy_bytes, dy_t = cast_groups(dy, ends, casts.grad_dtype, dy_scale,
+                                     rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad)
+        dy_scale_inv = torch.reciprocal(dy_scale)
         grad_x = grad_weight = None
         if ctx.need_dgrad:
             w_t = w_kept
             if ctx.rebuild:
                 _, w_t, _ = cast_stacked_weights(w_kept, casts.weight_dtype, eps, power_2,
-                                                 columnwise=True)
+                                                 rowwise=False, columnwise=True)
             grad_x = grouped_rows_gemm(dy_bytes, w_t, dy_scale_inv, w_scale_inv, ends,
                                        grad_output.dtype, True)
         if ctx.need_wgrad:
             x_t = x_kept
             if ctx.save_original:
-                _, x_t, _ = cast_groups(x_kept, ends, casts.input_dtype, eps, power_2,
-                                        columnwise=True)
+                _, x_t = cast_groups(x_kept, ends, casts.input_dtype, x_scale, rowwise=False,
+                                     columnwise=True)
             grad_weight = grouped_reduction_gemm(dy_t, x_t, dy_scale_inv, x_scale_inv, ends,
                                                  ctx.weight_dtype, True)
         return grad_x, grad_weight, None, None, None, None, None, None
