@@ -53,9 +53,11 @@ def test_device_offsets_equal_the_general_path(recipe, empty_expert):
     got = step(experts, *inputs, recipe, "always")
     want = step(experts, *inputs, recipe, "never")
     errors = [relative_error(a, b) for a, b in zip(got, want, strict=True)]
-    # forward E4M3 x E4M3; the gradients pass through the intermediate's FP8 cast, whose
-    # roundings flip where the two GEMMs' summation orders differ (E5M2 under HYBRID)
-    assert errors[0] < 5e-3, errors
+    # forward E4M3 x E4M3; the output and the gradients pass through the intermediate's FP8
+    # cast, whose roundings flip where the two GEMMs' summation orders differ (block scaling's
+    # general path sums each 128-deep block apart: 5.1e-3 measured on an H200; a wrong scale
+    # or group gives errors of order 1)
+    assert errors[0] < 1e-2, errors
     assert max(errors[1:]) < (5e-2 if recipe is HYBRID else 1e-2), errors
 
 

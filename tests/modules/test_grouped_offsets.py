@@ -79,10 +79,14 @@ def test_layout_puts_each_pair_in_its_experts_padded_rows(index_dtype):
         assert all(row == tokens for row in block[counts[e]:])
         assert ends[e] - starts[e] == (-(-counts[e] // GROUP_ROWS) * GROUP_ROWS
                                        if e < experts - 1 else rows - starts[e])
-    # each pair's row holds its token, and (token, slot) names the pair
-    assert torch.equal(layout.source[layout.real], layout.token)
-    assert torch.equal(index[layout.token, layout.slot],
-                       torch.sort(index.reshape(-1), stable=True).values)
+    # pair p (token p // top_k, slot p % top_k) sits in one row, which names it back; the rows
+    # that hold no pair are padding
+    pairs = torch.arange(tokens * top_k)
+    assert torch.equal(layout.source[layout.pair_row], pairs // top_k)
+    assert torch.equal(layout.pair_of_row[layout.pair_row], pairs)
+    padding = torch.ones(rows, dtype=torch.bool).index_fill_(0, layout.pair_row, False)
+    assert (layout.pair_of_row[padding] == tokens * top_k).all()
+    assert (layout.source[padding] == tokens).all()
 
 
 @pytest.mark.parametrize("recipe", [HYBRID, E4M3], ids=["hybrid", "e4m3"])

@@ -9,8 +9,9 @@ scale_from_amax of each group's maximum) come from torch ops on [E]-sized tensor
 
 Layout contract (grouped_gemm.GROUP_ROWS): every group starts on a multiple of 128 rows, so a
 BLOCK_M-row tile (BLOCK_M dividing 128) lies in one group. Bytes: fp8_common.fp8_codes of the
-fp32 product x * scale, the contract's saturating round-to-nearest-even (NaN 0x7F | sign), the
-bytes of numerics.cast_to_fp8 (tests/gpu/test_grouped_offsets_kernels.py checks them).
+fp32 product x * scale, the contract's saturating round-to-nearest-even (NaN 0x7F | the sign of
+x, not of the product, which the GPU makes the canonical positive NaN), the bytes of
+numerics.cast_to_fp8 (tests/gpu/test_grouped_offsets_kernels.py checks them).
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ def _grouped_cast_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, ends_ptr, rows,
     group = tl.minimum(group_of_block(ends_ptr, pid_m * BLOCK_M, GROUPS, GROUPS_POW2),
                        GROUPS - 1)
     codes = fp8_codes(x * tl.load(scale_ptr + group), E5M2, HW_CAST)
+    # a GPU product of a NaN is the canonical (positive) NaN: the contract's NaN byte keeps the
+    # sign of the input, so it is taken from x's bits
+    bits = x.to(tl.int32, bitcast=True)
+    codes = tl.where((bits & 0x7FFFFFFF) > 0x7F800000,
+                     (((bits >> 24) & 0x80) | 0x7F).to(tl.uint8), codes)
     if ROWWISE:
         tl.store(data_ptr + offs_m[:, None].to(tl.int64) * depth + offs_k[None, :], codes,
                  mask=mask)

@@ -42,6 +42,7 @@ from torch import nn
 from ..autocast import active_token
 from . import lean_grouped_fp8
 from .base import QuantizedModule, bind_live_modules
+from .expert_rows import CombineRows, DispatchRows, pair_positions
 from .gemm_op import GemmBinding
 from .grouped_offsets import GroupedOffsetsFP8, OffsetsCasts, routing_layout
 from .grouped_offsets_blocks import GroupedOffsetsBlocks, OffsetsBlocks, offsets_blocks
@@ -117,9 +118,9 @@ class FusedExperts(QuantizedModule):
         plan = self._device_offsets_plan(hidden_states, top_k_index.numel())
         if plan is None:
             return self._forward_host_counts(hidden_states, top_k_index, top_k_weights)
+        top_k = top_k_index.shape[-1]
         layout = routing_layout(top_k_index, self.num_experts, hidden_states.shape[0])
-        zero_row = hidden_states.new_zeros(1, hidden_states.shape[1])
-        x = torch.cat([hidden_states, zero_row])[layout.source]
+        x = DispatchRows.apply(hidden_states, layout.pair_of_row, layout.pair_row, top_k)
         grad = torch.is_grad_enabled()
 
         function = GroupedOffsetsFP8 if isinstance(plan, OffsetsCasts) else GroupedOffsetsBlocks
@@ -131,10 +132,9 @@ class FusedExperts(QuantizedModule):
                                   self.save_original_input)
 
         gate, up = experts_gemm(x, self.gate_up_proj).chunk(2, dim=-1)
-        out = experts_gemm(self.act_fn(gate) * up, self.down_proj)[layout.real]
-        out = out * top_k_weights[layout.token, layout.slot, None]
-        return torch.zeros_like(hidden_states).index_add_(0, layout.token,
-                                                          out.to(hidden_states.dtype))
+        out = experts_gemm(self.act_fn(gate) * up, self.down_proj)
+        return CombineRows.apply(out, top_k_weights, layout.pair_row, layout.pair_of_row,
+                                 hidden_states.dtype)
 
     def _device_offsets_plan(self, x: torch.Tensor, pairs: int
                              ) -> OffsetsCasts | OffsetsBlocks | None:
@@ -174,7 +174,6 @@ class FusedExperts(QuantizedModule):
         experts, top_k = self.num_experts, top_k_index.shape[-1]
         chosen = top_k_index.reshape(-1)
         order = torch.argsort(chosen, stable=True)  # (token, slot) pairs grouped by expert
-        token, slot = order // top_k, order % top_k
         # scatter_add, not bincount: CUDA's bincount reads the input's maximum on the host (a
         # second synchronisation before the one tolist() needs)
         counts = chosen.new_zeros(experts).scatter_add_(0, chosen, torch.ones_like(chosen))
@@ -185,22 +184,18 @@ class FusedExperts(QuantizedModule):
         padded = [-(-count // multiple) * multiple for count in counts]
         # row r of the padded layout is token source[r]'s hidden state, or the zero row that
         # follows the tokens (index T): one gather of the expert-sorted, padded input
-        tokens = hidden_states.shape[0]
-        source = torch.full((sum(padded),), tokens, dtype=torch.long,
-                            device=hidden_states.device)
         # sorted pair i (of expert e) goes to padded row i + (e's padded start - e's start)
         shift = [padded_start - start for padded_start, start in
                  zip(accumulate([0, *padded[:-1]]), accumulate([0, *counts[:-1]]), strict=True)]
         real = (torch.arange(chosen.numel(), device=hidden_states.device)
                 + lean_grouped_fp8.upload(shift, torch.long, hidden_states.device)[
                     chosen[order]])
-        source[real] = token
-        x = torch.cat([hidden_states, hidden_states.new_zeros(1, hidden_states.shape[1])])[source]
+        pair_row, pair_of_row = pair_positions(order, real, sum(padded))
+        x = DispatchRows.apply(hidden_states, pair_of_row, pair_row, top_k)
         hidden = self._experts_gemm(x, padded, self.gate_up_proj, 0)
         gate, up = hidden.chunk(2, dim=-1)
-        out = self._experts_gemm(self.act_fn(gate) * up, padded, self.down_proj, 1)[real]
-        out = out * top_k_weights[token, slot, None]
-        return torch.zeros_like(hidden_states).index_add_(0, token, out.to(hidden_states.dtype))
+        out = self._experts_gemm(self.act_fn(gate) * up, padded, self.down_proj, 1)
+        return CombineRows.apply(out, top_k_weights, pair_row, pair_of_row, hidden_states.dtype)
 
     def _experts_gemm(self, x: torch.Tensor, padded: list[int], weight: torch.Tensor,
                       part: int) -> torch.Tensor:

@@ -43,6 +43,7 @@ from .. import kernels
 from ..numerics.formats import fp8_format
 from ..numerics.per_tensor import scale_from_amax
 from ..quantizers.base import kernel_module
+from .expert_rows import pair_positions
 from .op_define import define_op
 
 GROUP_ROWS = 128  # kernels.grouped_gemm.GROUP_ROWS: the kernels' layout contract
@@ -60,12 +61,12 @@ class OffsetsCasts(NamedTuple):
 
 
 class RoutingLayout(NamedTuple):
-    """Where each routed (token, slot) pair sits in the padded, expert-sorted rows."""
+    """Where each routed (token, slot) pair sits in the padded, expert-sorted rows (pair p is
+    token p // top_k's slot p % top_k; expert_rows.py moves the rows by these gathers)."""
 
     source: torch.Tensor  # [R] the token each row copies (tokens: the zero row)
-    real: torch.Tensor  # [pairs] the row of each pair, pairs in expert order
-    token: torch.Tensor  # [pairs] the token of each pair, in the same order
-    slot: torch.Tensor  # [pairs] its top-k slot
+    pair_row: torch.Tensor  # [pairs] the row of each pair
+    pair_of_row: torch.Tensor  # [R] the pair each row holds (pairs: a padding row)
     ends: torch.Tensor  # [E] int32: group g is rows [ends[g-1], ends[g])
 
 
@@ -88,11 +89,9 @@ def routing_layout(top_k_index: torch.Tensor, experts: int, tokens: int) -> Rout
     shift = padded_ends - padded - starts
     real = torch.arange(pairs, device=chosen.device) + shift[chosen[order]]
     rows = padded_rows(pairs, experts)
-    token = order // top_k
-    source = torch.full((rows,), tokens, dtype=torch.long, device=chosen.device)
-    source = source.index_put((real,), token)
+    pair_row, pair_of_row = pair_positions(order, real, rows)
     ends = torch.cat([padded_ends[:-1], padded_ends.new_full((1,), rows)]).to(torch.int32)
-    return RoutingLayout(source, real, token, order % top_k, ends)
+    return RoutingLayout(pair_of_row // top_k, pair_row, pair_of_row, ends)
 
 
 def saturating_encode(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
