@@ -44,6 +44,7 @@ from ..numerics.formats import fp8_format
 from ..numerics.per_tensor import scale_from_amax
 from ..quantizers.base import kernel_module
 from .expert_rows import pair_positions
+from .input_recast import magnitude_bits, maximum_of_bits
 from .op_define import define_op
 
 GROUP_ROWS = 128  # kernels.grouped_gemm.GROUP_ROWS: the kernels' layout contract
@@ -185,8 +186,14 @@ def group_scales(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, amax_e
     compiled graph fuses the maxima into x's producer."""
     rows, depth = x.shape
     groups = ends.shape[0]
-    tile_amax = x.detach().reshape(rows // GROUP_ROWS, GROUP_ROWS, depth).abs().amax(
-        dim=(1, 2)).float()
+    x = x.detach()
+    bits = magnitude_bits(x)  # (x's own values where the maxima fuse into its producer)
+    if bits is None:
+        tile_amax = x.reshape(rows // GROUP_ROWS, GROUP_ROWS, depth).abs().amax(dim=(1, 2))
+    else:
+        tile_amax = bits.reshape(rows // GROUP_ROWS, GROUP_ROWS, depth).amax(dim=(1, 2))
+        tile_amax = maximum_of_bits(tile_amax, x.dtype)
+    tile_amax = tile_amax.float()
     member = (tile_groups(ends, rows)[None, :]
               == torch.arange(groups, device=x.device)[:, None])
     amax = torch.where(member, tile_amax[None, :], 0.0).amax(dim=1)
