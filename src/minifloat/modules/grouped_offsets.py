@@ -19,8 +19,8 @@ The casts (`group_scales` with `cast_groups`, and `cast_stacked_weights`): per-t
 scaling, each expert's rows and each expert's weight a tensor of its own: the bytes and scales
 of numerics' quantize_current_scaling on that expert's rows alone (what the general path
 quantizes), in two ops (`grouped_rows_cast`, `stacked_weights_cast`): where the kernels run,
-kernels/grouped_cast.py for the rows (both copies in one launch; the groups' maxima and scales
-in torch ops before it, numerics' scale_from_amax) and the multi-tensor launch pair for the
+kernels/grouped_cast.py for the rows (both copies in one launch; the groups' maxima in torch
+ops before it, their scales in the per_tensor_scales op) and the multi-tensor launch pair for the
 experts' weights (the lean path's); elsewhere torch ops (a clamp and one conversion:
 `saturating_encode`). The columnwise copies of per-tensor FP8 are the rowwise bytes transposed
 (NUMERICS.md §2).
@@ -44,7 +44,7 @@ from ..numerics.formats import fp8_format
 from ..numerics.per_tensor import scale_from_amax
 from ..quantizers.base import kernel_module
 from .expert_rows import pair_positions
-from .input_recast import magnitude_bits, maximum_of_bits
+from .input_recast import magnitude_bits, maximum_of_bits, per_tensor_scales
 from .op_define import define_op
 
 GROUP_ROWS = 128  # kernels.grouped_gemm.GROUP_ROWS: the kernels' layout contract
@@ -180,10 +180,11 @@ stacked_weights_cast = define_op("stacked_weights_cast", _weights_cast, _weights
 
 
 def group_scales(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, amax_epsilon: float,
-                 power_2_scale: bool) -> torch.Tensor:
-    """Each group's current-scaling scale [E] fp32 from the maximum of its rows (NaN in a
-    group gives that group NaN's scale, as the per-tensor cast does), in torch ops: a
-    compiled graph fuses the maxima into x's producer."""
+                 power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, scale_inv) [E] fp32: each group's current-scaling scale from the maximum of its
+    rows (NaN in a group gives that group NaN's scale, as the per-tensor cast does), and its
+    reciprocal. The maxima in torch ops (a compiled graph fuses them into x's producer), the
+    scales in the per_tensor_scales op."""
     rows, depth = x.shape
     groups = ends.shape[0]
     x = x.detach()
@@ -197,8 +198,9 @@ def group_scales(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, amax_e
     member = (tile_groups(ends, rows)[None, :]
               == torch.arange(groups, device=x.device)[:, None])
     amax = torch.where(member, tile_amax[None, :], 0.0).amax(dim=1)
-    return scale_from_amax(amax, fp8_format(dtype).max_value, amax_epsilon=amax_epsilon,
-                           power_2_scale=power_2_scale)
+    # an op: inductor's division and reciprocal need not be correctly rounded (H200: compiled
+    # group scales an ulp off eager's)
+    return per_tensor_scales(amax, dtype == torch.float8_e5m2, amax_epsilon, power_2_scale)
 
 
 def cast_groups(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor,
@@ -293,12 +295,11 @@ class GroupedOffsetsFP8(torch.autograd.Function):
         eps, power_2 = casts.amax_epsilon, casts.power_2_scale
         # backward reads x^T's bytes for wgrad, each W_g^T's for dgrad (or what makes them
         # again: x with forward's scales, the weights, which the cast takes its maxima from)
-        x_scale = group_scales(x, ends, casts.input_dtype, eps, power_2)
+        x_scale, x_scale_inv = group_scales(x, ends, casts.input_dtype, eps, power_2)
         x_bytes, x_t = cast_groups(x, ends, casts.input_dtype, x_scale,
                                    columnwise=need_wgrad and not save_original)
         w_bytes, w_t, w_scale_inv = cast_stacked_weights(
             weight, casts.weight_dtype, eps, power_2, columnwise=need_dgrad and not rebuild)
-        x_scale_inv = torch.reciprocal(x_scale)
         y = grouped_rows_gemm(x_bytes, w_bytes, x_scale_inv, w_scale_inv, ends, x.dtype, False)
         x_kept = (x.detach() if save_original else x_t) if need_wgrad else None
         w_kept = (weight.detach() if rebuild else w_t) if need_dgrad else None
@@ -315,10 +316,9 @@ class GroupedOffsetsFP8(torch.autograd.Function):
         casts = ctx.casts
         eps, power_2 = casts.amax_epsilon, casts.power_2_scale
         dy = grad_output.contiguous()
-        dy_scale = group_scales(dy, ends, casts.grad_dtype, eps, power_2)
+        dy_scale, dy_scale_inv = group_scales(dy, ends, casts.grad_dtype, eps, power_2)
         dy_bytes, dy_t = cast_groups(dy, ends, casts.grad_dtype, dy_scale,
                                      rowwise=ctx.need_dgrad, columnwise=ctx.need_wgrad)
-        dy_scale_inv = torch.reciprocal(dy_scale)
         grad_x = grad_weight = None
         if ctx.need_dgrad:
             w_t = w_kept
