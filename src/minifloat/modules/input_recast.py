@@ -93,14 +93,16 @@ def maximum_of_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def tensor_maximum(x2d: torch.Tensor) -> torch.Tensor:
-    """max|x2d| as a 0-d fp32 tensor in torch ops (0 for an empty tensor), of x2d's values
-    (magnitude_bits: also where a compiled graph fuses it into x2d's producer)."""
+    """max|x2d| as a 0-d fp32 tensor in torch ops (0 for an empty tensor).
+
+    Plain abs().amax(), not over magnitude_bits: inductor's whole-tensor maximum fused into a
+    bf16 producer equalled the stored tensor's on an H200 (BENCHMARKS.md, twenty-fifth
+    session), and the bit view's ops are ones the min-cut partitioner does not recompute, so a
+    low-memory compiled step kept the inputs' FP8 copies for backward instead
+    (tests/compile/test_compile_memory.py)."""
     if x2d.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x2d.device)
-    bits = magnitude_bits(x2d)
-    if bits is None:
-        return torch.amax(x2d.abs()).float()
-    return maximum_of_bits(torch.amax(bits), x2d.dtype)
+    return torch.amax(x2d.abs()).float()
 
 
 def per_tensor_cast(x2d: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float = 0.0,
