@@ -173,3 +173,30 @@ def test_grouped_cast_writes_each_groups_reference_bytes(fp8_dtype, dtype):
         assert wrong.numel() == 0, (f"group {group}: {len(wrong)} bytes differ, first at rows "
                                     f"{wrong[:4].tolist()} (x {x[piece][tuple(wrong[0])]})")
     assert torch.equal(data_t, data.t())
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("power_2_scale", [False, True])
+@pytest.mark.parametrize("amax_epsilon", [0.0, 1e-3])
+def test_scales_of_many_amaxes_in_one_launch(fp8_dtype, power_2_scale, amax_epsilon):
+    """kernels/amax.scales_from_amax over one amax per expert (the MoE group scales' op)
+    against numerics.scale_from_amax and torch.reciprocal: ordinary maxima, 0, inf, NaN, one
+    below the epsilon, tiny ones whose scale overflows to FLT_MAX (a subnormal reciprocal),
+    FLT_MAX; a 0-d amax keeps its shape."""
+    from minifloat.kernels import amax as amax_kernels
+    from minifloat.numerics.formats import fp8_format
+    from minifloat.numerics.per_tensor import scale_from_amax
+
+    g = torch.Generator().manual_seed(9)
+    amax = torch.cat([torch.rand(37, generator=g) * 1e3,
+                      torch.tensor([0.0, float("inf"), float("nan"), 5e-4, 1e-40, 2e-45,
+                                    torch.finfo(torch.float32).max])])
+    scale, scale_inv = amax_kernels.scales_from_amax(amax.to(DEVICE), fp8_dtype == FP8[1],
+                                                     amax_epsilon, power_2_scale)
+    want = scale_from_amax(amax, fp8_format(fp8_dtype).max_value, amax_epsilon=amax_epsilon,
+                           power_2_scale=power_2_scale)
+    assert torch.equal(scale.cpu(), want)
+    assert torch.equal(scale_inv.cpu(), torch.reciprocal(want))
+    one, one_inv = amax_kernels.scales_from_amax(amax[3].to(DEVICE), False, amax_epsilon,
+                                                 power_2_scale)
+    assert one.shape == one_inv.shape == ()

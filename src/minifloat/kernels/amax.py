@@ -10,6 +10,7 @@ cleared is larger than +inf, so a NaN anywhere gives a NaN amax, as numerics.com
 from __future__ import annotations
 
 import torch
+import triton
 
 from .fp8_common import (
     _sm_count,
@@ -154,21 +155,33 @@ def compute_amax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 
 
 @jit
-def _scales_kernel(amax_ptr, scale_ptr, scale_inv_ptr, eps, E5M2: tl.constexpr,
-                   POW2: tl.constexpr):
-    scale = scale_from_amax(tl.load(amax_ptr), eps, E5M2, POW2, 0x7F7FFFFF)
-    tl.store(scale_ptr, scale)
-    tl.store(scale_inv_ptr, reciprocal_rn(scale))
+def _scales_kernel(amax_ptr, scale_ptr, scale_inv_ptr, eps, count, BLOCK: tl.constexpr,
+                   E5M2: tl.constexpr, POW2: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < count
+    scale = scale_from_amax(tl.load(amax_ptr + offsets, mask=mask, other=1.0), eps, E5M2, POW2,
+                            0x7F7FFFFF)
+    tl.store(scale_ptr + offsets, scale, mask=mask)
+    tl.store(scale_inv_ptr + offsets, reciprocal_rn(scale), mask=mask)
+
+
+MAX_SCALES = 4096  # amaxes one scales_from_amax launch takes (one program)
 
 
 def scales_from_amax(amax: torch.Tensor, e5m2: bool, amax_epsilon: float,
                      power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, scale_inv) of per-tensor current scaling for a 1-element fp32 amax, in one
-    launch: numerics.scale_from_amax and torch.reciprocal, with the cast kernels' rule
-    (current_scale). For a cast made elsewhere (input_recast.py), where a dozen small torch
-    ops would otherwise compute it."""
-    scale = torch.empty((), dtype=torch.float32, device=amax.device)
-    scale_inv = torch.empty((), dtype=torch.float32, device=amax.device)
-    launch(_scales_kernel, (1,), amax, scale, scale_inv, float32_value(amax_epsilon),
-           E5M2=e5m2, POW2=power_2_scale, num_warps=1)
+    """(scale, scale_inv), amax's shape, of per-tensor current scaling for each fp32 amax (one,
+    or one per tensor: a MoE's experts; at most MAX_SCALES), in one launch:
+    numerics.scale_from_amax and torch.reciprocal, with the cast kernels' rule
+    (current_scale). For a cast made elsewhere (input_recast.py, grouped_offsets.py), where a
+    dozen small torch ops would otherwise compute it."""
+    count = amax.numel()
+    if count > MAX_SCALES:
+        raise ValueError(f"scales_from_amax: {count} amaxes, at most {MAX_SCALES} in one launch")
+    scale = torch.empty(amax.shape, dtype=torch.float32, device=amax.device)
+    scale_inv = torch.empty(amax.shape, dtype=torch.float32, device=amax.device)
+    launch(_scales_kernel, (1,), amax.contiguous(), scale, scale_inv,
+           float32_value(amax_epsilon), count,
+           BLOCK=max(16, triton.next_power_of_2(count)), E5M2=e5m2, POW2=power_2_scale,
+           num_warps=1)
     return scale, scale_inv

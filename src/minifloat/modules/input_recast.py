@@ -42,18 +42,15 @@ def fp8_dtype_of(e5m2: bool) -> torch.dtype:
 def _per_tensor_scales_impl(amax: torch.Tensor, e5m2: bool, amax_epsilon: float,
                             power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, scale_inv) of per-tensor current scaling for `amax` (0-d, or one per tensor: a
-    MoE's experts): the reference's arithmetic, in one kernel launch where the kernels run and
-    amax is one value.
+    MoE's experts): the reference's arithmetic, in one kernel launch where the kernels run.
 
     An op of its own, opaque to inductor, because inductor's code for a division or a
     reciprocal need not be correctly rounded (Triton's fp32 `/` is approximate), and a scale
     one ulp off changes every byte of the copy. A Library op (op_define), not a custom_op:
     custom_op's per-call output check cost the compiled FSDP2 step ~20 ms of host time in its
     160 calls (BENCHMARKS.md, twentieth session)."""
-    if kernels.available(amax) and amax.numel() == 1:
-        scale, scale_inv = kernel_module("amax").scales_from_amax(amax, e5m2, amax_epsilon,
-                                                                  power_2_scale)
-        return scale.reshape(amax.shape), scale_inv.reshape(amax.shape)
+    if kernels.available(amax):
+        return kernel_module("amax").scales_from_amax(amax, e5m2, amax_epsilon, power_2_scale)
     fp8_max = numerics.fp8_format(fp8_dtype_of(e5m2)).max_value
     scale = numerics.scale_from_amax(amax, fp8_max, amax_epsilon=amax_epsilon,
                                      power_2_scale=power_2_scale)
