@@ -10,8 +10,9 @@ Rows per projection (gate_up: x [R, D] -> [R, 2F]; down: [R, F] -> [R, D]):
   fprop  bf16 _grouped_mm | _scaled_grouped_mm E4M3 | Triton E4M3 x E4M3 (fast accumulation)
   dgrad  bf16 _grouped_mm | Triton E5M2 x E4M3 (split accumulation)
   wgrad  bf16 _grouped_mm (2d x 2d) | Triton E5M2 x E4M3 (split accumulation)
+  cast   the grouped cast of x and of dy (both copies) as a share of a bf16 copy's bandwidth
 Each: median of --repeats launches timed by CUDA events, after --warmup; TFLOP/s counts the
-routed rows only (2 * pairs * in * out).
+routed rows only (2 * pairs * in * out). --sweep adds other GEMM and cast tiles.
 
 Usage: python benchmarks/grouped_gemm_bench.py [--tokens 8192] [--top-k 2] [--experts 8]
            [--hidden 2048] [--ffn 4096] [--out FILE.json]
@@ -96,6 +97,32 @@ def projection_rows(name: str, rows: int, pairs: int, ends: torch.Tensor, expert
     return results
 
 
+def cast_rows(name: str, rows: int, ends: torch.Tensor, experts: int, width: int, warmup: int,
+              repeats: int, tile: tuple[int, int, int] | None = None) -> list[dict]:
+    """The grouped cast of a [rows, width] bf16 operand (both copies: 2 bytes read, 1 + 1
+    written per element) against a bf16 copy of it (2 + 2: the same bytes moved)."""
+    from minifloat.kernels import grouped_cast  # imports triton: CUDA machines only
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(rows, width, device="cuda", generator=g, dtype=torch.bfloat16)
+    scales = torch.full((experts,), 3.0, device="cuda")
+    default = grouped_cast.CUDA_TILE
+    grouped_cast.CUDA_TILE = tile or default
+    try:
+        cast_ms = timed_ms(lambda: grouped_cast.grouped_cast(
+            x, scales, ends, E4M3, rowwise=True, columnwise=True), warmup, repeats)
+    finally:
+        grouped_cast.CUDA_TILE = default
+    copy_ms = timed_ms(lambda: x.clone(), warmup, repeats)
+    label = "triton grouped cast" + (f" tile {tile[0]}x{tile[1]} w{tile[2]}" if tile else "")
+    return [dict(projection=name, gemm="cast", kernel=label, ms=round(cast_ms, 4),
+                 of_copy=round(copy_ms / cast_ms, 3), copy_ms=round(copy_ms, 4))]
+
+
+# grouped cast tiles: (BLOCK_M dividing 128, BLOCK_K, warps)
+CAST_SWEEP = [(128, 64, 4), (128, 128, 8), (64, 128, 4), (32, 128, 4)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
@@ -122,6 +149,13 @@ def main(argv: list[str] | None = None) -> int:
                                       ("down", args.ffn, args.hidden)):
         results += projection_rows(name, rows, pairs, layout.ends, args.experts, width_in,
                                    width_out, args.warmup, args.repeats)
+    # the operands the experts' casts read: x of each projection, and its gradient dy
+    cast_widths = {"x gate_up": args.hidden, "x down": args.ffn,
+                   "dy gate_up": 2 * args.ffn, "dy down": args.hidden}
+    for tile in [None, *(CAST_SWEEP if args.sweep else ())]:
+        for name, width in cast_widths.items():
+            results += cast_rows(name, rows, layout.ends, args.experts, width, args.warmup,
+                                 args.repeats, tile)
     from minifloat.kernels import grouped_gemm
 
     default_tiles = grouped_gemm._tiles
@@ -140,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.tokens} tokens x "
           f"top-{args.top_k} over {args.experts} experts ({rows} padded rows), d {args.hidden},"
           f" ffn {args.ffn}\n")
-    print("| projection | GEMM | kernel | ms | TFLOP/s |\n|---|---|---|---:|---:|")
+    print("| projection | GEMM | kernel | ms | TFLOP/s or of copy |\n|---|---|---|---:|---:|")
     for row in results:
         print(f"| {row['projection']} | {row['gemm']} | {row['kernel']} | "
-              f"{row.get('ms', row.get('error', ''))} | {row.get('tflops', '')} |")
+              f"{row.get('ms', row.get('error', ''))} | "
+              f"{row.get('tflops', row.get('of_copy', ''))} |")
     if args.out:
         args.out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(),
                                             torch=torch.__version__, args=vars(args) | dict(

@@ -25,6 +25,10 @@ from .fp8_common import fp8_codes, is_e5m2
 from .grouped_gemm import group_of_block
 from .launch import launch
 
+# (BLOCK_M, BLOCK_K, warps) on CUDA; BLOCK_M divides 128 (the layout contract).
+# benchmarks/grouped_gemm_bench.py --sweep times others against a copy of the same bytes.
+CUDA_TILE = (64, 64, 4)
+
 
 @triton.jit
 def _grouped_cast_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, ends_ptr, rows, depth,
@@ -68,10 +72,10 @@ def grouped_cast(x: torch.Tensor, scale: torch.Tensor, ends: torch.Tensor,
     data = torch.empty(rows, depth, dtype=torch.uint8, device=x.device) if rowwise else None
     data_t = torch.empty(depth, rows, dtype=torch.uint8, device=x.device) if columnwise else None
     view, bf16_bits = kernel_view(x)
-    block_m, block_k = (64, 64) if x.is_cuda else (32, 32)
+    block_m, block_k, warps = CUDA_TILE if x.is_cuda else (32, 32, 4)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(depth, block_k))
     launch(_grouped_cast_kernel, grid, view, data if rowwise else data_t,
-           data_t if columnwise else data, scale, ends, rows, depth, num_warps=4,
+           data_t if columnwise else data, scale, ends, rows, depth, num_warps=warps,
            GROUPS=groups, GROUPS_POW2=triton.next_power_of_2(groups), BLOCK_M=block_m,
            BLOCK_K=block_k, BF16_BITS=bf16_bits, E5M2=is_e5m2(fp8_dtype), HW_CAST=x.is_cuda,
            ROWWISE=rowwise, COLUMNWISE=columnwise)
