@@ -107,12 +107,14 @@ def test_device_offsets_equal_the_general_path(offsets_calls, recipe, empty_expe
     assert [t.shape for t in saved] == [(32, 640), (4, 32, 96), (48, 640), (4, 48, 32)]
 
 
-def test_saved_bytes_are_each_experts_own_current_scaling_cast():
+@pytest.mark.parametrize("weight_rows", [32, GROUP_ROWS])
+def test_saved_bytes_are_each_experts_own_current_scaling_cast(weight_rows):
     """The input's columnwise bytes of each expert's rows equal numerics' cast of those rows
     alone (transposed), and the weight copy each expert's own cast: an independent computation
-    with no padding, no grouping and no other expert's rows."""
+    with no padding, no grouping and no other expert's rows. (Weights of N in whole 128s are
+    cast as one matrix's rows, their transposed copy one [K, E * N] matrix.)"""
     torch.manual_seed(2)
-    weight = torch.randn(3, 32, 64)
+    weight = torch.randn(3, weight_rows, 64)
     counts = [GROUP_ROWS, 0, 2 * GROUP_ROWS]
     x = torch.zeros(sum(counts), 64)
     real = {0: 100, 2: 130}  # real rows per expert, the rest zero padding
@@ -299,3 +301,28 @@ def test_memory_options_keep_the_originals_and_compute_the_same(recipe):
     for results in (got, got_both):
         for a, b in zip(results, want, strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n", [48, GROUP_ROWS])
+def test_weights_cast_op_lays_out_what_its_fake_says(n):
+    """The stacked weights' cast op: the fake implementation gives the real copies' shapes and
+    strides (inductor asserts them), whichever layout the shapes choose, and the bytes are each
+    expert's own cast in both copies."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from minifloat.modules import grouped_offsets
+
+    weight = torch.randn(3, n, 32, generator=torch.Generator().manual_seed(4))
+    real = grouped_offsets.stacked_weights_cast(weight, torch.float8_e4m3fn, 0.0, False, True,
+                                                True)
+    with FakeTensorMode() as mode:
+        fake = grouped_offsets.stacked_weights_cast(mode.from_tensor(weight),
+                                                    torch.float8_e4m3fn, 0.0, False, True, True)
+    for r, f in zip(real, fake, strict=True):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+    data, data_t, scale_inv = real
+    for e in range(3):
+        want, want_scale_inv = quantize_current_scaling(weight[e], torch.float8_e4m3fn)
+        assert torch.equal(data[e].view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(data_t[e].t().view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(scale_inv[e], want_scale_inv)
