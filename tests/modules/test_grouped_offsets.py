@@ -326,3 +326,30 @@ def test_weights_cast_op_lays_out_what_its_fake_says(n):
         assert torch.equal(data[e].view(torch.uint8), want.view(torch.uint8))
         assert torch.equal(data_t[e].t().view(torch.uint8), want.view(torch.uint8))
         assert torch.equal(scale_inv[e], want_scale_inv)
+
+
+def test_one_grouped_gemm_under_inductor_equals_eager_with_the_strided_weight_copy():
+    """Inductor (which asserts the ops' output strides against their fake implementations)
+    on one device-offsets GEMM whose weight N is in whole 128s: the weights' transposed copy is
+    one [K, E * N] matrix read through strides in dgrad. Outputs and gradients bitwise eager's."""
+    torch.manual_seed(0)
+    experts, hidden, tokens = 4, 64, 50
+    index = torch.stack([torch.randperm(experts)[:2] for _ in range(tokens)])
+    layout = routing_layout(index, experts, tokens)
+    x = torch.randn(layout.source.shape[0], hidden)
+    x[layout.pair_of_row == 2 * tokens] = 0  # padding rows hold zeros
+    weight = torch.randn(experts, GROUP_ROWS, hidden)
+    casts = fused_experts_module.OffsetsCasts(torch.float8_e4m3fn, torch.float8_e4m3fn,
+                                              torch.float8_e5m2, 0.0, False)
+
+    def gemm(x, weight):
+        return GroupedOffsetsFP8.apply(x, weight, layout.ends, casts, True, True, False, False)
+
+    results = []
+    for fn in (gemm, torch.compile(gemm, fullgraph=True)):
+        xi, wi = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        y = fn(xi, wi)
+        y.backward(torch.ones_like(y))
+        results.append((y, xi.grad, wi.grad))
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
