@@ -5,7 +5,8 @@ saved bytes against numerics' per-tensor current-scaling cast of each expert's r
 outputs and gradients against the general path (one LinearGemms per expert GEMM, host-side
 splits). Then what a compiled model needs: a transformers Mixtral traces with fullgraph=True,
 computes bitwise what the eager device path computes, and a new routing does not recompile.
-Recipes the path does not serve (delayed scaling, MXFP8) keep the host-counts path.
+Recipes and shapes the path does not serve keep the host-counts path (delayed scaling:
+test_grouped_offsets_delayed.py).
 """
 
 from __future__ import annotations

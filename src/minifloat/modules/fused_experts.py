@@ -13,16 +13,17 @@ Where a format's blocks run along the rows (MXFP8 32, NVFP4 16), or on CUDA wher
 needs whole row groups (scaled_mm 16, blockwise 128), each expert's rows are padded with zero
 rows to the multiple (exact: a zero row changes no amax and its output is dropped). Unpadded,
 an H200 ran most expert GEMMs of a Mixtral decoded and emulated: 2.5x slower than bf16.
-Under per-tensor FP8 current scaling, MXFP8 and FP8 block scaling (power-of-2 scales) the
-experts run on the device-offsets path (grouped_offsets.py, grouped_offsets_blocks.py): the
-routing layout, the casts and the grouped GEMMs take the groups as a device tensor, nothing is
-read on the host, so the module traces into a compiled graph (fullgraph) and an eager step does
-not wait for the GPU. MINIFLOAT_MOE_OFFSETS picks where:
+Under per-tensor FP8 current scaling, MXFP8, FP8 block scaling (power-of-2 scales) and delayed
+scaling (experts' output widths in whole 128s, no memory options) the experts run on the
+device-offsets path (grouped_offsets.py, grouped_offsets_blocks.py,
+grouped_offsets_delayed.py): the routing layout, the casts and the grouped GEMMs take the
+groups as a device tensor, nothing is read on the host, so the module traces into a compiled
+graph (fullgraph) and an eager step does not wait for the GPU. MINIFLOAT_MOE_OFFSETS picks where:
 `compiled` (the default: under torch.compile; eagerly the lean path below), `always`, `never`.
 
-Otherwise (delayed scaling, NVFP4, shapes whose blocks would cross experts) the token counts
-per expert are read on the host, as transformers' own loop does; so
-under torch.compile that path runs eagerly (torch.compiler.disable: one graph break at the
+Otherwise (NVFP4, shapes whose blocks would cross experts, delayed scaling where the above
+does not hold) the token counts per expert are read on the host, as transformers' own loop
+does; so under torch.compile that path runs eagerly (torch.compiler.disable: one graph break at the
 call, no recompile per routing). Under per-tensor FP8 (current or delayed scaling), eagerly,
 each grouped GEMM takes the lean grouped path (lean_grouped_fp8.py: one grouped FP8 GEMM in
 forward); everything else runs the experts' GEMMs through run_gemms.
@@ -39,13 +40,14 @@ from itertools import accumulate
 import torch
 from torch import nn
 
-from ..autocast import active_token
+from ..autocast import active_token, get_autocast_state
 from . import lean_grouped_fp8
 from .base import QuantizedModule, bind_live_modules
 from .expert_rows import CombineRows, DispatchRows, pair_positions
 from .gemm_op import GemmBinding
-from .grouped_offsets import GroupedOffsetsFP8, OffsetsCasts, routing_layout
+from .grouped_offsets import GroupedOffsetsFP8, OffsetsCasts, routing_layout, rows_cast_weights
 from .grouped_offsets_blocks import GroupedOffsetsBlocks, OffsetsBlocks, offsets_blocks
+from .grouped_offsets_delayed import GroupedOffsetsDelayed, OffsetsDelayed, offsets_delayed
 from .lean_fp8 import LeanPlan
 from .lean_grouped_fp8 import LeanGroupedFP8
 from .linear_function import BACKWARD_SLOTS, FORWARD_SLOTS
@@ -109,6 +111,8 @@ class FusedExperts(QuantizedModule):
             plan = offsets_blocks([forward[len(FORWARD_SLOTS) * g] for g in gemms],
                                   [forward[len(FORWARD_SLOTS) * g + 1] for g in gemms],
                                   [backward[len(BACKWARD_SLOTS) * g] for g in gemms])
+        if plan is None:
+            plan = offsets_delayed(binding.lean_plans, binding.recipe_states)
         # (a module unpickled from before this cache existed gets one here)
         self.__dict__.setdefault("_offsets_plans", {})[token] = plan
         return binding
@@ -125,19 +129,24 @@ class FusedExperts(QuantizedModule):
 
         function = GroupedOffsetsFP8 if isinstance(plan, OffsetsCasts) else GroupedOffsetsBlocks
 
-        def experts_gemm(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            return function.apply(inputs, weight, layout.ends, plan,
-                                  grad and inputs.requires_grad, grad and weight.requires_grad,
+        def experts_gemm(inputs: torch.Tensor, weight: torch.Tensor, part: int) -> torch.Tensor:
+            need_dgrad, need_wgrad = grad and inputs.requires_grad, grad and weight.requires_grad
+            if isinstance(plan, OffsetsDelayed):  # the binding's recipe-state tensors
+                state = self._compiled_args[active_token()][1]
+                return GroupedOffsetsDelayed.apply(inputs, weight, layout.ends, plan,
+                                                   part * self.num_experts, need_dgrad,
+                                                   need_wgrad, *state)
+            return function.apply(inputs, weight, layout.ends, plan, need_dgrad, need_wgrad,
                                   self.rebuild_weight_copy_in_backward,
                                   self.save_original_input)
 
-        gate, up = experts_gemm(x, self.gate_up_proj).chunk(2, dim=-1)
-        out = experts_gemm(self.act_fn(gate) * up, self.down_proj)
+        gate, up = experts_gemm(x, self.gate_up_proj, 0).chunk(2, dim=-1)
+        out = experts_gemm(self.act_fn(gate) * up, self.down_proj, 1)
         return CombineRows.apply(out, top_k_weights, layout.pair_row, layout.pair_of_row,
                                  hidden_states.dtype)
 
     def _device_offsets_plan(self, x: torch.Tensor, pairs: int
-                             ) -> OffsetsCasts | OffsetsBlocks | None:
+                             ) -> OffsetsCasts | OffsetsBlocks | OffsetsDelayed | None:
         """The device-offsets path's plan for this call (FP8 current scaling's casts, or the
         block formats'), or None: its mode, outside autocast, another recipe, inside
         quantize_weights_once, a small-M call that runs dequantized weights, or operands the
@@ -162,6 +171,12 @@ class FusedExperts(QuantizedModule):
                 return None
             if isinstance(plan, OffsetsBlocks) and not blocks_fit(plan, x, weight):
                 return None
+            if isinstance(plan, OffsetsDelayed) and not rows_cast_weights(*weight.shape):
+                return None
+        if isinstance(plan, OffsetsDelayed) and (
+                self.rebuild_weight_copy_in_backward or self.save_original_input
+                or get_autocast_state().recompute_record is not None):
+            return None  # the host-count path's general GEMMs serve these
         return plan
 
     # The host-counts path: eager under torch.compile too (one graph break at the call, the

@@ -110,17 +110,17 @@ def tile_groups(ends: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(ends, starts, right=True)
 
 
-def _cast_kernels_serve(x: torch.Tensor) -> bool:
+def cast_kernels_serve(x: torch.Tensor) -> bool:
     return kernels.available(x) and x.is_contiguous() and x.dtype in (
         torch.float32, torch.bfloat16, torch.float16)
 
 
-def _rows_cast(x: torch.Tensor, scale: torch.Tensor, ends: torch.Tensor,
+def rows_cast(x: torch.Tensor, scale: torch.Tensor, ends: torch.Tensor,
                fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool) -> list[torch.Tensor]:
     """[bytes [R, D] if rowwise, their transpose [D, R] if columnwise]: the rows of group g
     cast with scale[g]; kernels/grouped_cast.py (one launch, both copies) where the kernels
     run."""
-    if _cast_kernels_serve(x):
+    if cast_kernels_serve(x):
         data, data_t = kernel_module("grouped_cast").grouped_cast(
             x, scale, ends, fp8_dtype, rowwise=rowwise, columnwise=columnwise)
     else:
@@ -148,7 +148,7 @@ def rows_cast_weights(experts: int, n: int, k: int) -> bool:
     return n % GROUP_ROWS == 0 and experts * n * k < 2**31
 
 
-def _weights_t(data: torch.Tensor) -> torch.Tensor:
+def weights_transposed(data: torch.Tensor) -> torch.Tensor:
     """Each expert's transpose [E, K, N] of bytes [E, N, K], laid out as rows_cast_weights'
     cast writes it: one [K, E * N] matrix (expert e's columns e * N .. (e + 1) * N)."""
     experts, n, k = data.shape
@@ -164,7 +164,7 @@ def _weights_cast(weight: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: fl
     time a call in a compiled Mixtral step on an H200), else the multi-tensor pair."""
     experts, n, k = weight.shape
     as_rows = rows_cast_weights(experts, n, k)
-    if _cast_kernels_serve(weight) and as_rows:
+    if cast_kernels_serve(weight) and as_rows:
         # the inf-norm is max|w| in one reduction (no |w| temporary); NaN propagates
         amax = torch.linalg.vector_norm(weight, float("inf"), dim=(1, 2), dtype=torch.float32)
         scale, scale_inv = per_tensor_scales(amax, fp8_dtype == torch.float8_e5m2,
@@ -175,7 +175,7 @@ def _weights_cast(weight: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: fl
             columnwise=columnwise)
         data = data.view(experts, n, k) if rowwise else None
         data_t = data_t.view(k, experts, n).permute(1, 0, 2) if columnwise else None
-    elif _cast_kernels_serve(weight):
+    elif cast_kernels_serve(weight):
         stacked = kernel_module("multi_tensor").quantize_current_scaling_stacked(
             list(weight.unbind(0)), fp8_dtype, amax_epsilon=amax_epsilon,
             power_2_scale=power_2_scale, rowwise=rowwise, columnwise=columnwise)
@@ -188,7 +188,7 @@ def _weights_cast(weight: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: fl
         scale = scale_from_amax(amax, fp8_format(fp8_dtype).max_value,
                                 amax_epsilon=amax_epsilon, power_2_scale=power_2_scale)
         data = saturating_encode(weight.float() * scale[:, None, None], fp8_dtype)
-        data_t = ((_weights_t(data) if as_rows else data.transpose(1, 2).contiguous())
+        data_t = ((weights_transposed(data) if as_rows else data.transpose(1, 2).contiguous())
                   if columnwise else None)
         scale_inv = torch.reciprocal(scale)
     return [t for t, wanted in ((data, rowwise), (data_t, columnwise)) if wanted] + [scale_inv]
@@ -208,16 +208,13 @@ def _weights_cast_fake(weight: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilo
 
 # Ops: a compiled graph runs the kernels too (its own fused code would make the transposed
 # copies in a second pass, as graph_casts.py found for the per-tensor casts)
-grouped_rows_cast = define_op("grouped_rows_cast", _rows_cast, _rows_cast_fake)
+grouped_rows_cast = define_op("grouped_rows_cast", rows_cast, _rows_cast_fake)
 stacked_weights_cast = define_op("stacked_weights_cast", _weights_cast, _weights_cast_fake)
 
 
-def group_scales(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, amax_epsilon: float,
-                 power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, scale_inv) [E] fp32: each group's current-scaling scale from the maximum of its
-    rows (NaN in a group gives that group NaN's scale, as the per-tensor cast does), and its
-    reciprocal. The maxima in torch ops (a compiled graph fuses them into x's producer), the
-    scales in the per_tensor_scales op."""
+def group_maxima(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """max|rows| of each group [E] fp32 (NaN propagating; 0 for an empty group), in torch ops:
+    a compiled graph fuses them into x's producer."""
     rows, depth = x.shape
     groups = ends.shape[0]
     x = x.detach()
@@ -230,10 +227,18 @@ def group_scales(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, amax_e
     tile_amax = tile_amax.float()
     member = (tile_groups(ends, rows)[None, :]
               == torch.arange(groups, device=x.device)[:, None])
-    amax = torch.where(member, tile_amax[None, :], 0.0).amax(dim=1)
-    # an op: inductor's division and reciprocal need not be correctly rounded (H200: compiled
-    # group scales an ulp off eager's)
-    return per_tensor_scales(amax, dtype == torch.float8_e5m2, amax_epsilon, power_2_scale)
+    return torch.where(member, tile_amax[None, :], 0.0).amax(dim=1)
+
+
+def group_scales(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, amax_epsilon: float,
+                 power_2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, scale_inv) [E] fp32: each group's current-scaling scale from the maximum of its
+    rows (group_maxima; NaN in a group gives that group NaN's scale, as the per-tensor cast
+    does), and its reciprocal, in the per_tensor_scales op: inductor's division and
+    reciprocal need not be correctly rounded (H200: compiled group scales an ulp off
+    eager's)."""
+    return per_tensor_scales(group_maxima(x, ends), dtype == torch.float8_e5m2, amax_epsilon,
+                             power_2_scale)
 
 
 def cast_groups(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor,

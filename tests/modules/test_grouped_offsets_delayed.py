@@ -1,0 +1,122 @@
+"""Delayed scaling on the device-offsets experts (modules/grouped_offsets_delayed.py), CPU.
+
+Against the host-count path's general GEMMs (one Float8Quantizer per expert slot): the
+outputs, the gradients and the recipe state (scales and amax histories, forward and backward)
+after three steps (the forward state bitwise); a compiled Mixtral under DelayedScaling in one graph
+(fullgraph=True) computing what the eager device path computes; the cases the path leaves to
+the host-count path.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import minifloat as mf
+from minifloat.modules import fused_experts as fused_experts_module
+from minifloat.modules.grouped_offsets_delayed import GroupedOffsetsDelayed
+from modules.test_any_token_count import fused_experts
+from modules.test_grouped_offsets import counting_calls
+from modules.test_lean_grouped_fp8 import routed
+from training._reference import rel_err
+
+RECIPE = mf.DelayedScaling(amax_history_len=4)
+
+
+@pytest.fixture
+def delayed_calls(monkeypatch):
+    return counting_calls(monkeypatch, GroupedOffsetsDelayed)
+
+
+def three_steps(experts, mode, recipe=RECIPE, hidden=128):
+    """Outputs and gradients of three steps, then the module's recipe-state tensors. (Each
+    module's steps run back to back: autocast's round at the next exit updates the backward
+    states noted in the previous one.)"""
+    results = []
+    for seed in range(3):
+        x, index, weights, dy = routed(tokens=40, hidden=hidden, experts=4, seed=seed)
+        x.requires_grad_(True)
+        with fused_experts_module.offsets_mode(mode), mf.autocast(recipe=recipe):
+            y = experts(x, index, weights)
+        y.backward(dy)
+        results += [y.detach(), x.grad, *(p.grad.clone() for p in experts.parameters())]
+        experts.zero_grad(set_to_none=True)
+    forward, backward = experts._recipe_states[recipe]
+    state = [forward.scale, forward.amax_history, backward.scale, backward.amax_history]
+    return results, [t.clone() for t in state]
+
+
+@pytest.mark.parametrize("fp8_format", [mf.Format.HYBRID, mf.Format.E4M3])
+def test_delayed_device_offsets_equal_the_general_path_and_its_state(delayed_calls,
+                                                                     fp8_format):
+    recipe = mf.DelayedScaling(amax_history_len=4, fp8_format=fp8_format)
+    torch.manual_seed(0)
+    experts = fused_experts(4, 128, 64)  # N: gate_up 128, down 128 (whole 128s)
+    general = copy.deepcopy(experts)
+    got, got_state = three_steps(experts, "always", recipe)
+    assert len(delayed_calls) == 6, "both grouped GEMMs of every step on device offsets"
+    want, want_state = three_steps(general, "never", recipe)
+    assert len(delayed_calls) == 6
+    # the GEMMs sum in their own orders (bitwise alike on the CPU's reference, within fp32
+    # roundings under the Triton interpreter's kernels); the forward state's maxima are of
+    # the same inputs and weights, so exact
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) < 1e-5
+    assert torch.equal(got_state[0], want_state[0]) and torch.equal(got_state[1], want_state[1])
+    for a, b in zip(got_state[2:], want_state[2:], strict=True):
+        assert rel_err(a, b) < 1e-5
+    assert got_state[3][0].gt(0).any(), "backward amaxes recorded"
+
+
+def test_shapes_and_options_it_does_not_serve_keep_the_host_counts_path(delayed_calls):
+    torch.manual_seed(0)
+    three_steps(fused_experts(4, 32, 48), "always", hidden=32)  # N 96 and 32: not whole 128s
+    experts = fused_experts(4, 128, 64)
+    mf.save_original_inputs(experts)
+    three_steps(experts, "always")
+    assert delayed_calls == []
+
+
+def test_compiled_mixtral_under_delayed_scaling_in_one_graph():
+    """fullgraph=True (the host-count path is a torch.compiler.disable'd call, which it
+    refuses), loss and gradients bitwise the eager device path's, no recompile on a new
+    routing, and the experts' amaxes recorded by the compiled step."""
+    transformers = pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    from models.test_transformers import SMALL, not_head
+
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **{**SMALL, "hidden_size": 128, "num_hidden_layers": 1}, num_local_experts=4,
+        num_experts_per_tok=2))
+    mf.convert_model(model, filter_fn=not_head)
+    eager = copy.deepcopy(model)
+
+    def step(module, tokens):
+        with mf.autocast(recipe=RECIPE):
+            loss = module(tokens, labels=tokens).loss
+        loss.backward()
+        return loss.detach()
+
+    first, second = (torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(s))
+                     for s in (1, 5))
+    with fused_experts_module.offsets_mode("always"):
+        want = step(eager, first)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    got = step(compiled, first)
+    assert torch.equal(got, want)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), name
+    experts = model.model.layers[0].mlp.experts
+    forward, backward = experts._recipe_states[RECIPE]
+    assert forward.amax_history.abs().sum() > 0 and backward.amax_history[0].gt(0).any()
+    graphs = counters["stats"]["unique_graphs"]
+    step(compiled, second)
+    assert counters["stats"]["unique_graphs"] == graphs == 1
