@@ -134,3 +134,31 @@ def test_block_formats_compile_with_fullgraph(recipe):
     got = step(torch.compile(experts, fullgraph=True), *inputs, recipe, "compiled")
     errors = [relative_error(a, b) for a, b in zip(got, want, strict=True)]
     assert max(errors) < 5e-2, errors
+
+
+@pytest.mark.parametrize("fp8_format", [mf.Format.HYBRID, mf.Format.E4M3])
+def test_delayed_device_offsets_against_the_general_path(fp8_format):
+    """grouped_offsets_delayed.py on CUDA (the grouped cast kernel with the slots' scales, the
+    Triton GEMMs) against the host-count path's general GEMMs, each on its own copy of the
+    module for two steps: the forward recipe state bitwise (the same inputs and weights), the
+    outputs, gradients and backward state within the GEMMs' summation order."""
+    import copy
+
+    recipe = mf.DelayedScaling(amax_history_len=4, fp8_format=fp8_format)
+    torch.manual_seed(0)
+    device_path = fused_experts(8, 256, 512, device="cuda").to(torch.bfloat16)
+    general = copy.deepcopy(device_path)
+    results = {}
+    for module, mode in ((device_path, "always"), (general, "never")):
+        outputs = []
+        for seed in range(2):
+            outputs += step(module, *routed(999, 8, 256, seed=seed), recipe, mode)
+        forward, backward = module._recipe_states[recipe]
+        results[mode] = (outputs, [forward.scale.clone(), forward.amax_history.clone(),
+                                   backward.scale.clone(), backward.amax_history.clone()])
+    (got, got_state), (want, want_state) = results["always"], results["never"]
+    errors = [relative_error(a, b) for a, b in zip(got, want, strict=True)]
+    assert max(errors) < (5e-2 if fp8_format == mf.Format.HYBRID else 1e-2), errors
+    assert torch.equal(got_state[0], want_state[0])
+    assert torch.equal(got_state[1], want_state[1])
+    assert relative_error(got_state[3], want_state[3]) < 1e-2

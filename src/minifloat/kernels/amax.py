@@ -10,7 +10,6 @@ cleared is larger than +inf, so a NaN anywhere gives a NaN amax, as numerics.com
 from __future__ import annotations
 
 import torch
-import triton
 
 from .fp8_common import (
     _sm_count,
@@ -182,6 +181,6 @@ def scales_from_amax(amax: torch.Tensor, e5m2: bool, amax_epsilon: float,
     scale_inv = torch.empty(amax.shape, dtype=torch.float32, device=amax.device)
     launch(_scales_kernel, (1,), amax.contiguous(), scale, scale_inv,
            float32_value(amax_epsilon), count,
-           BLOCK=max(16, triton.next_power_of_2(count)), E5M2=e5m2, POW2=power_2_scale,
+           BLOCK=max(16, 1 << (count - 1).bit_length()), E5M2=e5m2, POW2=power_2_scale,
            num_warps=1)
     return scale, scale_inv
