@@ -205,12 +205,14 @@ def test_offsets_mode_refuses_an_unknown_mode():
 
 
 @pytest.mark.parametrize("recipe,hidden", [(HYBRID, 64), (mf.MXFP8BlockScaling(), 64),
-                                           (mf.Float8BlockScaling(), 128)],
-                         ids=["fp8-current", "mxfp8", "block"])
+                                           (mf.Float8BlockScaling(), 128),
+                                           (mf.DelayedScaling(amax_history_len=4), 128)],
+                         ids=["fp8-current", "mxfp8", "block", "delayed"])
 def test_compiled_mixtral_traces_the_experts_in_one_graph_and_does_not_recompile(recipe, hidden):
     """fullgraph=True (a host read of the token counts would break it), the same loss and
     gradients as the eager device path bitwise, and a second routing reuses the graph.
-    (Block FP8's 2-D weight tiles need the experts' N = hidden in whole 128s.)"""
+    (Block FP8's 2-D weight tiles, and delayed scaling's weight casts, need the experts'
+    N = hidden in whole 128s; delayed scaling's experts record their amaxes.)"""
     transformers = pytest.importorskip("transformers")
     from torch._dynamo.utils import counters
 
@@ -242,6 +244,9 @@ def test_compiled_mixtral_traces_the_experts_in_one_graph_and_does_not_recompile
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None:
             assert torch.equal(p.grad, q.grad), name
+    if isinstance(recipe, mf.DelayedScaling):
+        forward, backward = model.model.layers[0].mlp.experts._recipe_states[recipe]
+        assert forward.amax_history.abs().sum() > 0 and backward.amax_history[0].gt(0).any()
     graphs = counters["stats"]["unique_graphs"]
     step(compiled, second)
     assert counters["stats"]["unique_graphs"] == graphs == 1

@@ -2,9 +2,8 @@
 
 Against the host-count path's general GEMMs (one Float8Quantizer per expert slot): the
 outputs, the gradients and the recipe state (scales and amax histories, forward and backward)
-after three steps (the forward state bitwise); a compiled Mixtral under DelayedScaling in one graph
-(fullgraph=True) computing what the eager device path computes; the cases the path leaves to
-the host-count path.
+after three steps (the forward state bitwise); the cases the path leaves to the host-count
+path. (A compiled Mixtral under DelayedScaling in one graph: test_grouped_offsets.py.)
 """
 
 from __future__ import annotations
@@ -78,45 +77,3 @@ def test_shapes_and_options_it_does_not_serve_keep_the_host_counts_path(delayed_
     three_steps(experts, "always")
     assert delayed_calls == []
 
-
-def test_compiled_mixtral_under_delayed_scaling_in_one_graph():
-    """fullgraph=True (the host-count path is a torch.compiler.disable'd call, which it
-    refuses), loss and gradients bitwise the eager device path's, no recompile on a new
-    routing, and the experts' amaxes recorded by the compiled step."""
-    transformers = pytest.importorskip("transformers")
-    from torch._dynamo.utils import counters
-
-    from models.test_transformers import SMALL, not_head
-
-    torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        **{**SMALL, "hidden_size": 128, "num_hidden_layers": 1}, num_local_experts=4,
-        num_experts_per_tok=2))
-    mf.convert_model(model, filter_fn=not_head)
-    eager = copy.deepcopy(model)
-
-    def step(module, tokens):
-        with mf.autocast(recipe=RECIPE):
-            loss = module(tokens, labels=tokens).loss
-        loss.backward()
-        return loss.detach()
-
-    first, second = (torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(s))
-                     for s in (1, 5))
-    with fused_experts_module.offsets_mode("always"):
-        want = step(eager, first)
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    got = step(compiled, first)
-    assert torch.equal(got, want)
-    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            assert torch.equal(p.grad, q.grad), name
-    experts = model.model.layers[0].mlp.experts
-    forward, backward = experts._recipe_states[RECIPE]
-    assert forward.amax_history.abs().sum() > 0 and backward.amax_history[0].gt(0).any()
-    graphs = counters["stats"]["unique_graphs"]
-    step(compiled, second)
-    assert counters["stats"]["unique_graphs"] == graphs == 1
