@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     index = torch.stack([torch.randperm(args.experts, generator=g)[:args.top_k]
                          for _ in range(args.tokens)]).cuda()
-    layout = routing_layout(index, args.experts, args.tokens)
-    rows, pairs = layout.source.shape[0], args.tokens * args.top_k
+    layout = routing_layout(index, args.experts)
+    rows, pairs = layout.pair_of_row.shape[0], args.tokens * args.top_k
     results = []
     for name, width_in, width_out in (("gate_up", args.hidden, 2 * args.ffn),
                                       ("down", args.ffn, args.hidden)):

@@ -18,7 +18,7 @@ def indexing_form(hidden, rows_fn, weights, layout, top_k):
     """The expert path as torch indexing: rows = hidden's tokens (zero row for padding), the
     per-row function, each pair's row weighted, index_add_ into its token."""
     tokens = hidden.shape[0]
-    rows = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])[layout.source]
+    rows = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])[layout.pair_of_row // top_k]
     out = rows_fn(rows)
     pairs = torch.arange(tokens * top_k)
     token, slot = pairs // top_k, pairs % top_k
@@ -46,7 +46,7 @@ def test_top2_equals_the_indexing_form_bitwise(weights_dtype):
     the same bf16 values; every gradient likewise (each is one product or one dot product)."""
     tokens, experts, hidden_size, top_k = 37, 5, 24, 2
     index, g = routing(tokens, experts, top_k)
-    layout = routing_layout(index, experts, tokens)
+    layout = routing_layout(index, experts)
     hidden = torch.randn(tokens, hidden_size, generator=g).to(torch.bfloat16)
     weights = torch.rand(tokens, top_k, generator=g).to(weights_dtype)
     mix = torch.randn(hidden_size, hidden_size, generator=g).to(torch.bfloat16)
@@ -61,7 +61,7 @@ def test_top4_within_one_rounding_of_the_indexing_form():
     """top_k 4: the sum is rounded once instead of after each add (closer to the exact sum)."""
     tokens, experts, hidden_size, top_k = 29, 8, 16, 4
     index, g = routing(tokens, experts, top_k, seed=1)
-    layout = routing_layout(index, experts, tokens)
+    layout = routing_layout(index, experts)
     hidden = torch.randn(tokens, hidden_size, generator=g, dtype=torch.float64)
     weights = torch.rand(tokens, top_k, generator=g, dtype=torch.float64)
     mix = torch.randn(hidden_size, hidden_size, generator=g, dtype=torch.float64)
@@ -77,8 +77,8 @@ def test_top4_within_one_rounding_of_the_indexing_form():
 def test_padding_rows_get_no_gradient_and_a_nan_stays():
     tokens, experts, hidden_size, top_k = 9, 3, 8, 2
     index, g = routing(tokens, experts, top_k, seed=2)
-    layout = routing_layout(index, experts, tokens)
-    rows = torch.randn(layout.source.shape[0], hidden_size, generator=g, requires_grad=True)
+    layout = routing_layout(index, experts)
+    rows = torch.randn(layout.pair_of_row.shape[0], hidden_size, generator=g, requires_grad=True)
     weights = torch.rand(tokens, top_k, generator=g)
     weights[4, 1] = float("nan")
     out = CombineRows.apply(rows, weights, layout.pair_row, layout.pair_of_row, torch.float32)
@@ -91,7 +91,7 @@ def test_padding_rows_get_no_gradient_and_a_nan_stays():
 def test_compiles_in_one_graph_and_matches_eager():
     tokens, experts, hidden_size, top_k = 21, 4, 16, 2
     index, g = routing(tokens, experts, top_k, seed=3)
-    layout = routing_layout(index, experts, tokens)
+    layout = routing_layout(index, experts)
     hidden = torch.randn(tokens, hidden_size, generator=g)
     weights = torch.rand(tokens, top_k, generator=g)
     mix = torch.randn(hidden_size, hidden_size, generator=g)

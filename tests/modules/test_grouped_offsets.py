@@ -66,16 +66,17 @@ def test_layout_puts_each_pair_in_its_experts_padded_rows(index_dtype):
     index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     index[index == 3] = 4  # expert 3 gets nothing
     index[:, 1] = torch.where(index[:, 1] == index[:, 0], (index[:, 0] + 1) % 3, index[:, 1])
-    layout = routing_layout(index.to(index_dtype), experts, tokens)
+    layout = routing_layout(index.to(index_dtype), experts)
     rows = padded_rows(tokens * top_k, experts)
-    assert layout.source.shape == (rows,) and rows % GROUP_ROWS == 0
+    source = layout.pair_of_row // top_k  # the token each row copies (tokens: padding)
+    assert source.shape == (rows,) and rows % GROUP_ROWS == 0
     ends = layout.ends.tolist()
     assert ends[-1] == rows and all(end % GROUP_ROWS == 0 for end in ends)
     counts = torch.bincount(index.reshape(-1), minlength=experts).tolist()
     starts = [0, *ends[:-1]]
     for e in range(experts):  # each expert's tokens, in token order, then zero rows (tokens)
         mine = [t for t in range(tokens) for k in range(top_k) if index[t, k] == e]
-        block = layout.source[starts[e]:ends[e]].tolist()
+        block = source[starts[e]:ends[e]].tolist()
         assert block[:counts[e]] == mine
         assert all(row == tokens for row in block[counts[e]:])
         assert ends[e] - starts[e] == (-(-counts[e] // GROUP_ROWS) * GROUP_ROWS
@@ -83,11 +84,11 @@ def test_layout_puts_each_pair_in_its_experts_padded_rows(index_dtype):
     # pair p (token p // top_k, slot p % top_k) sits in one row, which names it back; the rows
     # that hold no pair are padding
     pairs = torch.arange(tokens * top_k)
-    assert torch.equal(layout.source[layout.pair_row], pairs // top_k)
+    assert torch.equal(source[layout.pair_row], pairs // top_k)
     assert torch.equal(layout.pair_of_row[layout.pair_row], pairs)
     padding = torch.ones(rows, dtype=torch.bool).index_fill_(0, layout.pair_row, False)
     assert (layout.pair_of_row[padding] == tokens * top_k).all()
-    assert (layout.source[padding] == tokens).all()
+    assert (source[padding] == tokens).all()
 
 
 @pytest.mark.parametrize("recipe", [HYBRID, E4M3], ids=["hybrid", "e4m3"])
@@ -341,8 +342,8 @@ def test_one_grouped_gemm_under_inductor_equals_eager_with_the_strided_weight_co
     torch.manual_seed(0)
     experts, hidden, tokens = 4, 64, 50
     index = torch.stack([torch.randperm(experts)[:2] for _ in range(tokens)])
-    layout = routing_layout(index, experts, tokens)
-    x = torch.randn(layout.source.shape[0], hidden)
+    layout = routing_layout(index, experts)
+    x = torch.randn(layout.pair_of_row.shape[0], hidden)
     x[layout.pair_of_row == 2 * tokens] = 0  # padding rows hold zeros
     weight = torch.randn(experts, GROUP_ROWS, hidden)
     casts = fused_experts_module.OffsetsCasts(torch.float8_e4m3fn, torch.float8_e4m3fn,

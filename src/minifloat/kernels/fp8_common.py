@@ -194,7 +194,15 @@ def cvt_sat_rne_fp8(y, E5M2: tl.constexpr):
             "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
             "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
             "=r,r,r,r,r", [y], dtype=tl.uint8, is_pure=True, pack=4)
-    bits = y.to(tl.int32, bitcast=True)
+    return with_nan_codes(y, codes)
+
+
+@jit
+def with_nan_codes(x, codes):
+    """`codes` with the contract's NaN byte (0x7F | the sign of x) wherever fp32 x is NaN.
+    A cast of a product x * scale passes x itself: a GPU product of NaN is the canonical
+    (positive) NaN, whatever x's sign."""
+    bits = x.to(tl.int32, bitcast=True)
     nan_code = (((bits >> 24) & 0x80) | 0x7F).to(tl.uint8)
     return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, nan_code, codes)
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .element_cast import kernel_view, load_as_float
-from .fp8_common import fp8_codes, is_e5m2
+from .fp8_common import fp8_codes, is_e5m2, with_nan_codes
 from .grouped_gemm import group_of_block
 from .launch import launch
 
@@ -45,12 +45,8 @@ def _grouped_cast_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, ends_ptr, rows,
                       BF16_BITS)
     group = tl.minimum(group_of_block(ends_ptr, pid_m * BLOCK_M, GROUPS, GROUPS_POW2),
                        GROUPS - 1)
-    codes = fp8_codes(x * tl.load(scale_ptr + group), E5M2, HW_CAST)
-    # a GPU product of a NaN is the canonical (positive) NaN: the contract's NaN byte keeps the
-    # sign of the input, so it is taken from x's bits
-    bits = x.to(tl.int32, bitcast=True)
-    codes = tl.where((bits & 0x7FFFFFFF) > 0x7F800000,
-                     (((bits >> 24) & 0x80) | 0x7F).to(tl.uint8), codes)
+    # the NaN byte keeps the sign of x, not of the product (with_nan_codes says why)
+    codes = with_nan_codes(x, fp8_codes(x * tl.load(scale_ptr + group), E5M2, HW_CAST))
     if ROWWISE:
         tl.store(data_ptr + offs_m[:, None].to(tl.int64) * depth + offs_k[None, :], codes,
                  mask=mask)

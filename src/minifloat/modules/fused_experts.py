@@ -45,7 +45,13 @@ from . import lean_grouped_fp8
 from .base import QuantizedModule, bind_live_modules
 from .expert_rows import CombineRows, DispatchRows, pair_positions
 from .gemm_op import GemmBinding
-from .grouped_offsets import GroupedOffsetsFP8, OffsetsCasts, routing_layout, rows_cast_weights
+from .grouped_offsets import (
+    GroupedOffsetsFP8,
+    OffsetsCasts,
+    routing_layout,
+    rows_cast_weights,
+    uniform_dtypes,
+)
 from .grouped_offsets_blocks import GroupedOffsetsBlocks, OffsetsBlocks, offsets_blocks
 from .grouped_offsets_delayed import GroupedOffsetsDelayed, OffsetsDelayed, offsets_delayed
 from .lean_fp8 import LeanPlan
@@ -101,8 +107,8 @@ class FusedExperts(QuantizedModule):
 
     def binding(self, token: int) -> GemmBinding:
         """QuantizedModule's binding, and with it this recipe's device-offsets plan (FP8
-        current scaling's casts, the block formats', or None), kept per recipe token so that a
-        compiled forward reads a constant."""
+        current scaling's casts, the block formats', delayed scaling's dtypes, or None), kept
+        per recipe token so that a compiled forward reads a constant."""
         binding = super().binding(token)
         plan = offsets_casts(binding.lean_plans)
         if plan is None:
@@ -123,7 +129,7 @@ class FusedExperts(QuantizedModule):
         if plan is None:
             return self._forward_host_counts(hidden_states, top_k_index, top_k_weights)
         top_k = top_k_index.shape[-1]
-        layout = routing_layout(top_k_index, self.num_experts, hidden_states.shape[0])
+        layout = routing_layout(top_k_index, self.num_experts)
         x = DispatchRows.apply(hidden_states, layout.pair_of_row, layout.pair_row, top_k)
         grad = torch.is_grad_enabled()
 
@@ -147,10 +153,10 @@ class FusedExperts(QuantizedModule):
 
     def _device_offsets_plan(self, x: torch.Tensor, pairs: int
                              ) -> OffsetsCasts | OffsetsBlocks | OffsetsDelayed | None:
-        """The device-offsets path's plan for this call (FP8 current scaling's casts, or the
-        block formats'), or None: its mode, outside autocast, another recipe, inside
-        quantize_weights_once, a small-M call that runs dequantized weights, or operands the
-        path does not take."""
+        """The device-offsets path's plan for this call (FP8 current scaling's casts, the block
+        formats', delayed scaling's dtypes), or None: its mode, outside autocast, another
+        recipe, inside quantize_weights_once, a small-M call that runs dequantized weights, or
+        operands the path does not take."""
         compiling = torch.compiler.is_compiling()
         if OFFSETS_MODE == "never" or (OFFSETS_MODE == "compiled" and not compiling):
             return None
@@ -232,21 +238,15 @@ class FusedExperts(QuantizedModule):
 def offsets_casts(plans: list[LeanPlan | None]) -> OffsetsCasts | None:
     """The device-offsets path's casts when every expert GEMM of both parts has a lean plan of
     current scaling with one setting per operand (every expert and part alike), else None."""
-    if not plans or any(plan is None for plan in plans):
+    dtypes = uniform_dtypes(plans, delayed=False)
+    if dtypes is None:
         return None
-    first = plans[0]
     settings = {(cast.amax_epsilon, cast.power_2_scale) for plan in plans
                 for cast in (plan.input, plan.weight, plan.grad_output)}
-    for plan in plans:
-        for slot in ("input", "weight", "grad_output"):
-            cast = getattr(plan, slot)
-            if cast.scale is not None or cast.fp8_dtype != getattr(first, slot).fp8_dtype:
-                return None
     if len(settings) != 1:
         return None
     (amax_epsilon, power_2_scale), = settings
-    return OffsetsCasts(first.input.fp8_dtype, first.weight.fp8_dtype,
-                        first.grad_output.fp8_dtype, amax_epsilon, power_2_scale)
+    return OffsetsCasts(*dtypes, amax_epsilon, power_2_scale)
 
 
 def blocks_fit(blocks: OffsetsBlocks, x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -63,12 +63,28 @@ class OffsetsCasts(NamedTuple):
 
 class RoutingLayout(NamedTuple):
     """Where each routed (token, slot) pair sits in the padded, expert-sorted rows (pair p is
-    token p // top_k's slot p % top_k; expert_rows.py moves the rows by these gathers)."""
+    token p // top_k's slot p % top_k, so row r copies token pair_of_row[r] // top_k, the
+    zero row T for padding; expert_rows.py moves the rows by these gathers)."""
 
-    source: torch.Tensor  # [R] the token each row copies (tokens: the zero row)
     pair_row: torch.Tensor  # [pairs] the row of each pair
     pair_of_row: torch.Tensor  # [R] the pair each row holds (pairs: a padding row)
     ends: torch.Tensor  # [E] int32: group g is rows [ends[g-1], ends[g])
+
+
+def uniform_dtypes(plans: list, delayed: bool) -> tuple[torch.dtype, ...] | None:
+    """(input, weight, grad_output) FP8 dtypes when every expert GEMM has a lean plan
+    (lean_fp8.LeanPlan), all of delayed scaling (`delayed`) or all of current scaling, with one
+    dtype per operand (the grouped kernels read one per side), else None."""
+    if not plans or any(plan is None for plan in plans):
+        return None
+    slots = ("input", "weight", "grad_output")
+    dtypes = tuple(getattr(plans[0], slot).fp8_dtype for slot in slots)
+    for plan in plans:
+        for slot, dtype in zip(slots, dtypes, strict=True):
+            cast = getattr(plan, slot)
+            if (cast.scale is not None) != delayed or cast.fp8_dtype != dtype:
+                return None
+    return dtypes
 
 
 def padded_rows(pairs: int, experts: int) -> int:
@@ -76,9 +92,8 @@ def padded_rows(pairs: int, experts: int) -> int:
     return -(-(pairs + experts * (GROUP_ROWS - 1)) // GROUP_ROWS) * GROUP_ROWS
 
 
-def routing_layout(top_k_index: torch.Tensor, experts: int, tokens: int) -> RoutingLayout:
+def routing_layout(top_k_index: torch.Tensor, experts: int) -> RoutingLayout:
     """The padded layout of `top_k_index`'s routing [tokens, top_k], on its device."""
-    top_k = top_k_index.shape[-1]
     chosen = top_k_index.reshape(-1).long()  # (a router may give int32 indices)
     pairs = chosen.numel()
     order = torch.argsort(chosen, stable=True)
@@ -92,7 +107,7 @@ def routing_layout(top_k_index: torch.Tensor, experts: int, tokens: int) -> Rout
     rows = padded_rows(pairs, experts)
     pair_row, pair_of_row = pair_positions(order, real, rows)
     ends = torch.cat([padded_ends[:-1], padded_ends.new_full((1,), rows)]).to(torch.int32)
-    return RoutingLayout(pair_of_row // top_k, pair_row, pair_of_row, ends)
+    return RoutingLayout(pair_row, pair_of_row, ends)
 
 
 def saturating_encode(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -148,6 +163,23 @@ def rows_cast_weights(experts: int, n: int, k: int) -> bool:
     return n % GROUP_ROWS == 0 and experts * n * k < 2**31
 
 
+def weight_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' weights [E, N, K] as rows [E * N, K] and each expert's row end [E] int32:
+    the grouped cast's operands where rows_cast_weights holds."""
+    experts, n, k = weight.shape
+    ends = torch.arange(n, experts * n + 1, n, dtype=torch.int32, device=weight.device)
+    return weight.reshape(experts * n, k), ends
+
+
+def expert_copies(data: torch.Tensor | None, data_t: torch.Tensor | None,
+                  shape: torch.Size) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The grouped cast's copies of weight_rows back as the experts': bytes [E, N, K], and
+    each expert's transpose [E, K, N] over the one [K, E * N] matrix the cast wrote."""
+    experts, n, k = shape
+    return (None if data is None else data.view(experts, n, k),
+            None if data_t is None else data_t.view(k, experts, n).permute(1, 0, 2))
+
+
 def weights_transposed(data: torch.Tensor) -> torch.Tensor:
     """Each expert's transpose [E, K, N] of bytes [E, N, K], laid out as rows_cast_weights'
     cast writes it: one [K, E * N] matrix (expert e's columns e * N .. (e + 1) * N)."""
@@ -169,12 +201,9 @@ def _weights_cast(weight: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: fl
         amax = torch.linalg.vector_norm(weight, float("inf"), dim=(1, 2), dtype=torch.float32)
         scale, scale_inv = per_tensor_scales(amax, fp8_dtype == torch.float8_e5m2,
                                              amax_epsilon, power_2_scale)
-        ends = torch.arange(n, experts * n + 1, n, dtype=torch.int32, device=weight.device)
-        data, data_t = kernel_module("grouped_cast").grouped_cast(
-            weight.view(experts * n, k), scale, ends, fp8_dtype, rowwise=rowwise,
-            columnwise=columnwise)
-        data = data.view(experts, n, k) if rowwise else None
-        data_t = data_t.view(k, experts, n).permute(1, 0, 2) if columnwise else None
+        rows, ends = weight_rows(weight)
+        data, data_t = expert_copies(*kernel_module("grouped_cast").grouped_cast(
+            rows, scale, ends, fp8_dtype, rowwise=rowwise, columnwise=columnwise), weight.shape)
     elif cast_kernels_serve(weight):
         stacked = kernel_module("multi_tensor").quantize_current_scaling_stacked(
             list(weight.unbind(0)), fp8_dtype, amax_epsilon=amax_epsilon,
@@ -212,11 +241,18 @@ grouped_rows_cast = define_op("grouped_rows_cast", rows_cast, _rows_cast_fake)
 stacked_weights_cast = define_op("stacked_weights_cast", _weights_cast, _weights_cast_fake)
 
 
+def _groups_of_tiles(tile_amax: torch.Tensor, ends: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each group's maximum [E] fp32 of its GROUP_ROWS-row tiles' maxima (0 when empty)."""
+    groups = ends.shape[0]
+    member = (tile_groups(ends, rows)[None, :]
+              == torch.arange(groups, device=ends.device)[:, None])
+    return torch.where(member, tile_amax.float()[None, :], 0.0).amax(dim=1)
+
+
 def group_maxima(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """max|rows| of each group [E] fp32 (NaN propagating; 0 for an empty group), in torch ops:
     a compiled graph fuses them into x's producer."""
     rows, depth = x.shape
-    groups = ends.shape[0]
     x = x.detach()
     bits = magnitude_bits(x)  # (x's own values where the maxima fuse into its producer)
     if bits is None:
@@ -224,10 +260,16 @@ def group_maxima(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     else:
         tile_amax = bits.reshape(rows // GROUP_ROWS, GROUP_ROWS, depth).amax(dim=(1, 2))
         tile_amax = maximum_of_bits(tile_amax, x.dtype)
-    tile_amax = tile_amax.float()
-    member = (tile_groups(ends, rows)[None, :]
-              == torch.arange(groups, device=x.device)[:, None])
-    return torch.where(member, tile_amax[None, :], 0.0).amax(dim=1)
+    return _groups_of_tiles(tile_amax, ends, rows)
+
+
+def stored_group_maxima(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """group_maxima's values inside an op, where nothing fuses: one reduction over the stored
+    x (the inf-norm of each tile, NaN propagating), no |x| or bit-view temporary."""
+    rows, depth = x.shape
+    tile_amax = torch.linalg.vector_norm(x.reshape(rows // GROUP_ROWS, GROUP_ROWS, depth),
+                                         float("inf"), dim=(1, 2), dtype=torch.float32)
+    return _groups_of_tiles(tile_amax, ends, rows)
 
 
 def group_scales(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, amax_epsilon: float,

@@ -35,10 +35,13 @@ from ..autocast import note_delayed_use
 from ..recipe_state import DelayedScalingRecipeState
 from .gemm_op import _DELAYED_BY_STATE, detached_alias
 from .grouped_offsets import (
-    group_maxima,
+    expert_copies,
     grouped_reduction_gemm,
     grouped_rows_gemm,
     rows_cast,
+    stored_group_maxima,
+    uniform_dtypes,
+    weight_rows,
 )
 from .lean_fp8 import LeanPlan
 from .linear_function import BACKWARD_SLOTS, FORWARD_SLOTS
@@ -57,18 +60,10 @@ class OffsetsDelayed(NamedTuple):
 def offsets_delayed(plans: list[LeanPlan | None], recipe_states: tuple) -> OffsetsDelayed | None:
     """The delayed device path's dtypes when every expert GEMM has a delayed-scaling lean plan
     over DelayedScaling's own states, one FP8 dtype per operand, else None."""
-    if not plans or any(plan is None for plan in plans):
-        return None
     if any(type(state) is not DelayedScalingRecipeState for state in recipe_states):
         return None
-    first = plans[0]
-    for plan in plans:
-        for slot in ("input", "weight", "grad_output"):
-            cast = getattr(plan, slot)
-            if cast.scale is None or cast.fp8_dtype != getattr(first, slot).fp8_dtype:
-                return None
-    return OffsetsDelayed(first.input.fp8_dtype, first.weight.fp8_dtype,
-                          first.grad_output.fp8_dtype)
+    dtypes = uniform_dtypes(plans, delayed=True)
+    return None if dtypes is None else OffsetsDelayed(*dtypes)
 
 
 def _slots(first_slot: int, stride: int, groups: int, device: torch.device) -> torch.Tensor:
@@ -86,7 +81,7 @@ def _delayed_cast(x: torch.Tensor, scale_state: torch.Tensor, amax_state: torch.
     scale = scale_state[slots]
     copies = rows_cast(x, scale, ends, fp8_dtype, rowwise, columnwise)
     record = detached_alias(amax_state)
-    record[0, slots] = torch.maximum(record[0, slots], group_maxima(x, ends))
+    record[0, slots] = torch.maximum(record[0, slots], stored_group_maxima(x, ends))
     if note_use:
         pair = _DELAYED_BY_STATE.get(scale_state.data_ptr())
         if pair is not None:
@@ -105,23 +100,18 @@ def _delayed_cast_fake(x, scale_state, amax_state, ends, first_slot, stride, fp8
 grouped_delayed_cast = define_op("grouped_delayed_cast", _delayed_cast, _delayed_cast_fake)
 
 
-def _weight_ends(experts: int, n: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(n, experts * n + 1, n, dtype=torch.int32, device=device)
-
-
 def _cast_weights(weight: torch.Tensor, scale_state: torch.Tensor, amax_state: torch.Tensor,
                   gemm: int, dtype: torch.dtype, *, rowwise: bool, columnwise: bool
                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """The experts' weights [E, N, K] as the rows of one matrix (rows_cast_weights): bytes
     [E, N, K], each expert's transpose [E, K, N] over one [K, E * N] matrix, scale_inv [E]."""
-    experts, n, k = weight.shape
-    copies = iter(grouped_delayed_cast(
-        weight.detach().reshape(experts * n, k), scale_state, amax_state,
-        _weight_ends(experts, n, weight.device), len(FORWARD_SLOTS) * gemm + 1,
-        len(FORWARD_SLOTS), dtype, rowwise, columnwise, False))
-    data = next(copies).view(experts, n, k) if rowwise else None
-    data_t = next(copies).view(k, experts, n).permute(1, 0, 2) if columnwise else None
-    return data, data_t, next(copies)
+    rows, ends = weight_rows(weight.detach())
+    copies = iter(grouped_delayed_cast(rows, scale_state, amax_state, ends,
+                                       len(FORWARD_SLOTS) * gemm + 1, len(FORWARD_SLOTS), dtype,
+                                       rowwise, columnwise, False))
+    data = next(copies) if rowwise else None
+    data_t = next(copies) if columnwise else None
+    return (*expert_copies(data, data_t, weight.shape), next(copies))
 
 
 class GroupedOffsetsDelayed(torch.autograd.Function):
