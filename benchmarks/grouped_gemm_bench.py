@@ -35,9 +35,16 @@ from minifloat.modules.grouped_offsets import routing_layout  # noqa: E402
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-# (BLOCK_M <= 128 and BLOCK_K dividing 128: the layout contract) x warps x stages
+# the rows kernel (fprop, dgrad): (BLOCK_M <= 128 and BLOCK_K dividing 128: the layout
+# contract) x warps x stages
 SWEEP = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5),
          (128, 128, 64, 8, 5), (64, 256, 128, 8, 4)]
+# the wgrad kernel: (BLOCK_M, BLOCK_N, BLOCK_K 128: the split accumulator's interval, warps,
+# stages) x launch order (groups outermost or innermost: grouped_gemm.REDUCTION_GROUP_MAJOR)
+WGRAD_SWEEP = [((128, 128, 128, 8, 4), False), ((128, 128, 128, 8, 4), True),
+               ((128, 128, 128, 8, 3), True), ((128, 128, 128, 8, 5), True),
+               ((128, 256, 128, 16, 3), True), ((256, 128, 128, 16, 3), True),
+               ((128, 256, 128, 8, 3), True)]
 
 
 def timed_ms(fn, warmup: int, repeats: int) -> float:
@@ -55,7 +62,9 @@ def timed_ms(fn, warmup: int, repeats: int) -> float:
 
 
 def projection_rows(name: str, rows: int, pairs: int, ends: torch.Tensor, experts: int,
-                    width_in: int, width_out: int, warmup: int, repeats: int) -> list[dict]:
+                    width_in: int, width_out: int, warmup: int, repeats: int,
+                    gemms: tuple[str, ...] = ("fprop", "dgrad", "wgrad"),
+                    triton_only: bool = False) -> list[dict]:
     from minifloat.kernels import grouped_gemm  # imports triton: CUDA machines only
 
     device = "cuda"
@@ -87,6 +96,8 @@ def projection_rows(name: str, rows: int, pairs: int, ends: torch.Tensor, expert
     }
     results = []
     for (gemm, kernel), fn in cases.items():
+        if gemm not in gemms or (triton_only and not kernel.startswith("triton")):
+            continue
         try:
             ms = timed_ms(fn, warmup, repeats)
         except Exception as error:  # noqa: BLE001 - a kernel a torch build lacks: say so
@@ -145,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = routing_layout(index, args.experts)
     rows, pairs = layout.pair_of_row.shape[0], args.tokens * args.top_k
     results = []
-    for name, width_in, width_out in (("gate_up", args.hidden, 2 * args.ffn),
-                                      ("down", args.ffn, args.hidden)):
+    projections = (("gate_up", args.hidden, 2 * args.ffn), ("down", args.ffn, args.hidden))
+    for name, width_in, width_out in projections:
         results += projection_rows(name, rows, pairs, layout.ends, args.experts, width_in,
                                    width_out, args.warmup, args.repeats)
     # the operands the experts' casts read: x of each projection, and its gradient dy
@@ -158,19 +169,28 @@ def main(argv: list[str] | None = None) -> int:
                                  args.repeats, tile)
     from minifloat.kernels import grouped_gemm
 
-    default_tiles = grouped_gemm._tiles
-    for tiles in SWEEP if args.sweep else ():
-        block_m, block_n, block_k, warps, stages = tiles
-        grouped_gemm._tiles = lambda _device, _stages, t=tiles: dict(
-            BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_K=t[2], num_warps=t[3], num_stages=t[4])
-        for name, width_in, width_out in (("gate_up", args.hidden, 2 * args.ffn),
-                                          ("down", args.ffn, args.hidden)):
+
+    def swept(label: str, gemms: tuple[str, ...]) -> None:
+        for name, width_in, width_out in projections:
             for row in projection_rows(name, rows, pairs, layout.ends, args.experts, width_in,
-                                       width_out, args.warmup, args.repeats):
-                if row["kernel"].startswith("triton"):
-                    row["kernel"] += f" tiles {block_m}x{block_n}x{block_k} w{warps} s{stages}"
-                    results.append(row)
-    grouped_gemm._tiles = default_tiles
+                                       width_out, args.warmup, args.repeats, gemms, True):
+                row["kernel"] += label
+                results.append(row)
+
+    default_tiles, default_order = grouped_gemm._tiles, grouped_gemm.REDUCTION_GROUP_MAJOR
+    try:
+        for tiles in SWEEP if args.sweep else ():
+            grouped_gemm._tiles = lambda _device, _stages, t=tiles: dict(
+                BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_K=t[2], num_warps=t[3], num_stages=t[4])
+            swept(" tiles {}x{}x{} w{} s{}".format(*tiles), ("fprop", "dgrad"))
+        for tiles, group_major in WGRAD_SWEEP if args.sweep else ():
+            grouped_gemm._tiles = lambda _device, _stages, t=tiles: dict(
+                BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_K=t[2], num_warps=t[3], num_stages=t[4])
+            grouped_gemm.REDUCTION_GROUP_MAJOR = group_major
+            order = "groups outermost" if group_major else "groups innermost"
+            swept(" tiles {}x{}x{} w{} s{}, ".format(*tiles) + order, ("wgrad",))
+    finally:
+        grouped_gemm._tiles, grouped_gemm.REDUCTION_GROUP_MAJOR = default_tiles, default_order
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.tokens} tokens x "
           f"top-{args.top_k} over {args.experts} experts ({rows} padded rows), d {args.hidden},"
           f" ffn {args.ffn}\n")

@@ -91,9 +91,12 @@ def _rows_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows
 def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, width_a,
                       width_b, stride_ai, stride_ar, stride_bj, stride_br, stride_og, stride_oi,
                       stride_oj, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, OUT_TYPE: tl.constexpr):
-    group = tl.program_id(0)
-    pid = tl.program_id(1)
+                      BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, OUT_TYPE: tl.constexpr,
+                      GROUP_MAJOR: tl.constexpr):
+    if GROUP_MAJOR:  # the blocks of one group run together (REDUCTION_GROUP_MAJOR)
+        pid, group = tl.program_id(0), tl.program_id(1)
+    else:
+        group, pid = tl.program_id(0), tl.program_id(1)
     n_blocks = tl.cdiv(width_b, BLOCK_N)
     pid_m, pid_n = pid // n_blocks, pid % n_blocks
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -122,6 +125,13 @@ def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr,
              mask=(offs_m[:, None] < width_a) & (offs_n[None, :] < width_b))
 
 
+# Launch order of the wgrad's output blocks: with the groups outermost, the blocks that run at
+# once share one group's operands in L2 (a wave of an H200's 132 blocks reads one group's
+# [W2, rows] operand and 8 row blocks of the other); with the groups innermost, a wave reads
+# every group's (the first version's order). grouped_gemm_bench.py --sweep times both.
+REDUCTION_GROUP_MAJOR = True
+
+
 def _tiles(device: torch.device, stages: int) -> dict[str, int]:
     """Block sizes and launch settings: 128 x 128 x 128 with 8 warps on a GPU, `stages` deep
     (benchmarks/grouped_gemm_bench.py --sweep on an H200 at Mixtral-style shapes: 3 fastest
@@ -131,6 +141,13 @@ def _tiles(device: torch.device, stages: int) -> dict[str, int]:
     if device.type == "cuda":
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=stages)
     return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
+
+
+def _reduction_tiles(device: torch.device) -> dict[str, int]:
+    """The wgrad kernel's tiles: _tiles' backward setting (its own function, so that
+    grouped_gemm_bench.py --sweep can time other blocks for it alone: its output dims are free
+    of the layout contract, which bounds only its BLOCK_K)."""
+    return _tiles(device, 4)
 
 
 def grouped_rows_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
@@ -160,13 +177,14 @@ def grouped_reduction_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.
     strides), scales fp32 [E], ends int32 [E]."""
     width_a, width_b, groups = a.shape[0], b.shape[0], ends.shape[0]
     out = torch.empty(groups, width_a, width_b, dtype=out_dtype, device=a.device)
-    tiles = _tiles(a.device, 4)
+    tiles = _reduction_tiles(a.device)
     stages = tiles.pop("num_stages")
     warps = tiles.pop("num_warps")
-    grid = (groups, triton.cdiv(width_a, tiles["BLOCK_M"]) * triton.cdiv(width_b,
-                                                                         tiles["BLOCK_N"]))
+    blocks = triton.cdiv(width_a, tiles["BLOCK_M"]) * triton.cdiv(width_b, tiles["BLOCK_N"])
+    grid = (blocks, groups) if REDUCTION_GROUP_MAJOR else (groups, blocks)
     launch(_reduction_kernel, grid, a, b, out, a_scale_inv, b_scale_inv, ends, width_a,
            width_b, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
            out.stride(1), out.stride(2), num_warps=warps, options=dict(num_stages=stages),
-           **tiles, PRECISE=precise, OUT_TYPE=_OUT_TYPES[out_dtype])
+           **tiles, PRECISE=precise, OUT_TYPE=_OUT_TYPES[out_dtype],
+           GROUP_MAJOR=REDUCTION_GROUP_MAJOR)
     return out
