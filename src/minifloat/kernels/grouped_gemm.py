@@ -22,6 +22,10 @@ Accumulation: fp32. `precise=False` lets sm90's FP8 MMA accumulate at its own pr
 (cuBLAS' fast accumulation, the forward's setting); `precise=True` promotes each BLOCK_K-deep
 (128) partial sum to the fp32 accumulator (the split accumulator the backward GEMMs use; every
 32 cost the dgrad 40% more time on an H200).
+
+The operands may also be bf16 holding exact values (NVFP4's blocks, E2M1 x UE4M3: the NVFP4
+experts, modules/grouped_offsets_nvfp4.py), the scales then the operands' global decode scales:
+the fp32 sum times a_scale * b_scale, one rounding, is the emulated NVFP4 GEMM (NUMERICS.md §6).
 """
 
 from __future__ import annotations
@@ -132,22 +136,24 @@ def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr,
 REDUCTION_GROUP_MAJOR = True
 
 
-def _tiles(device: torch.device, stages: int) -> dict[str, int]:
-    """Block sizes and launch settings: 128 x 128 x 128 with 8 warps on a GPU, `stages` deep
+def _tiles(device: torch.device, stages: int, element_size: int = 1) -> dict[str, int]:
+    """Block sizes and launch settings: 128 x 128 x 128 with 8 warps on a GPU (64 deep for
+    2-byte operands, the same shared memory a stage), `stages` deep
     (benchmarks/grouped_gemm_bench.py --sweep on an H200 at Mixtral-style shapes: 3 fastest
     for the fast-accumulating forward; for the split-accumulating backward GEMMs 4 beat 3 in
     one call, and 3-5 fell within the sweep's noise in the next), small blocks under the
     interpreter (the CPU tests)."""
     if device.type == "cuda":
-        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=stages)
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128 // element_size, num_warps=8,
+                    num_stages=stages)
     return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
 
 
-def _reduction_tiles(device: torch.device) -> dict[str, int]:
+def _reduction_tiles(device: torch.device, element_size: int = 1) -> dict[str, int]:
     """The wgrad kernel's tiles: _tiles' backward setting (its own function, so that
     grouped_gemm_bench.py --sweep can time other blocks for it alone: its output dims are free
     of the layout contract, which bounds only its BLOCK_K)."""
-    return _tiles(device, 4)
+    return _tiles(device, 4, element_size)
 
 
 def grouped_rows_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
@@ -158,7 +164,7 @@ def grouped_rows_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tenso
     rows, depth = a.shape
     groups, width = b.shape[0], b.shape[1]
     out = torch.empty(rows, width, dtype=out_dtype, device=a.device)
-    tiles = _tiles(a.device, 4 if precise else 3)
+    tiles = _tiles(a.device, 4 if precise else 3, a.element_size())
     stages = tiles.pop("num_stages")
     warps = tiles.pop("num_warps")
     grid = (triton.cdiv(rows, tiles["BLOCK_M"]) * triton.cdiv(width, tiles["BLOCK_N"]),)
@@ -177,7 +183,7 @@ def grouped_reduction_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.
     strides), scales fp32 [E], ends int32 [E]."""
     width_a, width_b, groups = a.shape[0], b.shape[0], ends.shape[0]
     out = torch.empty(groups, width_a, width_b, dtype=out_dtype, device=a.device)
-    tiles = _reduction_tiles(a.device)
+    tiles = _reduction_tiles(a.device, a.element_size())
     stages = tiles.pop("num_stages")
     warps = tiles.pop("num_warps")
     blocks = triton.cdiv(width_a, tiles["BLOCK_M"]) * triton.cdiv(width_b, tiles["BLOCK_N"])

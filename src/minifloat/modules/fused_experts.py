@@ -13,20 +13,21 @@ Where a format's blocks run along the rows (MXFP8 32, NVFP4 16), or on CUDA wher
 needs whole row groups (scaled_mm 16, blockwise 128), each expert's rows are padded with zero
 rows to the multiple (exact: a zero row changes no amax and its output is dropped). Unpadded,
 an H200 ran most expert GEMMs of a Mixtral decoded and emulated: 2.5x slower than bf16.
-Under per-tensor FP8 current scaling, MXFP8, FP8 block scaling (power-of-2 scales) and delayed
-scaling (experts' output widths in whole 128s, no memory options) the experts run on the
-device-offsets path (grouped_offsets.py, grouped_offsets_blocks.py,
+Under per-tensor FP8 current scaling, MXFP8, FP8 block scaling (power-of-2 scales), NVFP4 and
+delayed scaling (experts' output widths in whole 128s, no memory options) the experts run on the
+device-offsets path (grouped_offsets.py, grouped_offsets_blocks.py, grouped_offsets_nvfp4.py,
 grouped_offsets_delayed.py): the routing layout, the casts and the grouped GEMMs take the
 groups as a device tensor, nothing is read on the host, so the module traces into a compiled
 graph (fullgraph) and an eager step does not wait for the GPU. MINIFLOAT_MOE_OFFSETS picks where:
 `compiled` (the default: under torch.compile; eagerly the lean path below), `always`, `never`.
 
-Otherwise (NVFP4, shapes whose blocks would cross experts, delayed scaling where the above
-does not hold) the token counts per expert are read on the host, as transformers' own loop
-does; so under torch.compile that path runs eagerly (torch.compiler.disable: one graph break at the
-call, no recompile per routing). Under per-tensor FP8 (current or delayed scaling), eagerly,
-each grouped GEMM takes the lean grouped path (lean_grouped_fp8.py: one grouped FP8 GEMM in
-forward); everything else runs the experts' GEMMs through run_gemms.
+Otherwise (shapes whose blocks would cross experts, NVFP4 with the RHT on one wgrad operand
+only, delayed scaling where the above does not hold) the token counts per expert are read on the
+host, as transformers' own loop does; so under torch.compile that path runs eagerly
+(torch.compiler.disable: one graph break at the call, no recompile per routing). Under
+per-tensor FP8 (current or delayed scaling), eagerly, each grouped GEMM takes the lean grouped
+path (lean_grouped_fp8.py: one grouped FP8 GEMM in forward); everything else runs the experts'
+GEMMs through run_gemms.
 """
 
 from __future__ import annotations
@@ -54,10 +55,14 @@ from .grouped_offsets import (
 )
 from .grouped_offsets_blocks import GroupedOffsetsBlocks, OffsetsBlocks, offsets_blocks
 from .grouped_offsets_delayed import GroupedOffsetsDelayed, OffsetsDelayed, offsets_delayed
+from .grouped_offsets_nvfp4 import GroupedOffsetsNVFP4, OffsetsNVFP4, offsets_nvfp4
 from .lean_fp8 import LeanPlan
 from .lean_grouped_fp8 import LeanGroupedFP8
 from .linear_function import BACKWARD_SLOTS, FORWARD_SLOTS
 from .weights import runs_dequantized, weights_quantized_once
+
+# a device-offsets plan: one per recipe family the path serves
+OffsetsPlan = OffsetsCasts | OffsetsBlocks | OffsetsNVFP4 | OffsetsDelayed
 
 # where the device-offsets path runs (module docstring): compiled, always or never
 OFFSETS_MODE = os.environ.get("MINIFLOAT_MOE_OFFSETS", "compiled")
@@ -107,16 +112,17 @@ class FusedExperts(QuantizedModule):
 
     def binding(self, token: int) -> GemmBinding:
         """QuantizedModule's binding, and with it this recipe's device-offsets plan (FP8
-        current scaling's casts, the block formats', delayed scaling's dtypes, or None), kept
-        per recipe token so that a compiled forward reads a constant."""
+        current scaling's casts, the block formats', NVFP4's, delayed scaling's dtypes, or
+        None), kept per recipe token so that a compiled forward reads a constant."""
         binding = super().binding(token)
         plan = offsets_casts(binding.lean_plans)
         if plan is None:
             gemms = range(self.num_gemms)
             forward, backward = binding.forward_quantizers, binding.backward_quantizers
-            plan = offsets_blocks([forward[len(FORWARD_SLOTS) * g] for g in gemms],
-                                  [forward[len(FORWARD_SLOTS) * g + 1] for g in gemms],
-                                  [backward[len(BACKWARD_SLOTS) * g] for g in gemms])
+            quantizers = ([forward[len(FORWARD_SLOTS) * g] for g in gemms],
+                          [forward[len(FORWARD_SLOTS) * g + 1] for g in gemms],
+                          [backward[len(BACKWARD_SLOTS) * g] for g in gemms])
+            plan = offsets_blocks(*quantizers) or offsets_nvfp4(*quantizers)
         if plan is None:
             plan = offsets_delayed(binding.lean_plans, binding.recipe_states)
         # (a module unpickled from before this cache existed gets one here)
@@ -133,7 +139,8 @@ class FusedExperts(QuantizedModule):
         x = DispatchRows.apply(hidden_states, layout.pair_of_row, layout.pair_row, top_k)
         grad = torch.is_grad_enabled()
 
-        function = GroupedOffsetsFP8 if isinstance(plan, OffsetsCasts) else GroupedOffsetsBlocks
+        function = {OffsetsCasts: GroupedOffsetsFP8, OffsetsBlocks: GroupedOffsetsBlocks,
+                    OffsetsNVFP4: GroupedOffsetsNVFP4}.get(type(plan))
 
         def experts_gemm(inputs: torch.Tensor, weight: torch.Tensor, part: int) -> torch.Tensor:
             need_dgrad, need_wgrad = grad and inputs.requires_grad, grad and weight.requires_grad
@@ -151,10 +158,9 @@ class FusedExperts(QuantizedModule):
         return CombineRows.apply(out, top_k_weights, layout.pair_row, layout.pair_of_row,
                                  hidden_states.dtype)
 
-    def _device_offsets_plan(self, x: torch.Tensor, pairs: int
-                             ) -> OffsetsCasts | OffsetsBlocks | OffsetsDelayed | None:
+    def _device_offsets_plan(self, x: torch.Tensor, pairs: int) -> OffsetsPlan | None:
         """The device-offsets path's plan for this call (FP8 current scaling's casts, the block
-        formats', delayed scaling's dtypes), or None: its mode, outside autocast, another
+        formats', NVFP4's, delayed scaling's dtypes), or None: its mode, outside autocast, another
         recipe, inside quantize_weights_once, a small-M call that runs dequantized weights, or
         operands the path does not take."""
         compiling = torch.compiler.is_compiling()

@@ -32,7 +32,7 @@ from .per_tensor import compute_amax
 
 BLOCK = 16
 GLOBAL_SCALE_NUMERATOR = 2688.0  # 448 (UE4M3 max) * 6 (E2M1 max)
-ONE_SIXTH_FP32 = fp32_round(1.0 / 6.0)  # fp32(1/6) as a Python float: see _quantize_direction
+ONE_SIXTH_FP32 = fp32_round(1.0 / 6.0)  # fp32(1/6) as a Python float: see quantize_blocks
 
 
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -48,16 +48,19 @@ def global_decode_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.reciprocal(global_encode_scale(amax))
 
 
-def _quantize_direction(
+def quantize_blocks(
     x2d: torch.Tensor,
     amax: torch.Tensor,
     *,
     tile_rows: int,
     stochastic: bool,
-    generator: torch.Generator | None,
+    generator: torch.Generator | None = None,
     block_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize [R, C] along C in 1x16 blocks (tile_rows=1) or 16x16 tiles (tile_rows=16)."""
+    """Quantize [R, C] along C in 1x16 blocks (tile_rows=1) or 16x16 tiles (tile_rows=16):
+    (packed data, compact scales). `amax` is the global amax: 0-dim, or one per block
+    broadcast over the block grid [R / tile_rows, C / 16] (a grouped operand whose groups each
+    have their own global scale: an [R / tile_rows, 1] column or a [1, C / 16] row)."""
     s_dec = torch.reciprocal(global_encode_scale(amax))
     if block_amax is None:
         block_amax = tile_amax(x2d, tile_rows, BLOCK)
@@ -118,7 +121,7 @@ def quantize_nvfp4(
     reduce_amax = reduce_amax or (lambda amax: amax)
     tile_rows = BLOCK if two_dimensional else 1
     quantize = partial(
-        _quantize_direction, stochastic=stochastic_rounding, generator=generator
+        quantize_blocks, stochastic=stochastic_rounding, generator=generator
     )
     out: dict[str, torch.Tensor] = {}
     plain_amax = None

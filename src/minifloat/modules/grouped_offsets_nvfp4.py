@@ -1,0 +1,233 @@
+"""The device-offsets experts under NVFP4 (NUMERICS.md §6; grouped_offsets.py has the layout).
+
+Why: a converted MoE model under NVFP4 read its token counts on the host and ran its experts as
+a torch.compile graph break (fullgraph=True refused it). NVFP4's 16-element blocks fit the
+device-offsets layout as the block formats' do (grouped_offsets_blocks.py): rowwise blocks run
+along K inside one row; columnwise blocks (16 rows, and the RHT's runs of 16 along the rows)
+start at multiples of 16 and every expert's rows start at a multiple of 128; the stacked
+weights [E, N, K] cut at whole 16x16 tiles since N is a multiple of 16. What the block formats
+lack is NVFP4's per-tensor global scale: each expert's operand has its own global amax (the
+general path quantizes each expert's rows as one tensor), so each group's amax is taken over
+its rows (after the RHT for the columnwise copies), broadcast over its blocks, and each
+group's S_dec product is applied to its rows of the fp32 product, the emulated GEMM's alpha.
+
+The GEMMs are emulated as on Hopper: each operand's block values (E2M1 x UE4M3, exact in bf16)
+through a grouped GEMM with fp32 accumulation, times S_dec(a) * S_dec(b) of the group in fp32,
+one rounding to the output dtype: on CUDA minifloat's grouped kernels (kernels/grouped_gemm.py,
+bf16 operands), elsewhere torch._grouped_mm in fp32. Stochastic rounding draws from torch's
+generator over the whole buffer at once, so its bits differ from the general path's per-expert
+draws (NUMERICS.md §7 tests it statistically). Served: every expert GEMM's three quantizers
+NVFP4 with one setting per operand, no RHT on the weight, and the RHT on both wgrad operands or
+on neither (so that it cancels); else the host-counts path.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import kernels
+from ..numerics import nvfp4 as nvfp4_numerics
+from ..numerics.hadamard import random_hadamard_transform
+from ..quantizers import NVFP4Quantizer, Quantizer
+from ..quantizers.base import kernel_module
+from .grouped_offsets import weight_rows
+from .grouped_offsets_blocks import _kept_dtype
+from .op_define import define_op
+
+BLOCK = nvfp4_numerics.BLOCK
+
+
+class NVFP4Cast(NamedTuple):
+    """One operand's NVFP4 settings as constants (NVFP4Quantizer's)."""
+
+    two_dimensional: bool = False
+    with_rht: bool = False
+    stochastic: bool = False
+
+    @staticmethod
+    def of(quantizer: Quantizer) -> NVFP4Cast | None:
+        if type(quantizer) is not NVFP4Quantizer:
+            return None
+        return NVFP4Cast(quantizer.with_2d_quantization, quantizer.with_rht,
+                         quantizer.stochastic_rounding)
+
+
+class OffsetsNVFP4(NamedTuple):
+    """The NVFP4 settings of the experts' input, weight and grad_output (every expert alike)."""
+
+    input: NVFP4Cast
+    weight: NVFP4Cast
+    grad_output: NVFP4Cast
+
+
+def offsets_nvfp4(input_quantizers: list[Quantizer], weight_quantizers: list[Quantizer],
+                  grad_quantizers: list[Quantizer]) -> OffsetsNVFP4 | None:
+    """The settings when every expert GEMM's three quantizers are NVFP4 with one setting per
+    operand, the weight without the RHT (its columnwise partner in dgrad, dy's rowwise copy,
+    has none) and the RHT on both wgrad operands or on neither."""
+    slots = []
+    for quantizers in (input_quantizers, weight_quantizers, grad_quantizers):
+        casts = {NVFP4Cast.of(q) for q in quantizers}
+        if len(casts) != 1 or None in casts:
+            return None
+        slots.append(casts.pop())
+    plan = OffsetsNVFP4(*slots)
+    if plan.weight.with_rht or plan.input.with_rht != plan.grad_output.with_rht:
+        return None
+    return plan
+
+
+def row_groups(ends: torch.Tensor, rows: int) -> torch.Tensor:
+    """The group of each row [rows] (the last group's end is the row count: every row has one)."""
+    return torch.searchsorted(ends, torch.arange(rows, device=ends.device, dtype=ends.dtype),
+                              right=True)
+
+
+def _group_maxima(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """max|x| [E] fp32 of each group's rows of x [R, C] (any strides; groups of whole 16s;
+    NaN propagating, 0 for an empty group)."""
+    rows, cols = x.shape
+    tiles = torch.linalg.vector_norm(x.reshape(rows // BLOCK, BLOCK, cols), float("inf"),
+                                     dim=(1, 2), dtype=torch.float32)
+    member = (row_groups(ends, rows)[::BLOCK][None, :]
+              == torch.arange(ends.shape[0], device=x.device)[:, None])
+    return torch.where(member, tiles[None, :], 0.0).amax(dim=1)
+
+
+def _block_values(x2d: torch.Tensor, amax: torch.Tensor, cast: NVFP4Cast,
+                  tile_rows: int) -> torch.Tensor:
+    """The block values q * s_b (fp32, x2d's shape) of x2d quantized along its rows with the
+    global amax broadcast over the block grid."""
+    data, scale = nvfp4_numerics.quantize_blocks(x2d, amax, tile_rows=tile_rows,
+                                                 stochastic=cast.stochastic)
+    return nvfp4_numerics.dequantize_nvfp4_blocks(data, scale)
+
+
+def rows_values(x: torch.Tensor, ends: torch.Tensor, cast: NVFP4Cast
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C]'s rowwise copy, each group (rows by `ends`) one tensor: block values [R, C]
+    and each group's S_dec [E]. 2D tiles (16 rows) need groups of whole 16s."""
+    x = x.detach()
+    amax = _group_maxima(x, ends)
+    tile_rows = BLOCK if cast.two_dimensional else 1
+    per_tile = amax[row_groups(ends, x.shape[0])[::tile_rows]][:, None]
+    return (_block_values(x, per_tile, cast, tile_rows),
+            nvfp4_numerics.global_decode_scale(amax))
+
+
+def columns_values(x: torch.Tensor, ends: torch.Tensor, cast: NVFP4Cast
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C]'s columnwise copy (x^T quantized along R, after the RHT where it applies), each
+    group one tensor: block values [C, R] and each group's S_dec [E]."""
+    x_t = x.detach().t()
+    if cast.with_rht:
+        x_t = random_hadamard_transform(x_t)
+    amax = _group_maxima(x_t.t(), ends)
+    per_block = amax[row_groups(ends, x_t.shape[1])[::BLOCK]][None, :]
+    return (_block_values(x_t, per_block, cast, 1),
+            nvfp4_numerics.global_decode_scale(amax))
+
+
+def weight_values(weight: torch.Tensor, cast: NVFP4Cast, *, columnwise: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts' weights [E, N, K]: block values of each expert's rowwise copy [E, N, K],
+    or of its columnwise copy (W_e^T quantized along N) as [E, K, N], and S_dec [E]."""
+    experts, n, k = weight.shape
+    if columnwise and not cast.two_dimensional:  # 1-D blocks along N: quantize W_e^T
+        rows, ends = weight_rows(weight.detach().transpose(1, 2).contiguous())
+        values, s_dec = rows_values(rows, ends, cast)
+        return values.view(experts, k, n), s_dec
+    rows, ends = weight_rows(weight.detach())
+    values, s_dec = rows_values(rows, ends, cast)
+    values = values.view(experts, n, k)
+    # 2D tiles: the columnwise copy is the exact transpose of the rowwise one (NUMERICS.md §6)
+    return (values.transpose(1, 2) if columnwise else values), s_dec
+
+
+def _grouped_product(a: torch.Tensor, b: torch.Tensor, a_s_dec: torch.Tensor,
+                     b_s_dec: torch.Tensor, ends: torch.Tensor,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """The emulated NVFP4 grouped GEMM of block values: rows grouped (a [R, K], b [E, N, K] ->
+    [R, N]) or reduction grouped (a [W1, R], b [W2, R] -> [E, W1, W2]); each group's fp32 sum
+    times a_s_dec[g] * b_s_dec[g], one rounding to out_dtype (an empty group: zeros)."""
+    if kernels.available(a):
+        gemm = kernel_module("grouped_gemm")
+        a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        if b.dim() == 3:
+            return gemm.grouped_rows_gemm(a16, b16, a_s_dec, b_s_dec, ends, out_dtype,
+                                          precise=False)
+        return gemm.grouped_reduction_gemm(a16, b16, a_s_dec, b_s_dec, ends, out_dtype,
+                                           precise=False)
+    alpha = a_s_dec.float() * b_s_dec.float()
+    if b.dim() == 3:
+        product = torch._grouped_mm(a.float(), b.float().transpose(1, 2), offs=ends)
+        return (product * alpha[row_groups(ends, a.shape[0])][:, None]).to(out_dtype)
+    product = torch._grouped_mm(a.float(), b.float().t(), offs=ends)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    # an empty group's sum is zero, whatever the kernel leaves there
+    return torch.where(counts[:, None, None] > 0, product * alpha[:, None, None],
+                       0.0).to(out_dtype)
+
+
+def _grouped_product_fake(a, b, a_s_dec, b_s_dec, ends, out_dtype):
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
+    return a.new_empty(ends.shape[0], a.shape[0], b.shape[0], dtype=out_dtype)
+
+
+grouped_product = define_op("nvfp4_grouped_product", _grouped_product, _grouped_product_fake)
+
+
+class GroupedOffsetsNVFP4(torch.autograd.Function):
+    """y[rows of g] = x[rows of g] W_g^T for the 3-D weight [E, N, K] under NVFP4, the groups
+    given by `ends` on the device (module docstring). `rebuild` and `save_original`: keep the
+    weight or x instead of backward's copy of it (as GroupedOffsetsBlocks does)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
+                plan: OffsetsNVFP4, need_dgrad: bool, need_wgrad: bool, rebuild: bool,
+                save_original: bool) -> torch.Tensor:
+        x_values, x_s_dec = rows_values(x, ends, plan.input)
+        w_values, w_s_dec = weight_values(weight, plan.weight, columnwise=False)
+        y = grouped_product(x_values, w_values, x_s_dec, w_s_dec, ends, x.dtype)
+        x_kept = w_kept = x_cols_s_dec = w_cols_s_dec = None
+        if need_wgrad:
+            if save_original:
+                x_kept = x.detach()
+            else:
+                x_kept, x_cols_s_dec = columns_values(x, ends, plan.input)
+                x_kept = x_kept.to(_kept_dtype(x))
+        if need_dgrad:
+            if rebuild:
+                w_kept = weight.detach()
+            else:
+                w_kept, w_cols_s_dec = weight_values(weight, plan.weight, columnwise=True)
+                w_kept = w_kept.to(_kept_dtype(weight))
+        ctx.save_for_backward(x_kept, w_kept, x_cols_s_dec, w_cols_s_dec, ends)
+        ctx.plan, ctx.need_dgrad, ctx.need_wgrad = plan, need_dgrad, need_wgrad
+        ctx.rebuild, ctx.save_original = rebuild, save_original
+        ctx.weight_dtype = weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x_kept, w_kept, x_cols_s_dec, w_cols_s_dec, ends = ctx.saved_tensors
+        plan = ctx.plan
+        dy = grad_output.contiguous()
+        grad_x = grad_weight = None
+        if ctx.need_dgrad:
+            if ctx.rebuild:
+                w_kept, w_cols_s_dec = weight_values(w_kept, plan.weight, columnwise=True)
+            dy_values, dy_s_dec = rows_values(dy, ends, plan.grad_output)
+            # dy [R, N] x (W_e^T [K, N])^T: the weight's columnwise copy [E, K, N] as b
+            grad_x = grouped_product(dy_values, w_kept, dy_s_dec, w_cols_s_dec, ends,
+                                     grad_output.dtype)
+        if ctx.need_wgrad:
+            if ctx.save_original:
+                x_kept, x_cols_s_dec = columns_values(x_kept, ends, plan.input)
+            dy_cols, dy_cols_s_dec = columns_values(dy, ends, plan.grad_output)
+            grad_weight = grouped_product(dy_cols, x_kept, dy_cols_s_dec, x_cols_s_dec, ends,
+                                          ctx.weight_dtype)
+        return grad_x, grad_weight, None, None, None, None, None, None
