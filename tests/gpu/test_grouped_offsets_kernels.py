@@ -125,6 +125,35 @@ def test_reduction_gemm_sums_each_groups_rows(a_dtype, precise):
         assert relative_error(out[g], want) < BF16_BOUND
 
 
+def test_fp16_operands_of_exact_values_for_the_nvfp4_experts():
+    """The NVFP4 experts (modules/grouped_offsets_nvfp4.py) pass block values as fp16 (exact)
+    with each group's global decode scales: both kernels take them (64-deep tiles on a GPU),
+    fp32 output, one rounding of the scaled fp32 sum."""
+    counts = [GROUP_ROWS, 0, 2 * GROUP_ROWS]
+    ends, rows = layout(counts)
+    g = torch.Generator().manual_seed(6)
+    a = (torch.randn(sum(counts), 96, generator=g) * 4).half()
+    b = (torch.randn(3, 80, 96, generator=g) * 4).half()
+    a_scale, b_scale = torch.tensor([3e-3, 1.0, 7e-4]), torch.tensor([0.2, 1.0, 5e-2])
+    out = grouped_gemm.grouped_rows_gemm(
+        a.to(DEVICE), b.to(DEVICE), a_scale.to(DEVICE), b_scale.to(DEVICE), ends.to(DEVICE),
+        torch.float32, precise=False).cpu()
+    for group in (0, 2):
+        want = (a[rows[group]].double() @ b[group].double().t()) * (
+            a_scale[group].double() * b_scale[group])
+        assert relative_error(out[rows[group]], want) < 1e-6
+    a_t = (torch.randn(40, sum(counts), generator=g) * 4).half()
+    b_t = (torch.randn(72, sum(counts), generator=g) * 4).half()
+    out = grouped_gemm.grouped_reduction_gemm(
+        a_t.to(DEVICE), b_t.to(DEVICE), a_scale.to(DEVICE), b_scale.to(DEVICE),
+        ends.to(DEVICE), torch.float32, precise=False).cpu()
+    assert torch.equal(out[1], torch.zeros(40, 72))
+    for group in (0, 2):
+        want = (a_t[:, rows[group]].double() @ b_t[:, rows[group]].double().t()) * (
+            a_scale[group].double() * b_scale[group])
+        assert relative_error(out[group], want) < 1e-6
+
+
 def test_ops_take_the_kernels_and_agree_with_the_reference(monkeypatch):
     """The torch ops (modules/grouped_offsets.py) run these kernels here; forced onto the
     reference (torch._grouped_mm in fp32 on the CPU), they give the same values to rounding."""

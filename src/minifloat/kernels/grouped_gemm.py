@@ -23,7 +23,7 @@ Accumulation: fp32. `precise=False` lets sm90's FP8 MMA accumulate at its own pr
 (128) partial sum to the fp32 accumulator (the split accumulator the backward GEMMs use; every
 32 cost the dgrad 40% more time on an H200).
 
-The operands may also be bf16 holding exact values (NVFP4's blocks, E2M1 x UE4M3: the NVFP4
+The operands may also be fp16 holding exact values (NVFP4's blocks, E2M1 x UE4M3: the NVFP4
 experts, modules/grouped_offsets_nvfp4.py), the scales then the operands' global decode scales:
 the fp32 sum times a_scale * b_scale, one rounding, is the emulated NVFP4 GEMM (NUMERICS.md §6).
 """

@@ -11,14 +11,17 @@ general path quantizes each expert's rows as one tensor), so each group's amax i
 its rows (after the RHT for the columnwise copies), broadcast over its blocks, and each
 group's S_dec product is applied to its rows of the fp32 product, the emulated GEMM's alpha.
 
-The GEMMs are emulated as on Hopper: each operand's block values (E2M1 x UE4M3, exact in bf16)
-through a grouped GEMM with fp32 accumulation, times S_dec(a) * S_dec(b) of the group in fp32,
-one rounding to the output dtype: on CUDA minifloat's grouped kernels (kernels/grouped_gemm.py,
-bf16 operands), elsewhere torch._grouped_mm in fp32. Stochastic rounding draws from torch's
-generator over the whole buffer at once, so its bits differ from the general path's per-expert
-draws (NUMERICS.md §7 tests it statistically). Served: every expert GEMM's three quantizers
-NVFP4 with one setting per operand, no RHT on the weight, and the RHT on both wgrad operands or
-on neither (so that it cancels); else the host-counts path.
+The GEMMs are emulated as on Hopper: each operand's block values (E2M1 x UE4M3) through a
+grouped GEMM with fp32 accumulation, times S_dec(a) * S_dec(b) of the group in fp32, one
+rounding to the output dtype: on CUDA minifloat's grouped kernels (kernels/grouped_gemm.py) on
+fp16 operands (the block values are exact there too: at most 6 significant bits, magnitudes
+2^-10 to 2688; fp16 rather than bf16 because Triton's interpreter, which the kernel tests run
+on the CPU, multiplied bf16 operands wrongly), elsewhere torch._grouped_mm in fp32.
+Stochastic rounding draws from torch's generator over the whole buffer at once, so its bits
+differ from the general path's per-expert draws (NUMERICS.md §7 tests it statistically).
+Served: every expert GEMM's three quantizers NVFP4 with one setting per operand, no RHT on the
+weight, and the RHT on both wgrad operands or on neither (so that it cancels); else the
+host-counts path.
 """
 
 from __future__ import annotations
@@ -154,7 +157,7 @@ def _grouped_product(a: torch.Tensor, b: torch.Tensor, a_s_dec: torch.Tensor,
     times a_s_dec[g] * b_s_dec[g], one rounding to out_dtype (an empty group: zeros)."""
     if kernels.available(a):
         gemm = kernel_module("grouped_gemm")
-        a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        a16, b16 = a.to(torch.float16), b.to(torch.float16)
         if b.dim() == 3:
             return gemm.grouped_rows_gemm(a16, b16, a_s_dec, b_s_dec, ends, out_dtype,
                                           precise=False)
