@@ -2,8 +2,9 @@
 
 Against the host-count path's general GEMMs (one Float8Quantizer per expert slot): the
 outputs, the gradients and the recipe state (scales and amax histories, forward and backward)
-after three steps (the forward state bitwise); the cases the path leaves to the host-count
-path. (A compiled Mixtral under DelayedScaling in one graph: test_grouped_offsets.py.)
+after three steps (the forward state bitwise); the memory options against the default
+path's steps; the cases the path leaves to the host-count path. (A compiled Mixtral under
+DelayedScaling in one graph: test_grouped_offsets.py.)
 """
 
 from __future__ import annotations
@@ -69,11 +70,49 @@ def test_delayed_device_offsets_equal_the_general_path_and_its_state(delayed_cal
     assert got_state[3][0].gt(0).any(), "backward amaxes recorded"
 
 
-def test_shapes_and_options_it_does_not_serve_keep_the_host_counts_path(delayed_calls):
+@pytest.mark.parametrize("option", ["rebuild", "save_original", "both"])
+def test_memory_options_give_the_same_steps_and_state(delayed_calls, option):
+    """rebuild_weight_copies_in_backward / save_original_inputs on the delayed device path:
+    backward casts the weights' (x's) columnwise copies again with forward's scales, recording
+    nothing, so three steps give the default's outputs, gradients and recipe state bit for bit
+    (the state's scales change between forward and backward: a rebuild with the updated scale
+    would differ), while fewer FP8 bytes are kept from forward to backward."""
+    torch.manual_seed(0)
+    experts = fused_experts(4, 128, 64)
+    optioned = copy.deepcopy(experts)
+    if option in ("rebuild", "both"):
+        mf.rebuild_weight_copies_in_backward(optioned)
+    if option in ("save_original", "both"):
+        mf.save_original_inputs(optioned)
+    kept = {}
+    for name, module in (("default", experts), ("optioned", optioned)):
+        sizes: list[int] = []
+
+        def pack(t: torch.Tensor, sizes: list[int] = sizes) -> torch.Tensor:
+            if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            kept[name] = three_steps(module, "always")
+        kept[name] = (*kept[name], sum(sizes))
+    assert len(delayed_calls) == 12
+    (want, want_state, want_bytes), (got, got_state, got_bytes) = kept.values()
+    for a, b in zip(got + got_state, want + want_state, strict=True):
+        assert torch.equal(a, b)
+    weights = sum(p.numel() for p in experts.parameters())
+    if option == "both":
+        assert got_bytes == 0, "no FP8 copy kept from forward to backward"
+    else:  # a byte per weight element, or per element of x's rows (more than the weights here)
+        assert want_bytes - got_bytes >= weights
+
+
+def test_shapes_and_recompute_it_does_not_serve_keep_the_host_counts_path(delayed_calls):
     torch.manual_seed(0)
     three_steps(fused_experts(4, 32, 48), "always", hidden=32)  # N 96 and 32: not whole 128s
     experts = fused_experts(4, 128, 64)
-    mf.save_original_inputs(experts)
-    three_steps(experts, "always")
-    assert delayed_calls == []
-
+    x, index, weights, dy = routed(tokens=40, hidden=128, experts=4)
+    with fused_experts_module.offsets_mode("always"), mf.autocast(recipe=RECIPE):
+        y = mf.checkpoint(experts, x.requires_grad_(True), index, weights)
+    y.backward(dy)
+    assert delayed_calls == [], "inside checkpoint's recompute: the host-count path"

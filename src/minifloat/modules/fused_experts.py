@@ -14,7 +14,7 @@ needs whole row groups (scaled_mm 16, blockwise 128), each expert's rows are pad
 rows to the multiple (exact: a zero row changes no amax and its output is dropped). Unpadded,
 an H200 ran most expert GEMMs of a Mixtral decoded and emulated: 2.5x slower than bf16.
 Under per-tensor FP8 current scaling, MXFP8, FP8 block scaling (power-of-2 scales), NVFP4 and
-delayed scaling (experts' output widths in whole 128s, no memory options) the experts run on the
+delayed scaling (experts' output widths in whole 128s) the experts run on the
 device-offsets path (grouped_offsets.py, grouped_offsets_blocks.py, grouped_offsets_nvfp4.py,
 grouped_offsets_delayed.py): the routing layout, the casts and the grouped GEMMs take the
 groups as a device tensor, nothing is read on the host, so the module traces into a compiled
@@ -146,9 +146,10 @@ class FusedExperts(QuantizedModule):
             need_dgrad, need_wgrad = grad and inputs.requires_grad, grad and weight.requires_grad
             if isinstance(plan, OffsetsDelayed):  # the binding's recipe-state tensors
                 state = self._compiled_args[active_token()][1]
-                return GroupedOffsetsDelayed.apply(inputs, weight, layout.ends, plan,
-                                                   part * self.num_experts, need_dgrad,
-                                                   need_wgrad, *state)
+                return GroupedOffsetsDelayed.apply(
+                    inputs, weight, layout.ends, plan, part * self.num_experts, need_dgrad,
+                    need_wgrad, self.rebuild_weight_copy_in_backward, self.save_original_input,
+                    *state)
             return function.apply(inputs, weight, layout.ends, plan, need_dgrad, need_wgrad,
                                   self.rebuild_weight_copy_in_backward,
                                   self.save_original_input)
@@ -185,10 +186,8 @@ class FusedExperts(QuantizedModule):
                 return None
             if isinstance(plan, OffsetsDelayed) and not rows_cast_weights(*weight.shape):
                 return None
-        if isinstance(plan, OffsetsDelayed) and (
-                self.rebuild_weight_copy_in_backward or self.save_original_input
-                or get_autocast_state().recompute_record is not None):
-            return None  # the host-count path's general GEMMs serve these
+        if isinstance(plan, OffsetsDelayed) and get_autocast_state().recompute_record is not None:
+            return None  # the host-count path's general GEMMs replay forward's scales there
         return plan
 
     # The host-counts path: eager under torch.compile too (one graph break at the call, the

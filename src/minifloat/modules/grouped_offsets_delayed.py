@@ -19,10 +19,10 @@ up by the state's address as gemm_op's forward op does.
 
 Served: DelayedScaling's own states (not a CustomRecipe's mixture), one FP8 dtype per operand,
 experts' output widths N in whole 128s (the weights' cast is the grouped cast over their rows:
-grouped_offsets.rows_cast_weights), no memory options (rebuild_weight_copy_in_backward,
-save_original_input) and not inside minifloat.checkpoint's recompute, which the host-count
-path serves. The bytes are the general path's: scale_inv = 1 / scale correctly rounded, each
-expert's rows and weight cast with its own scale.
+grouped_offsets.rows_cast_weights), the memory options too (rebuild_weight_copy_in_backward,
+save_original_input: GroupedOffsetsDelayed), but not inside minifloat.checkpoint's recompute,
+which the host-count path serves. The bytes are the general path's: scale_inv = 1 / scale
+correctly rounded, each expert's rows and weight cast with its own scale.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from .gemm_op import _DELAYED_BY_STATE, detached_alias
 from .grouped_offsets import (
     expert_copies,
     grouped_reduction_gemm,
+    grouped_rows_cast,
     grouped_rows_gemm,
     rows_cast,
     stored_group_maxima,
@@ -117,45 +118,67 @@ def _cast_weights(weight: torch.Tensor, scale_state: torch.Tensor, amax_state: t
 class GroupedOffsetsDelayed(torch.autograd.Function):
     """y = x W_g^T per group under delayed scaling (module docstring); GroupedOffsetsFP8's
     GEMMs. `state`: the binding's [forward scale, forward amax history, backward scale,
-    backward amax history]; `first_gemm`: the module's GEMM of the first expert."""
+    backward amax history]; `first_gemm`: the module's GEMM of the first expert. `rebuild` and
+    `save_original` (the memory options): keep the weights or x and their forward scales, and
+    cast their columnwise copies in backward with those scales, recording nothing (the recipe
+    state's slots are updated before backward runs), as the general path's rebuilds do."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
                 casts: OffsetsDelayed, first_gemm: int, need_dgrad: bool, need_wgrad: bool,
-                forward_scale: torch.Tensor, forward_amax: torch.Tensor,
-                backward_scale: torch.Tensor, backward_amax: torch.Tensor) -> torch.Tensor:
+                rebuild: bool, save_original: bool, forward_scale: torch.Tensor,
+                forward_amax: torch.Tensor, backward_scale: torch.Tensor,
+                backward_amax: torch.Tensor) -> torch.Tensor:
+        experts, stride = ends.shape[0], len(FORWARD_SLOTS)
+        x_columns = need_wgrad and not save_original
         x_bytes, *rest = grouped_delayed_cast(
-            x.detach(), forward_scale, forward_amax, ends, len(FORWARD_SLOTS) * first_gemm,
-            len(FORWARD_SLOTS), casts.input_dtype, True, need_wgrad, True)
-        x_t, x_scale_inv = rest if need_wgrad else (None, *rest)
+            x.detach(), forward_scale, forward_amax, ends, stride * first_gemm, stride,
+            casts.input_dtype, True, x_columns, True)
+        x_t, x_scale_inv = rest if x_columns else (None, *rest)
         w_bytes, w_t, w_scale_inv = _cast_weights(
             weight, forward_scale, forward_amax, first_gemm, casts.weight_dtype, rowwise=True,
-            columnwise=need_dgrad)
+            columnwise=need_dgrad and not rebuild)
         y = grouped_rows_gemm(x_bytes, w_bytes, x_scale_inv, w_scale_inv, ends, x.dtype, False)
-        ctx.save_for_backward(x_t, x_scale_inv, w_t, w_scale_inv, ends, backward_scale,
-                              backward_amax)
+        x_scale = w_scale = None
+        if need_wgrad and save_original:
+            x_t = x.detach()
+            x_scale = forward_scale[_slots(stride * first_gemm, stride, experts, x.device)]
+        if need_dgrad and rebuild:
+            w_t = weight.detach()
+            w_scale = forward_scale[_slots(stride * first_gemm + 1, stride, experts, x.device)]
+        ctx.save_for_backward(x_t, x_scale, x_scale_inv, w_t, w_scale, w_scale_inv, ends,
+                              backward_scale, backward_amax)
         ctx.casts, ctx.first_gemm = casts, first_gemm
         ctx.need_dgrad, ctx.need_wgrad = need_dgrad, need_wgrad
+        ctx.rebuild, ctx.save_original = rebuild, save_original
         ctx.weight_dtype = weight.dtype
         return y
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        x_t, x_scale_inv, w_t, w_scale_inv, ends, backward_scale, backward_amax = (
-            ctx.saved_tensors)
+        (x_t, x_scale, x_scale_inv, w_t, w_scale, w_scale_inv, ends, backward_scale,
+         backward_amax) = ctx.saved_tensors
+        casts = ctx.casts
         copies = iter(grouped_delayed_cast(
             grad_output.contiguous(), backward_scale, backward_amax, ends,
-            len(BACKWARD_SLOTS) * ctx.first_gemm, len(BACKWARD_SLOTS), ctx.casts.grad_dtype,
+            len(BACKWARD_SLOTS) * ctx.first_gemm, len(BACKWARD_SLOTS), casts.grad_dtype,
             ctx.need_dgrad, ctx.need_wgrad, False))
         dy_bytes = next(copies) if ctx.need_dgrad else None
         dy_t = next(copies) if ctx.need_wgrad else None
         dy_scale_inv = next(copies)
         grad_x = grad_weight = None
         if ctx.need_dgrad:
+            if ctx.rebuild:  # forward's scales, nothing recorded
+                rows, weight_ends = weight_rows(w_t)
+                w_t = expert_copies(None, grouped_rows_cast(
+                    rows, w_scale, weight_ends, casts.weight_dtype, False, True)[0],
+                    w_t.shape)[1]
             grad_x = grouped_rows_gemm(dy_bytes, w_t, dy_scale_inv, w_scale_inv, ends,
                                        grad_output.dtype, True)
         if ctx.need_wgrad:
+            if ctx.save_original:
+                x_t = grouped_rows_cast(x_t, x_scale, ends, casts.input_dtype, False, True)[0]
             grad_weight = grouped_reduction_gemm(dy_t, x_t, dy_scale_inv, x_scale_inv, ends,
                                                  ctx.weight_dtype, True)
-        return (grad_x, grad_weight, None, None, None, None, None, None, None, None, None)
-
+        return (grad_x, grad_weight, None, None, None, None, None, None, None, None, None, None,
+                None)
