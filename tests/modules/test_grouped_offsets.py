@@ -218,6 +218,23 @@ def test_compiled_mixtral_traces_the_experts_in_one_graph_and_does_not_recompile
     gradients as the eager device path bitwise, and a second routing reuses the graph.
     (Block FP8's 2-D weight tiles, and delayed scaling's weight casts, need the experts'
     N = hidden in whole 128s; delayed scaling's experts record their amaxes.)"""
+    model, eager, got, want, graphs = compiled_and_eager_mixtral(recipe, hidden)
+    assert torch.equal(got["loss"], want["loss"])
+    for name, grad in got["grads"].items():
+        assert (grad is None) == (want["grads"][name] is None), name
+        if grad is not None:
+            assert torch.equal(grad, want["grads"][name]), name
+    if isinstance(recipe, mf.DelayedScaling):
+        forward, backward = model.model.layers[0].mlp.experts._recipe_states[recipe]
+        assert forward.amax_history.abs().sum() > 0 and backward.amax_history[0].gt(0).any()
+    assert graphs == [1, 1]
+
+
+def compiled_and_eager_mixtral(recipe: mf.Recipe, hidden: int, seq: int = 13):
+    """A converted one-layer transformers Mixtral (4 experts, top-2) and its eager copy, one
+    training step of each under `recipe` (the eager one on the device path): (model, eager,
+    the compiled step's and the eager step's {"loss", "grads" by parameter name}, the compiled
+    model's graph count after that step and after a step on another routing)."""
     transformers = pytest.importorskip("transformers")
     from torch._dynamo.utils import counters
 
@@ -234,9 +251,12 @@ def test_compiled_mixtral_traces_the_experts_in_one_graph_and_does_not_recompile
         with mf.autocast(recipe=recipe):
             loss = module(tokens, labels=tokens).loss
         loss.backward()
-        return loss.detach()
+        grads = {name: None if p.grad is None else p.grad.clone()
+                 for name, p in getattr(module, "_orig_mod", module).named_parameters()}
+        module.zero_grad(set_to_none=True)
+        return {"loss": loss.detach(), "grads": grads}
 
-    first, second = (torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(s))
+    first, second = (torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(s))
                      for s in (1, 5))
     with fused_experts_module.offsets_mode("always"):
         want = step(eager, first)
@@ -244,17 +264,9 @@ def test_compiled_mixtral_traces_the_experts_in_one_graph_and_does_not_recompile
     counters.clear()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     got = step(compiled, first)
-    assert torch.equal(got, want)
-    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            assert torch.equal(p.grad, q.grad), name
-    if isinstance(recipe, mf.DelayedScaling):
-        forward, backward = model.model.layers[0].mlp.experts._recipe_states[recipe]
-        assert forward.amax_history.abs().sum() > 0 and backward.amax_history[0].gt(0).any()
-    graphs = counters["stats"]["unique_graphs"]
+    graphs = [counters["stats"]["unique_graphs"]]
     step(compiled, second)
-    assert counters["stats"]["unique_graphs"] == graphs == 1
+    return model, eager, got, want, graphs + [counters["stats"]["unique_graphs"]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -10,8 +10,6 @@ Mixtral: one graph with fullgraph=True, no recompile.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -29,7 +27,7 @@ from minifloat.modules.grouped_offsets_nvfp4 import (
 from minifloat.numerics import nvfp4 as nvfp4_numerics
 from minifloat.quantizers import NVFP4Quantizer
 from modules.test_any_token_count import fused_experts
-from modules.test_grouped_offsets import counting_calls
+from modules.test_grouped_offsets import compiled_and_eager_mixtral, counting_calls
 from modules.test_lean_grouped_fp8 import routed, run
 from training._reference import rel_err
 
@@ -184,37 +182,10 @@ def test_compiled_mixtral_under_the_default_recipe_is_one_graph():
     """NVFP4BlockScaling as it comes (SR on): fullgraph=True traces the experts, the loss is
     eager's bit for bit (no randomness forward), the gradients are finite and near eager's
     (other draws), and a new routing reuses the graph."""
-    transformers = pytest.importorskip("transformers")
-    from torch._dynamo.utils import counters
-
-    from models.test_transformers import SMALL, not_head
-
-    torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        **{**SMALL, "hidden_size": 64, "num_hidden_layers": 1}, num_local_experts=4,
-        num_experts_per_tok=2))
-    mf.convert_model(model, filter_fn=not_head)
-    eager = copy.deepcopy(model)
-    recipe = mf.NVFP4BlockScaling()
-
-    def step(module, tokens):
-        with mf.autocast(recipe=recipe):
-            loss = module(tokens, labels=tokens).loss
-        loss.backward()
-        return loss.detach()
-
-    first, second = (torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(s))
-                     for s in (1, 5))
-    with fused_experts_module.offsets_mode("always"):
-        want = step(eager, first)
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    assert torch.equal(step(compiled, first), want)
-    experts, eager_experts = model.model.layers[0].mlp.experts, eager.model.layers[0].mlp.experts
-    for name in ("gate_up_proj", "down_proj"):
-        got, ref = getattr(experts, name).grad, getattr(eager_experts, name).grad
-        assert torch.isfinite(got).all() and rel_err(got, ref) < 0.5, name
-    graphs = counters["stats"]["unique_graphs"]
-    step(compiled, second)
-    assert counters["stats"]["unique_graphs"] == graphs == 1
+    model, eager, got, want, graphs = compiled_and_eager_mixtral(mf.NVFP4BlockScaling(), 64,
+                                                                 seq=16)
+    assert torch.equal(got["loss"], want["loss"]) and graphs == [1, 1]
+    for part in ("gate_up_proj", "down_proj"):
+        name = f"model.layers.0.mlp.experts.{part}"
+        grad, ref = got["grads"][name], want["grads"][name]
+        assert torch.isfinite(grad).all() and rel_err(grad, ref) < 0.5, name

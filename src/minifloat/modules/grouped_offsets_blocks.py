@@ -20,7 +20,8 @@ bf16) and NVFP4 (its per-tensor scale would be per expert) keep the host-counts 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -86,16 +87,25 @@ class OffsetsBlocks(NamedTuple):
     grad_output: BlockCast
 
 
-def offsets_blocks(input_quantizers: list[Quantizer], weight_quantizers: list[Quantizer],
-                   grad_quantizers: list[Quantizer]) -> OffsetsBlocks | None:
-    """The blocks when every expert GEMM's three quantizers map to one BlockCast per operand."""
+def one_cast_per_operand(cast_of: Callable[[Quantizer], Any],
+                         *quantizer_lists: list[Quantizer]) -> list | None:
+    """For each operand's quantizers (every expert GEMM's), the one cast they all map to by
+    `cast_of`, or None when an operand's map to several or to None."""
     slots = []
-    for quantizers in (input_quantizers, weight_quantizers, grad_quantizers):
-        casts = {BlockCast.of(q) for q in quantizers}
+    for quantizers in quantizer_lists:
+        casts = {cast_of(q) for q in quantizers}
         if len(casts) != 1 or None in casts:
             return None
         slots.append(casts.pop())
-    return OffsetsBlocks(*slots)
+    return slots
+
+
+def offsets_blocks(input_quantizers: list[Quantizer], weight_quantizers: list[Quantizer],
+                   grad_quantizers: list[Quantizer]) -> OffsetsBlocks | None:
+    """The blocks when every expert GEMM's three quantizers map to one BlockCast per operand."""
+    slots = one_cast_per_operand(BlockCast.of, input_quantizers, weight_quantizers,
+                                 grad_quantizers)
+    return None if slots is None else OffsetsBlocks(*slots)
 
 
 def _exact_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,

@@ -36,7 +36,7 @@ from ..numerics.hadamard import random_hadamard_transform
 from ..quantizers import NVFP4Quantizer, Quantizer
 from ..quantizers.base import kernel_module
 from .grouped_offsets import weight_rows
-from .grouped_offsets_blocks import _kept_dtype
+from .grouped_offsets_blocks import _kept_dtype, one_cast_per_operand
 from .op_define import define_op
 
 BLOCK = nvfp4_numerics.BLOCK
@@ -70,12 +70,10 @@ def offsets_nvfp4(input_quantizers: list[Quantizer], weight_quantizers: list[Qua
     """The settings when every expert GEMM's three quantizers are NVFP4 with one setting per
     operand, the weight without the RHT (its columnwise partner in dgrad, dy's rowwise copy,
     has none) and the RHT on both wgrad operands or on neither."""
-    slots = []
-    for quantizers in (input_quantizers, weight_quantizers, grad_quantizers):
-        casts = {NVFP4Cast.of(q) for q in quantizers}
-        if len(casts) != 1 or None in casts:
-            return None
-        slots.append(casts.pop())
+    slots = one_cast_per_operand(NVFP4Cast.of, input_quantizers, weight_quantizers,
+                                 grad_quantizers)
+    if slots is None:
+        return None
     plan = OffsetsNVFP4(*slots)
     if plan.weight.with_rht or plan.input.with_rht != plan.grad_output.with_rht:
         return None
