@@ -36,7 +36,7 @@ from ..numerics.hadamard import random_hadamard_transform
 from ..quantizers import NVFP4Quantizer, Quantizer
 from ..quantizers.base import kernel_module
 from .grouped_offsets import weight_rows
-from .grouped_offsets_blocks import _kept_dtype, one_cast_per_operand
+from .grouped_offsets_blocks import one_cast_per_operand
 from .op_define import define_op
 
 BLOCK = nvfp4_numerics.BLOCK
@@ -97,38 +97,70 @@ def _group_maxima(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     return torch.where(member, tiles[None, :], 0.0).amax(dim=1)
 
 
-def _block_values(x2d: torch.Tensor, amax: torch.Tensor, cast: NVFP4Cast,
+def values_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the block values are kept in: fp16 on CUDA (exact: the grouped kernels'
+    operands), fp32 elsewhere (torch._grouped_mm's CPU operands)."""
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
+def _block_values(x2d: torch.Tensor, amax: torch.Tensor, stochastic: bool,
                   tile_rows: int) -> torch.Tensor:
-    """The block values q * s_b (fp32, x2d's shape) of x2d quantized along its rows with the
-    global amax broadcast over the block grid."""
+    """The block values q * s_b (values_dtype, x2d's shape) of x2d quantized along its rows
+    with the global amax broadcast over the block grid."""
     data, scale = nvfp4_numerics.quantize_blocks(x2d, amax, tile_rows=tile_rows,
-                                                 stochastic=cast.stochastic)
-    return nvfp4_numerics.dequantize_nvfp4_blocks(data, scale)
+                                                 stochastic=stochastic)
+    return nvfp4_numerics.dequantize_nvfp4_blocks(data, scale).to(values_dtype(x2d.device))
+
+
+def _rows_values(x: torch.Tensor, ends: torch.Tensor, two_dimensional: bool,
+                 stochastic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = _group_maxima(x, ends)
+    tile_rows = BLOCK if two_dimensional else 1
+    per_tile = amax[row_groups(ends, x.shape[0])[::tile_rows]][:, None]
+    return (_block_values(x, per_tile, stochastic, tile_rows),
+            nvfp4_numerics.global_decode_scale(amax))
+
+
+def _rows_values_fake(x, ends, two_dimensional, stochastic):
+    return (x.new_empty(x.shape, dtype=values_dtype(x.device)),
+            x.new_empty(ends.shape, dtype=torch.float32))
+
+
+def _columns_values(x: torch.Tensor, ends: torch.Tensor, with_rht: bool,
+                    stochastic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    x_t = x.t()
+    if with_rht:
+        x_t = random_hadamard_transform(x_t)
+    amax = _group_maxima(x_t.t(), ends)
+    per_block = amax[row_groups(ends, x_t.shape[1])[::BLOCK]][None, :]
+    return (_block_values(x_t, per_block, stochastic, 1),
+            nvfp4_numerics.global_decode_scale(amax))
+
+
+def _columns_values_fake(x, ends, with_rht, stochastic):
+    return (x.new_empty(x.shape[1], x.shape[0], dtype=values_dtype(x.device)),
+            x.new_empty(ends.shape, dtype=torch.float32))
+
+
+# ops: a compiled graph runs numerics' quantization as written (eagerly, bit for bit), where
+# inductor's fused fp32 divisions and reciprocals are not correctly rounded
+_rows_values_op = define_op("nvfp4_group_rows_values", _rows_values, _rows_values_fake)
+_columns_values_op = define_op("nvfp4_group_columns_values", _columns_values,
+                               _columns_values_fake)
 
 
 def rows_values(x: torch.Tensor, ends: torch.Tensor, cast: NVFP4Cast
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C]'s rowwise copy, each group (rows by `ends`) one tensor: block values [R, C]
-    and each group's S_dec [E]. 2D tiles (16 rows) need groups of whole 16s."""
-    x = x.detach()
-    amax = _group_maxima(x, ends)
-    tile_rows = BLOCK if cast.two_dimensional else 1
-    per_tile = amax[row_groups(ends, x.shape[0])[::tile_rows]][:, None]
-    return (_block_values(x, per_tile, cast, tile_rows),
-            nvfp4_numerics.global_decode_scale(amax))
+    (values_dtype) and each group's S_dec [E]. 2D tiles (16 rows) need groups of whole 16s."""
+    return _rows_values_op(x.detach(), ends, cast.two_dimensional, cast.stochastic)
 
 
 def columns_values(x: torch.Tensor, ends: torch.Tensor, cast: NVFP4Cast
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C]'s columnwise copy (x^T quantized along R, after the RHT where it applies), each
-    group one tensor: block values [C, R] and each group's S_dec [E]."""
-    x_t = x.detach().t()
-    if cast.with_rht:
-        x_t = random_hadamard_transform(x_t)
-    amax = _group_maxima(x_t.t(), ends)
-    per_block = amax[row_groups(ends, x_t.shape[1])[::BLOCK]][None, :]
-    return (_block_values(x_t, per_block, cast, 1),
-            nvfp4_numerics.global_decode_scale(amax))
+    group one tensor: block values [C, R] (values_dtype) and each group's S_dec [E]."""
+    return _columns_values_op(x.detach(), ends, cast.with_rht, cast.stochastic)
 
 
 def weight_values(weight: torch.Tensor, cast: NVFP4Cast, *, columnwise: bool
@@ -155,7 +187,7 @@ def _grouped_product(a: torch.Tensor, b: torch.Tensor, a_s_dec: torch.Tensor,
     times a_s_dec[g] * b_s_dec[g], one rounding to out_dtype (an empty group: zeros)."""
     if kernels.available(a):
         gemm = kernel_module("grouped_gemm")
-        a16, b16 = a.to(torch.float16), b.to(torch.float16)
+        a16, b16 = a.to(torch.float16), b.to(torch.float16)  # (already: values_dtype)
         if b.dim() == 3:
             return gemm.grouped_rows_gemm(a16, b16, a_s_dec, b_s_dec, ends, out_dtype,
                                           precise=False)
@@ -199,13 +231,11 @@ class GroupedOffsetsNVFP4(torch.autograd.Function):
                 x_kept = x.detach()
             else:
                 x_kept, x_cols_s_dec = columns_values(x, ends, plan.input)
-                x_kept = x_kept.to(_kept_dtype(x))
         if need_dgrad:
             if rebuild:
                 w_kept = weight.detach()
             else:
                 w_kept, w_cols_s_dec = weight_values(weight, plan.weight, columnwise=True)
-                w_kept = w_kept.to(_kept_dtype(weight))
         ctx.save_for_backward(x_kept, w_kept, x_cols_s_dec, w_cols_s_dec, ends)
         ctx.plan, ctx.need_dgrad, ctx.need_wgrad = plan, need_dgrad, need_wgrad
         ctx.rebuild, ctx.save_original = rebuild, save_original
