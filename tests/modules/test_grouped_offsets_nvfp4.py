@@ -22,6 +22,7 @@ from minifloat.modules.grouped_offsets_nvfp4 import (
     columns_values,
     offsets_nvfp4,
     rows_values,
+    weight_copy,
     weight_values,
 )
 from minifloat.numerics import nvfp4 as nvfp4_numerics
@@ -94,8 +95,10 @@ def test_weight_values_are_each_experts_own_quantization(two_dimensional):
     weight = torch.randn(3, 48, 32, generator=torch.Generator().manual_seed(1))
     weight[1] *= 50.0
     cast = NVFP4Cast(two_dimensional=two_dimensional)
-    rows, rows_s_dec = weight_values(weight, cast, columnwise=False)
-    cols, cols_s_dec = weight_values(weight, cast, columnwise=True)
+    rows, rows_s_dec = weight_values(weight_copy(weight, cast, columnwise=False), weight.shape,
+                                     cast, columnwise=False)
+    cols, cols_s_dec = weight_values(weight_copy(weight, cast, columnwise=True), weight.shape,
+                                     cast, columnwise=True)
     for expert in range(3):
         want, want_s_dec = reference(weight[expert], two_dimensional=two_dimensional)
         assert torch.equal(rows[expert], want) and rows_s_dec[expert] == want_s_dec

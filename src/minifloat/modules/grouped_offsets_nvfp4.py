@@ -98,85 +98,110 @@ def _group_maxima(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
 
 
 def values_dtype(device: torch.device) -> torch.dtype:
-    """The dtype the block values are kept in: fp16 on CUDA (exact: the grouped kernels'
+    """The dtype of the block values the GEMMs take: fp16 on CUDA (exact: the grouped kernels'
     operands), fp32 elsewhere (torch._grouped_mm's CPU operands)."""
     return torch.float16 if device.type == "cuda" else torch.float32
 
 
-def _block_values(x2d: torch.Tensor, amax: torch.Tensor, stochastic: bool,
-                  tile_rows: int) -> torch.Tensor:
-    """The block values q * s_b (values_dtype, x2d's shape) of x2d quantized along its rows
-    with the global amax broadcast over the block grid."""
-    data, scale = nvfp4_numerics.quantize_blocks(x2d, amax, tile_rows=tile_rows,
-                                                 stochastic=stochastic)
-    return nvfp4_numerics.dequantize_nvfp4_blocks(data, scale).to(values_dtype(x2d.device))
+class Quantized(NamedTuple):
+    """One NVFP4 copy of a grouped operand: packed E2M1 data, UE4M3 block scales (numerics'
+    compact layout, the rows the blocks run along) and each group's S_dec [E]. Backward keeps
+    these (half a byte an element), not the block values."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    s_dec: torch.Tensor
 
 
-def _rows_values(x: torch.Tensor, ends: torch.Tensor, two_dimensional: bool,
-                 stochastic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def block_values(copy: Quantized) -> torch.Tensor:
+    """q * s_b of every element (values_dtype): exact products, so torch ops anywhere."""
+    values = nvfp4_numerics.dequantize_nvfp4_blocks(copy.data, copy.scale)
+    return values.to(values_dtype(copy.data.device))
+
+
+def _rows_quantized(x: torch.Tensor, ends: torch.Tensor, two_dimensional: bool,
+                    stochastic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     amax = _group_maxima(x, ends)
     tile_rows = BLOCK if two_dimensional else 1
     per_tile = amax[row_groups(ends, x.shape[0])[::tile_rows]][:, None]
-    return (_block_values(x, per_tile, stochastic, tile_rows),
-            nvfp4_numerics.global_decode_scale(amax))
+    data, scale = nvfp4_numerics.quantize_blocks(x, per_tile, tile_rows=tile_rows,
+                                                 stochastic=stochastic)
+    return data, scale, nvfp4_numerics.global_decode_scale(amax)
 
 
-def _rows_values_fake(x, ends, two_dimensional, stochastic):
-    return (x.new_empty(x.shape, dtype=values_dtype(x.device)),
-            x.new_empty(ends.shape, dtype=torch.float32))
-
-
-def _columns_values(x: torch.Tensor, ends: torch.Tensor, with_rht: bool,
-                    stochastic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _columns_quantized(x: torch.Tensor, ends: torch.Tensor, with_rht: bool,
+                       stochastic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x_t = x.t()
     if with_rht:
         x_t = random_hadamard_transform(x_t)
     amax = _group_maxima(x_t.t(), ends)
     per_block = amax[row_groups(ends, x_t.shape[1])[::BLOCK]][None, :]
-    return (_block_values(x_t, per_block, stochastic, 1),
-            nvfp4_numerics.global_decode_scale(amax))
+    data, scale = nvfp4_numerics.quantize_blocks(x_t, per_block, tile_rows=1,
+                                                 stochastic=stochastic)
+    return data, scale, nvfp4_numerics.global_decode_scale(amax)
 
 
-def _columns_values_fake(x, ends, with_rht, stochastic):
-    return (x.new_empty(x.shape[1], x.shape[0], dtype=values_dtype(x.device)),
-            x.new_empty(ends.shape, dtype=torch.float32))
+def _quantized_fake(rows: int, cols: int, ends: torch.Tensor, like: torch.Tensor):
+    return (like.new_empty(rows, cols // 2, dtype=torch.uint8),
+            like.new_empty(rows, cols // BLOCK, dtype=torch.float8_e4m3fn),
+            like.new_empty(ends.shape, dtype=torch.float32))
 
 
 # ops: a compiled graph runs numerics' quantization as written (eagerly, bit for bit), where
 # inductor's fused fp32 divisions and reciprocals are not correctly rounded
-_rows_values_op = define_op("nvfp4_group_rows_values", _rows_values, _rows_values_fake)
-_columns_values_op = define_op("nvfp4_group_columns_values", _columns_values,
-                               _columns_values_fake)
+_rows_op = define_op("nvfp4_group_rows", _rows_quantized,
+                     lambda x, ends, two_dimensional, stochastic: _quantized_fake(
+                         x.shape[0], x.shape[1], ends, x))
+_columns_op = define_op("nvfp4_group_columns", _columns_quantized,
+                        lambda x, ends, with_rht, stochastic: _quantized_fake(
+                            x.shape[1], x.shape[0], ends, x))
+
+
+def rows_quantized(x: torch.Tensor, ends: torch.Tensor, cast: NVFP4Cast) -> Quantized:
+    """x [R, C]'s rowwise copy, each group (rows by `ends`) quantized as one tensor. 2D tiles
+    (16 rows) need groups of whole 16s."""
+    return Quantized(*_rows_op(x.detach(), ends, cast.two_dimensional, cast.stochastic))
+
+
+def columns_quantized(x: torch.Tensor, ends: torch.Tensor, cast: NVFP4Cast) -> Quantized:
+    """x [R, C]'s columnwise copy: x^T [C, R] quantized along R (after the RHT where it
+    applies), each group as one tensor."""
+    return Quantized(*_columns_op(x.detach(), ends, cast.with_rht, cast.stochastic))
 
 
 def rows_values(x: torch.Tensor, ends: torch.Tensor, cast: NVFP4Cast
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C]'s rowwise copy, each group (rows by `ends`) one tensor: block values [R, C]
-    (values_dtype) and each group's S_dec [E]. 2D tiles (16 rows) need groups of whole 16s."""
-    return _rows_values_op(x.detach(), ends, cast.two_dimensional, cast.stochastic)
+    """(block values [R, C], S_dec [E]) of rows_quantized."""
+    copy = rows_quantized(x, ends, cast)
+    return block_values(copy), copy.s_dec
 
 
 def columns_values(x: torch.Tensor, ends: torch.Tensor, cast: NVFP4Cast
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C]'s columnwise copy (x^T quantized along R, after the RHT where it applies), each
-    group one tensor: block values [C, R] (values_dtype) and each group's S_dec [E]."""
-    return _columns_values_op(x.detach(), ends, cast.with_rht, cast.stochastic)
+    """(block values [C, R], S_dec [E]) of columns_quantized."""
+    copy = columns_quantized(x, ends, cast)
+    return block_values(copy), copy.s_dec
 
 
-def weight_values(weight: torch.Tensor, cast: NVFP4Cast, *, columnwise: bool
+def weight_copy(weight: torch.Tensor, cast: NVFP4Cast, *, columnwise: bool) -> Quantized:
+    """The experts' weights [E, N, K], each expert one tensor: the rowwise copy's rows
+    [E * N, K], or for the columnwise copy under 1-D blocks W_e^T's [E * K, N] quantized along
+    N (2-D tiles: the rowwise copy, whose transpose the columnwise copy is, NUMERICS.md §6)."""
+    if columnwise and not cast.two_dimensional:
+        return rows_quantized(*weight_rows(weight.detach().transpose(1, 2).contiguous()), cast)
+    return rows_quantized(*weight_rows(weight.detach()), cast)
+
+
+def weight_values(copy: Quantized, shape: torch.Size, cast: NVFP4Cast, *, columnwise: bool
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The experts' weights [E, N, K]: block values of each expert's rowwise copy [E, N, K],
-    or of its columnwise copy (W_e^T quantized along N) as [E, K, N], and S_dec [E]."""
-    experts, n, k = weight.shape
-    if columnwise and not cast.two_dimensional:  # 1-D blocks along N: quantize W_e^T
-        rows, ends = weight_rows(weight.detach().transpose(1, 2).contiguous())
-        values, s_dec = rows_values(rows, ends, cast)
-        return values.view(experts, k, n), s_dec
-    rows, ends = weight_rows(weight.detach())
-    values, s_dec = rows_values(rows, ends, cast)
+    """weight_copy's block values as each expert's rowwise [E, N, K] or columnwise [E, K, N]
+    copy, and S_dec [E]."""
+    experts, n, k = shape
+    values = block_values(copy)
+    if columnwise and not cast.two_dimensional:
+        return values.view(experts, k, n), copy.s_dec
     values = values.view(experts, n, k)
-    # 2D tiles: the columnwise copy is the exact transpose of the rowwise one (NUMERICS.md §6)
-    return (values.transpose(1, 2) if columnwise else values), s_dec
+    return (values.transpose(1, 2) if columnwise else values), copy.s_dec
 
 
 def _grouped_product(a: torch.Tensor, b: torch.Tensor, a_s_dec: torch.Tensor,
@@ -215,50 +240,54 @@ grouped_product = define_op("nvfp4_grouped_product", _grouped_product, _grouped_
 
 class GroupedOffsetsNVFP4(torch.autograd.Function):
     """y[rows of g] = x[rows of g] W_g^T for the 3-D weight [E, N, K] under NVFP4, the groups
-    given by `ends` on the device (module docstring). `rebuild` and `save_original`: keep the
-    weight or x instead of backward's copy of it (as GroupedOffsetsBlocks does)."""
+    given by `ends` on the device (module docstring). Backward keeps x's columnwise copy and
+    the weights' copy for dgrad as NVFP4 bytes; `rebuild` and `save_original`: keep the weight
+    or x instead, and quantize them again in backward (as GroupedOffsetsBlocks does)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
                 plan: OffsetsNVFP4, need_dgrad: bool, need_wgrad: bool, rebuild: bool,
                 save_original: bool) -> torch.Tensor:
         x_values, x_s_dec = rows_values(x, ends, plan.input)
-        w_values, w_s_dec = weight_values(weight, plan.weight, columnwise=False)
+        w_rows = weight_copy(weight, plan.weight, columnwise=False)
+        w_values, w_s_dec = weight_values(w_rows, weight.shape, plan.weight, columnwise=False)
         y = grouped_product(x_values, w_values, x_s_dec, w_s_dec, ends, x.dtype)
-        x_kept = w_kept = x_cols_s_dec = w_cols_s_dec = None
+        kept_x = kept_w = (None, None, None)
         if need_wgrad:
-            if save_original:
-                x_kept = x.detach()
-            else:
-                x_kept, x_cols_s_dec = columns_values(x, ends, plan.input)
+            kept_x = ((x.detach(), None, None) if save_original
+                      else columns_quantized(x, ends, plan.input))
         if need_dgrad:
             if rebuild:
-                w_kept = weight.detach()
-            else:
-                w_kept, w_cols_s_dec = weight_values(weight, plan.weight, columnwise=True)
-        ctx.save_for_backward(x_kept, w_kept, x_cols_s_dec, w_cols_s_dec, ends)
+                kept_w = (weight.detach(), None, None)
+            else:  # (2-D tiles: the rowwise copy is the columnwise one transposed)
+                kept_w = (w_rows if plan.weight.two_dimensional
+                          else weight_copy(weight, plan.weight, columnwise=True))
+        ctx.save_for_backward(*kept_x, *kept_w, ends)
         ctx.plan, ctx.need_dgrad, ctx.need_wgrad = plan, need_dgrad, need_wgrad
         ctx.rebuild, ctx.save_original = rebuild, save_original
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
         return y
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        x_kept, w_kept, x_cols_s_dec, w_cols_s_dec, ends = ctx.saved_tensors
+        *saved, ends = ctx.saved_tensors
+        kept_x, kept_w = saved[:3], saved[3:]
         plan = ctx.plan
         dy = grad_output.contiguous()
         grad_x = grad_weight = None
         if ctx.need_dgrad:
-            if ctx.rebuild:
-                w_kept, w_cols_s_dec = weight_values(w_kept, plan.weight, columnwise=True)
+            w_copy = (weight_copy(kept_w[0], plan.weight, columnwise=True) if ctx.rebuild
+                      else Quantized(*kept_w))
+            # dy [R, N] x (W_e^T [K, N])^T: the weight's columnwise values [E, K, N] as b
+            w_cols, w_s_dec = weight_values(w_copy, ctx.weight_shape, plan.weight,
+                                            columnwise=True)
             dy_values, dy_s_dec = rows_values(dy, ends, plan.grad_output)
-            # dy [R, N] x (W_e^T [K, N])^T: the weight's columnwise copy [E, K, N] as b
-            grad_x = grouped_product(dy_values, w_kept, dy_s_dec, w_cols_s_dec, ends,
+            grad_x = grouped_product(dy_values, w_cols, dy_s_dec, w_s_dec, ends,
                                      grad_output.dtype)
         if ctx.need_wgrad:
-            if ctx.save_original:
-                x_kept, x_cols_s_dec = columns_values(x_kept, ends, plan.input)
+            x_copy = (columns_quantized(kept_x[0], ends, plan.input) if ctx.save_original
+                      else Quantized(*kept_x))
             dy_cols, dy_cols_s_dec = columns_values(dy, ends, plan.grad_output)
-            grad_weight = grouped_product(dy_cols, x_kept, dy_cols_s_dec, x_cols_s_dec, ends,
-                                          ctx.weight_dtype)
+            grad_weight = grouped_product(dy_cols, block_values(x_copy), dy_cols_s_dec,
+                                          x_copy.s_dec, ends, ctx.weight_dtype)
         return grad_x, grad_weight, None, None, None, None, None, None
