@@ -180,11 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     default_tiles, default_order = grouped_gemm._tiles, grouped_gemm.REDUCTION_GROUP_MAJOR
     try:
         for tiles in SWEEP if args.sweep else ():
-            grouped_gemm._tiles = lambda _device, _stages, t=tiles: dict(
+            grouped_gemm._tiles = lambda *_, t=tiles: dict(
                 BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_K=t[2], num_warps=t[3], num_stages=t[4])
             swept(" tiles {}x{}x{} w{} s{}".format(*tiles), ("fprop", "dgrad"))
         for tiles, group_major in WGRAD_SWEEP if args.sweep else ():
-            grouped_gemm._tiles = lambda _device, _stages, t=tiles: dict(
+            grouped_gemm._tiles = lambda *_, t=tiles: dict(
                 BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_K=t[2], num_warps=t[3], num_stages=t[4])
             grouped_gemm.REDUCTION_GROUP_MAJOR = group_major
             order = "groups outermost" if group_major else "groups innermost"

@@ -148,9 +148,14 @@ def encode_e2m1(values: torch.Tensor) -> torch.Tensor:
 
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit codes (uint8) to fp32 values through the value table."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    magnitude = table[(codes & 0x7).long()]
+    """4-bit codes (uint8) to fp32 values (E2M1_VALUES), from the code's exponent bits e and
+    mantissa bit m: m / 2 when e = 0, else 2^(e-1) (1 + m / 2). Arithmetic, not a value
+    table: a table built per call is a host-to-device copy, which makes the caller wait for
+    the GPU (a compiled graph or CUDA graph cannot hold it either)."""
+    exponent = ((codes >> 1) & 0x3).to(torch.int32)
+    mantissa = (codes & 0x1).to(torch.float32)
+    magnitude = torch.where(exponent == 0, mantissa * 0.5,
+                            torch.ldexp(1.0 + mantissa * 0.5, exponent - 1))
     return torch.where((codes & 0x8) != 0, -magnitude, magnitude)
 
 

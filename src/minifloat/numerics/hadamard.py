@@ -16,6 +16,16 @@ import torch
 
 RHT_SIZE = 16
 RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+# RHT_SIGNS as bits (bit i set: sign i is -1), so that the signs are made on the device
+_NEGATIVE_BITS = sum(1 << i for i, sign in enumerate(RHT_SIGNS) if sign < 0)
+
+
+def rht_signs(device: torch.device) -> torch.Tensor:
+    """RHT_SIGNS as fp32 [16] on `device`, computed there: a tensor from a Python list would be
+    a host-to-device copy, which makes the caller wait for the GPU."""
+    bits = torch.full((RHT_SIZE,), _NEGATIVE_BITS, dtype=torch.int32, device=device)
+    negative = (bits >> torch.arange(RHT_SIZE, dtype=torch.int32, device=device)) & 1
+    return 1.0 - 2.0 * negative.float()
 
 
 def sylvester_hadamard(n: int = RHT_SIZE) -> torch.Tensor:
@@ -50,7 +60,7 @@ def random_hadamard_transform(x2d: torch.Tensor, *, round_to_bf16: bool = True
             f"the random Hadamard transform needs runs of {RHT_SIZE}: {cols} elements per row "
             f"is not a multiple of {RHT_SIZE}"
         )
-    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=x2d.device)
+    signs = rht_signs(x2d.device)
     runs = x2d.float().reshape(rows, cols // RHT_SIZE, RHT_SIZE) * signs
     transformed = (_fwht16(runs) * 0.25).reshape(rows, cols)
     return transformed.to(torch.bfloat16) if round_to_bf16 else transformed
@@ -59,6 +69,6 @@ def random_hadamard_transform(x2d: torch.Tensor, *, round_to_bf16: bool = True
 def inverse_random_hadamard_transform(y2d: torch.Tensor) -> torch.Tensor:
     """Undo the RHT in fp32 (y @ H16 / 4, then the signs); approximate to fp32 rounding."""
     rows, cols = y2d.shape
-    signs = torch.tensor(RHT_SIGNS, dtype=torch.float32, device=y2d.device)
+    signs = rht_signs(y2d.device)
     runs = y2d.float().reshape(rows, cols // RHT_SIZE, RHT_SIZE)
     return (_fwht16(runs) * 0.25 * signs).reshape(rows, cols)
