@@ -119,9 +119,9 @@ def saturating_encode(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.clamp(scaled, -limit, limit).to(dtype)
 
 
-def tile_groups(ends: torch.Tensor, rows: int) -> torch.Tensor:
-    """The group of each GROUP_ROWS-row tile [rows / GROUP_ROWS] (int64)."""
-    starts = torch.arange(0, rows, GROUP_ROWS, device=ends.device, dtype=torch.int32)
+def tile_groups(ends: torch.Tensor, rows: int, tile_rows: int = GROUP_ROWS) -> torch.Tensor:
+    """The group of each `tile_rows`-row tile [rows / tile_rows] (int64; 1: of each row)."""
+    starts = torch.arange(0, rows, tile_rows, device=ends.device, dtype=torch.int32)
     return torch.searchsorted(ends, starts, right=True)
 
 
@@ -241,10 +241,11 @@ grouped_rows_cast = define_op("grouped_rows_cast", rows_cast, _rows_cast_fake)
 stacked_weights_cast = define_op("stacked_weights_cast", _weights_cast, _weights_cast_fake)
 
 
-def _groups_of_tiles(tile_amax: torch.Tensor, ends: torch.Tensor, rows: int) -> torch.Tensor:
-    """Each group's maximum [E] fp32 of its GROUP_ROWS-row tiles' maxima (0 when empty)."""
+def groups_of_tiles(tile_amax: torch.Tensor, ends: torch.Tensor, rows: int,
+                    tile_rows: int = GROUP_ROWS) -> torch.Tensor:
+    """Each group's maximum [E] fp32 of its `tile_rows`-row tiles' maxima (0 when empty)."""
     groups = ends.shape[0]
-    member = (tile_groups(ends, rows)[None, :]
+    member = (tile_groups(ends, rows, tile_rows)[None, :]
               == torch.arange(groups, device=ends.device)[:, None])
     return torch.where(member, tile_amax.float()[None, :], 0.0).amax(dim=1)
 
@@ -260,7 +261,7 @@ def group_maxima(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     else:
         tile_amax = bits.reshape(rows // GROUP_ROWS, GROUP_ROWS, depth).amax(dim=(1, 2))
         tile_amax = maximum_of_bits(tile_amax, x.dtype)
-    return _groups_of_tiles(tile_amax, ends, rows)
+    return groups_of_tiles(tile_amax, ends, rows)
 
 
 def stored_group_maxima(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -269,7 +270,7 @@ def stored_group_maxima(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     rows, depth = x.shape
     tile_amax = torch.linalg.vector_norm(x.reshape(rows // GROUP_ROWS, GROUP_ROWS, depth),
                                          float("inf"), dim=(1, 2), dtype=torch.float32)
-    return _groups_of_tiles(tile_amax, ends, rows)
+    return groups_of_tiles(tile_amax, ends, rows)
 
 
 def group_scales(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, amax_epsilon: float,

@@ -35,7 +35,7 @@ from ..numerics import nvfp4 as nvfp4_numerics
 from ..numerics.hadamard import random_hadamard_transform
 from ..quantizers import NVFP4Quantizer, Quantizer
 from ..quantizers.base import kernel_module
-from .grouped_offsets import weight_rows
+from .grouped_offsets import groups_of_tiles, tile_groups, weight_rows
 from .grouped_offsets_blocks import one_cast_per_operand
 from .op_define import define_op
 
@@ -80,21 +80,13 @@ def offsets_nvfp4(input_quantizers: list[Quantizer], weight_quantizers: list[Qua
     return plan
 
 
-def row_groups(ends: torch.Tensor, rows: int) -> torch.Tensor:
-    """The group of each row [rows] (the last group's end is the row count: every row has one)."""
-    return torch.searchsorted(ends, torch.arange(rows, device=ends.device, dtype=ends.dtype),
-                              right=True)
-
-
 def _group_maxima(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """max|x| [E] fp32 of each group's rows of x [R, C] (any strides; groups of whole 16s;
     NaN propagating, 0 for an empty group)."""
     rows, cols = x.shape
     tiles = torch.linalg.vector_norm(x.reshape(rows // BLOCK, BLOCK, cols), float("inf"),
                                      dim=(1, 2), dtype=torch.float32)
-    member = (row_groups(ends, rows)[::BLOCK][None, :]
-              == torch.arange(ends.shape[0], device=x.device)[:, None])
-    return torch.where(member, tiles[None, :], 0.0).amax(dim=1)
+    return groups_of_tiles(tiles, ends, rows, BLOCK)
 
 
 def values_dtype(device: torch.device) -> torch.dtype:
@@ -123,7 +115,7 @@ def _rows_quantized(x: torch.Tensor, ends: torch.Tensor, two_dimensional: bool,
                     stochastic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     amax = _group_maxima(x, ends)
     tile_rows = BLOCK if two_dimensional else 1
-    per_tile = amax[row_groups(ends, x.shape[0])[::tile_rows]][:, None]
+    per_tile = amax[tile_groups(ends, x.shape[0], tile_rows)][:, None]
     data, scale = nvfp4_numerics.quantize_blocks(x, per_tile, tile_rows=tile_rows,
                                                  stochastic=stochastic)
     return data, scale, nvfp4_numerics.global_decode_scale(amax)
@@ -135,7 +127,7 @@ def _columns_quantized(x: torch.Tensor, ends: torch.Tensor, with_rht: bool,
     if with_rht:
         x_t = random_hadamard_transform(x_t)
     amax = _group_maxima(x_t.t(), ends)
-    per_block = amax[row_groups(ends, x_t.shape[1])[::BLOCK]][None, :]
+    per_block = amax[tile_groups(ends, x_t.shape[1], BLOCK)][None, :]
     data, scale = nvfp4_numerics.quantize_blocks(x_t, per_block, tile_rows=1,
                                                  stochastic=stochastic)
     return data, scale, nvfp4_numerics.global_decode_scale(amax)
@@ -221,7 +213,7 @@ def _grouped_product(a: torch.Tensor, b: torch.Tensor, a_s_dec: torch.Tensor,
     alpha = a_s_dec.float() * b_s_dec.float()
     if b.dim() == 3:
         product = torch._grouped_mm(a.float(), b.float().transpose(1, 2), offs=ends)
-        return (product * alpha[row_groups(ends, a.shape[0])][:, None]).to(out_dtype)
+        return (product * alpha[tile_groups(ends, a.shape[0], 1)][:, None]).to(out_dtype)
     product = torch._grouped_mm(a.float(), b.float().t(), offs=ends)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     # an empty group's sum is zero, whatever the kernel leaves there
