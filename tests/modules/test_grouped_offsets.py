@@ -94,20 +94,29 @@ def test_layout_puts_each_pair_in_its_experts_padded_rows(index_dtype):
     assert (source[padding] == tokens).all()
 
 
+def assert_paths_agree(experts, inputs: tuple, recipe: mf.Recipe, calls: list[int]) -> list:
+    """Runs the experts on the device path, then on the general path (per-expert quantizers,
+    host splits); asserts that both grouped GEMMs (80 routed pairs over 4 experts) took the
+    device path whose forward `calls` counts, and that outputs and gradients agree to summation
+    order. Returns the device path's FP8 tensors saved for backward."""
+    with fused_experts_module.offsets_mode("always"):
+        y, dx, grads, saved = run(experts, *inputs, recipe=recipe)
+    assert calls == [padded_rows(80, 4)] * 2, "both grouped GEMMs on device offsets"
+    with fused_experts_module.offsets_mode("never"):
+        y_g, dx_g, grads_g, _ = run(experts, *inputs, recipe=recipe)
+    assert len(calls) == 2
+    for got, want in ((y, y_g), (dx, dx_g), *zip(grads, grads_g, strict=True)):
+        assert rel_err(got, want) < 1e-6
+    return saved
+
+
 @pytest.mark.parametrize("recipe", [HYBRID, E4M3], ids=["hybrid", "e4m3"])
 @pytest.mark.parametrize("empty_expert", [None, 2])
 def test_device_offsets_equal_the_general_path(offsets_calls, recipe, empty_expert):
     torch.manual_seed(0)
     experts = fused_experts(4, 32, 48)
     inputs = routed(empty_expert=empty_expert)
-    with fused_experts_module.offsets_mode("always"):
-        y, dx, grads, saved = run(experts, *inputs, recipe=recipe)
-    assert offsets_calls == [padded_rows(80, 4)] * 2, "both grouped GEMMs on device offsets"
-    with fused_experts_module.offsets_mode("never"):
-        y_g, dx_g, grads_g, _ = run(experts, *inputs, recipe=recipe)
-    assert len(offsets_calls) == 2
-    for got, want in ((y, y_g), (dx, dx_g), *zip(grads, grads_g, strict=True)):
-        assert rel_err(got, want) < 1e-6
+    saved = assert_paths_agree(experts, inputs, recipe, offsets_calls)
     # saved for backward: gate_up's x^T, its W^T copy, down's input^T, its W^T copy
     assert [t.shape for t in saved] == [(32, 640), (4, 32, 96), (48, 640), (4, 48, 32)]
 
@@ -183,13 +192,7 @@ def test_block_formats_on_device_offsets_equal_the_general_path(blocks_calls, re
     torch.manual_seed(0)
     experts = fused_experts(4, 128, 64)  # 2-D weight tiles: N (2F, D) in whole 128s
     inputs = routed(tokens=40, hidden=128, empty_expert=empty_expert)
-    with fused_experts_module.offsets_mode("always"):
-        y, dx, grads, _ = run(experts, *inputs, recipe=recipe)
-    assert blocks_calls == [padded_rows(80, 4)] * 2
-    with fused_experts_module.offsets_mode("never"):
-        y_g, dx_g, grads_g, _ = run(experts, *inputs, recipe=recipe)
-    for got, want in ((y, y_g), (dx, dx_g), *zip(grads, grads_g, strict=True)):
-        assert rel_err(got, want) < 1e-6
+    assert_paths_agree(experts, inputs, recipe, blocks_calls)
 
 
 def test_block_tiles_that_would_cross_experts_keep_the_host_counts_path(blocks_calls):

@@ -15,7 +15,7 @@ import torch
 
 import minifloat as mf
 from minifloat.modules import fused_experts as fused_experts_module
-from minifloat.modules.grouped_offsets import padded_rows, routing_layout
+from minifloat.modules.grouped_offsets import routing_layout
 from minifloat.modules.grouped_offsets_nvfp4 import (
     GroupedOffsetsNVFP4,
     NVFP4Cast,
@@ -28,7 +28,11 @@ from minifloat.modules.grouped_offsets_nvfp4 import (
 from minifloat.numerics import nvfp4 as nvfp4_numerics
 from minifloat.quantizers import NVFP4Quantizer
 from modules.test_any_token_count import fused_experts
-from modules.test_grouped_offsets import compiled_and_eager_mixtral, counting_calls
+from modules.test_grouped_offsets import (
+    assert_paths_agree,
+    compiled_and_eager_mixtral,
+    counting_calls,
+)
 from modules.test_lean_grouped_fp8 import routed, run
 from training._reference import rel_err
 
@@ -128,13 +132,7 @@ def test_device_offsets_equal_the_general_path(nvfp4_calls, recipe, empty_expert
     torch.manual_seed(0)
     experts = fused_experts(4, 64, 48)
     inputs = routed(tokens=40, hidden=64, empty_expert=empty_expert)
-    with fused_experts_module.offsets_mode("always"):
-        y, dx, grads, _ = run(experts, *inputs, recipe=recipe)
-    assert nvfp4_calls == [padded_rows(80, 4)] * 2
-    with fused_experts_module.offsets_mode("never"):
-        y_g, dx_g, grads_g, _ = run(experts, *inputs, recipe=recipe)
-    for got, want in ((y, y_g), (dx, dx_g), *zip(grads, grads_g, strict=True)):
-        assert rel_err(got, want) < 1e-6
+    assert_paths_agree(experts, inputs, recipe, nvfp4_calls)
 
 
 def test_stochastic_rounding_errs_as_the_general_paths_does(nvfp4_calls):
