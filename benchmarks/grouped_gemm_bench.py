@@ -35,10 +35,12 @@ from minifloat.modules.grouped_offsets import routing_layout  # noqa: E402
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-# the rows kernel (fprop, dgrad): (BLOCK_M <= 128 and BLOCK_K dividing 128: the layout
-# contract) x warps x stages
+# the rows kernel (fprop, dgrad): (BLOCK_M <= 128: the layout contract) x warps x stages
 SWEEP = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5),
-         (128, 128, 64, 8, 5), (64, 256, 128, 8, 4)]
+         (128, 128, 64, 8, 5), (64, 256, 128, 8, 4),
+         # 256 deep: two split-accumulator promotions a block (the same numerics), half the
+         # loop steps
+         (128, 128, 256, 8, 3), (128, 128, 256, 8, 2)]
 # the wgrad kernel: (BLOCK_M, BLOCK_N, BLOCK_K 128: the split accumulator's interval, warps,
 # stages) x launch order (groups outermost or innermost: grouped_gemm.REDUCTION_GROUP_MAJOR)
 WGRAD_SWEEP = [((128, 128, 128, 8, 4), False), ((128, 128, 128, 8, 4), True),

@@ -125,6 +125,31 @@ def test_reduction_gemm_sums_each_groups_rows(a_dtype, precise):
         assert relative_error(out[g], want) < BF16_BOUND
 
 
+def test_rows_gemm_blocks_deeper_than_the_split_accumulator(monkeypatch):
+    """A BLOCK_K deeper than SPLIT_ACCUMULATION (grouped_gemm_bench.py --sweep times 256 on a
+    GPU; the kernel then promotes twice a block) sums every group right, the masked last block
+    included."""
+    tiles = grouped_gemm._tiles
+
+    def deep(device, stages, element_size=1):
+        chosen = tiles(device, stages, element_size)
+        return chosen | dict(BLOCK_K=2 * grouped_gemm.SPLIT_ACCUMULATION
+                             if DEVICE.type == "cuda" else 2 * chosen["BLOCK_K"])
+
+    monkeypatch.setattr(grouped_gemm, "_tiles", deep)
+    counts = [GROUP_ROWS, 2 * GROUP_ROWS]
+    ends, rows = layout(counts)
+    a = fp8_values((sum(counts), 640), torch.float8_e5m2, 7)  # 2.5 deep blocks: a masked edge
+    b = fp8_values((2, 96, 640), torch.float8_e4m3fn, 8)
+    scales = torch.tensor([0.5, 2.0])
+    out = grouped_gemm.grouped_rows_gemm(
+        a.to(DEVICE), b.to(DEVICE), scales.to(DEVICE), scales.to(DEVICE), ends.to(DEVICE),
+        torch.float32, precise=True).cpu()
+    for g, piece in enumerate(rows):
+        want = (a[piece].double() @ b[g].double().t()) * (scales[g].double() ** 2)
+        assert relative_error(out[piece], want) < FP32_BOUND
+
+
 def test_fp16_operands_of_exact_values_for_the_nvfp4_experts():
     """The NVFP4 experts (modules/grouped_offsets_nvfp4.py) pass block values as fp16 (exact)
     with each group's global decode scales: both kernels take them (64-deep tiles on a GPU),

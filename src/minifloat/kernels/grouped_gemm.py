@@ -19,9 +19,9 @@ BLOCK_M <= 128 rows never straddles two groups; rows from ends[E-1] on belong to
   result is zeros.
 
 Accumulation: fp32. `precise=False` lets sm90's FP8 MMA accumulate at its own precision
-(cuBLAS' fast accumulation, the forward's setting); `precise=True` promotes each BLOCK_K-deep
-(128) partial sum to the fp32 accumulator (the split accumulator the backward GEMMs use; every
-32 cost the dgrad 40% more time on an H200).
+(cuBLAS' fast accumulation, the forward's setting); `precise=True` promotes each
+SPLIT_ACCUMULATION-deep (128) partial sum to the fp32 accumulator, whatever BLOCK_K (the split
+accumulator the backward GEMMs use; every 32 cost the dgrad 40% more time on an H200).
 
 The operands may also be fp16 holding exact values (NVFP4's blocks, E2M1 x UE4M3: the NVFP4
 experts, modules/grouped_offsets_nvfp4.py), the scales then the operands' global decode scales:
@@ -37,6 +37,9 @@ import triton.language as tl
 from .launch import launch
 
 GROUP_ROWS = 128  # every group's row count is a multiple of this (the layout contract)
+# the split accumulator's depth: precise GEMMs promote every this many products to fp32
+# (a 256-deep block then makes two promotions: the numerics do not follow the tiles)
+SPLIT_ACCUMULATION = 128
 _GROUP_ROWS = tl.constexpr(GROUP_ROWS)
 _OUT_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -50,10 +53,10 @@ def group_of_block(ends_ptr, start, GROUPS: tl.constexpr, GROUPS_POW2: tl.conste
 
 
 @triton.jit
-def _accumulate(a, b, acc, PRECISE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc + a @ b^T: with PRECISE, this BLOCK_K-deep partial sum promoted to fp32 apart."""
+def _accumulate(a, b, acc, PRECISE: tl.constexpr, PROMOTE_K: tl.constexpr):
+    """acc + a @ b^T: with PRECISE, each PROMOTE_K-deep partial sum promoted to fp32 apart."""
     if PRECISE:
-        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE_K)
     else:
         acc = tl.dot(a, tl.trans(b), acc)
     return acc
@@ -64,7 +67,7 @@ def _rows_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows
                  stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_om, stride_on,
                  GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE: tl.constexpr,
-                 OUT_TYPE: tl.constexpr):
+                 PROMOTE_K: tl.constexpr, OUT_TYPE: tl.constexpr):
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(width, BLOCK_N)
     pid_m, pid_n = pid // n_blocks, pid % n_blocks
@@ -84,7 +87,7 @@ def _rows_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows
             k_mask = offs_k[None, :] < depth - k
             a = tl.load(a_ptrs, mask=k_mask, other=0.0)
             b = tl.load(b_ptrs, mask=(offs_n[:, None] < width) & k_mask, other=0.0)
-            acc = _accumulate(a, b, acc, PRECISE, BLOCK_K)
+            acc = _accumulate(a, b, acc, PRECISE, PROMOTE_K)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
         acc = acc * (tl.load(a_scale_ptr + group) * tl.load(b_scale_ptr + group))
@@ -95,8 +98,8 @@ def _rows_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows
 def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, width_a,
                       width_b, stride_ai, stride_ar, stride_bj, stride_br, stride_og, stride_oi,
                       stride_oj, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, OUT_TYPE: tl.constexpr,
-                      GROUP_MAJOR: tl.constexpr):
+                      BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, PROMOTE_K: tl.constexpr,
+                      OUT_TYPE: tl.constexpr, GROUP_MAJOR: tl.constexpr):
     if GROUP_MAJOR:  # the blocks of one group run together (REDUCTION_GROUP_MAJOR)
         pid, group = tl.program_id(0), tl.program_id(1)
     else:
@@ -117,7 +120,7 @@ def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr,
     for _ in range(first, last, BLOCK_K):
         a = tl.load(a_ptrs, mask=offs_m[:, None] < width_a, other=0.0)
         b = tl.load(b_ptrs, mask=offs_n[:, None] < width_b, other=0.0)
-        acc = _accumulate(a, b, acc, PRECISE, BLOCK_K)
+        acc = _accumulate(a, b, acc, PRECISE, PROMOTE_K)
         a_ptrs += BLOCK_K * stride_ar
         b_ptrs += BLOCK_K * stride_br
     alpha = tl.load(a_scale_ptr + group) * tl.load(b_scale_ptr + group)
@@ -173,6 +176,7 @@ def grouped_rows_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tenso
            a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
            out.stride(1), num_warps=warps, options=dict(num_stages=stages), GROUPS=groups,
            GROUPS_POW2=triton.next_power_of_2(groups), **tiles, PRECISE=precise,
+           PROMOTE_K=min(tiles["BLOCK_K"], SPLIT_ACCUMULATION),
            OUT_TYPE=_OUT_TYPES[out_dtype])
     return out
 
@@ -192,6 +196,7 @@ def grouped_reduction_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.
     launch(_reduction_kernel, grid, a, b, out, a_scale_inv, b_scale_inv, ends, width_a,
            width_b, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
            out.stride(1), out.stride(2), num_warps=warps, options=dict(num_stages=stages),
-           **tiles, PRECISE=precise, OUT_TYPE=_OUT_TYPES[out_dtype],
+           **tiles, PRECISE=precise, PROMOTE_K=min(tiles["BLOCK_K"], SPLIT_ACCUMULATION),
+           OUT_TYPE=_OUT_TYPES[out_dtype],
            GROUP_MAJOR=REDUCTION_GROUP_MAJOR)
     return out
