@@ -156,7 +156,8 @@ def _tiles(device: torch.device, stages: int, element_size: int = 1) -> dict[str
 def _reduction_tiles(device: torch.device, element_size: int = 1) -> dict[str, int]:
     """The wgrad kernel's tiles: _tiles' backward setting (its own function, so that
     grouped_gemm_bench.py --sweep can time other blocks for it alone: its output dims are free
-    of the layout contract, which bounds only its BLOCK_K)."""
+    of the layout contract, which bounds only its BLOCK_K). On an H100 at Mixtral-style shapes
+    3 to 5 stages timed alike, and 16-warp 128x256 or 256x128 blocks 1.5x slower."""
     return _tiles(device, 4, element_size)
 
 
