@@ -264,13 +264,15 @@ def group_maxima(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     return groups_of_tiles(tile_amax, ends, rows)
 
 
-def stored_group_maxima(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def stored_group_maxima(x: torch.Tensor, ends: torch.Tensor,
+                        tile_rows: int = GROUP_ROWS) -> torch.Tensor:
     """group_maxima's values inside an op, where nothing fuses: one reduction over the stored
-    x (the inf-norm of each tile, NaN propagating), no |x| or bit-view temporary."""
+    x (the inf-norm of each tile, NaN propagating), no |x| or bit-view temporary. x may have
+    any strides; groups of whole `tile_rows` (NVFP4's experts: 16)."""
     rows, depth = x.shape
-    tile_amax = torch.linalg.vector_norm(x.reshape(rows // GROUP_ROWS, GROUP_ROWS, depth),
+    tile_amax = torch.linalg.vector_norm(x.reshape(rows // tile_rows, tile_rows, depth),
                                          float("inf"), dim=(1, 2), dtype=torch.float32)
-    return groups_of_tiles(tile_amax, ends, rows)
+    return groups_of_tiles(tile_amax, ends, rows, tile_rows)
 
 
 def group_scales(x: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, amax_epsilon: float,

@@ -13,10 +13,11 @@ group's S_dec product is applied to its rows of the fp32 product, the emulated G
 
 The GEMMs are emulated as on Hopper: each operand's block values (E2M1 x UE4M3) through a
 grouped GEMM with fp32 accumulation, times S_dec(a) * S_dec(b) of the group in fp32, one
-rounding to the output dtype: on CUDA minifloat's grouped kernels (kernels/grouped_gemm.py) on
-fp16 operands (the block values are exact there too: at most 6 significant bits, magnitudes
-2^-10 to 2688; fp16 rather than bf16 because Triton's interpreter, which the kernel tests run
-on the CPU, multiplied bf16 operands wrongly), elsewhere torch._grouped_mm in fp32.
+rounding to the output dtype: grouped_offsets.py's grouped GEMM ops, so on CUDA minifloat's
+grouped kernels (kernels/grouped_gemm.py) on fp16 operands (the block values are exact there
+too: at most 6 significant bits, magnitudes 2^-10 to 2688; fp16 rather than bf16 because
+Triton's interpreter, which the kernel tests run on the CPU, multiplied bf16 operands wrongly),
+elsewhere torch._grouped_mm in fp32.
 Stochastic rounding draws from torch's generator over the whole buffer at once, so its bits
 differ from the general path's per-expert draws (NUMERICS.md §7 tests it statistically).
 Served: every expert GEMM's three quantizers NVFP4 with one setting per operand, no RHT on the
@@ -30,12 +31,16 @@ from typing import NamedTuple
 
 import torch
 
-from .. import kernels
 from ..numerics import nvfp4 as nvfp4_numerics
 from ..numerics.hadamard import random_hadamard_transform
 from ..quantizers import NVFP4Quantizer, Quantizer
-from ..quantizers.base import kernel_module
-from .grouped_offsets import groups_of_tiles, tile_groups, weight_rows
+from .grouped_offsets import (
+    grouped_reduction_gemm,
+    grouped_rows_gemm,
+    stored_group_maxima,
+    tile_groups,
+    weight_rows,
+)
 from .grouped_offsets_blocks import one_cast_per_operand
 from .op_define import define_op
 
@@ -80,15 +85,6 @@ def offsets_nvfp4(input_quantizers: list[Quantizer], weight_quantizers: list[Qua
     return plan
 
 
-def _group_maxima(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """max|x| [E] fp32 of each group's rows of x [R, C] (any strides; groups of whole 16s;
-    NaN propagating, 0 for an empty group)."""
-    rows, cols = x.shape
-    tiles = torch.linalg.vector_norm(x.reshape(rows // BLOCK, BLOCK, cols), float("inf"),
-                                     dim=(1, 2), dtype=torch.float32)
-    return groups_of_tiles(tiles, ends, rows, BLOCK)
-
-
 def values_dtype(device: torch.device) -> torch.dtype:
     """The dtype of the block values the GEMMs take: fp16 on CUDA (exact: the grouped kernels'
     operands), fp32 elsewhere (torch._grouped_mm's CPU operands)."""
@@ -113,7 +109,7 @@ def block_values(copy: Quantized) -> torch.Tensor:
 
 def _rows_quantized(x: torch.Tensor, ends: torch.Tensor, two_dimensional: bool,
                     stochastic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    amax = _group_maxima(x, ends)
+    amax = stored_group_maxima(x, ends, BLOCK)
     tile_rows = BLOCK if two_dimensional else 1
     per_tile = amax[tile_groups(ends, x.shape[0], tile_rows)][:, None]
     data, scale = nvfp4_numerics.quantize_blocks(x, per_tile, tile_rows=tile_rows,
@@ -126,7 +122,7 @@ def _columns_quantized(x: torch.Tensor, ends: torch.Tensor, with_rht: bool,
     x_t = x.t()
     if with_rht:
         x_t = random_hadamard_transform(x_t)
-    amax = _group_maxima(x_t.t(), ends)
+    amax = stored_group_maxima(x_t.t(), ends, BLOCK)
     per_block = amax[tile_groups(ends, x_t.shape[1], BLOCK)][None, :]
     data, scale = nvfp4_numerics.quantize_blocks(x_t, per_block, tile_rows=1,
                                                  stochastic=stochastic)
@@ -196,38 +192,15 @@ def weight_values(copy: Quantized, shape: torch.Size, cast: NVFP4Cast, *, column
     return (values.transpose(1, 2) if columnwise else values), copy.s_dec
 
 
-def _grouped_product(a: torch.Tensor, b: torch.Tensor, a_s_dec: torch.Tensor,
-                     b_s_dec: torch.Tensor, ends: torch.Tensor,
-                     out_dtype: torch.dtype) -> torch.Tensor:
+def grouped_product(a: torch.Tensor, b: torch.Tensor, a_s_dec: torch.Tensor,
+                    b_s_dec: torch.Tensor, ends: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
     """The emulated NVFP4 grouped GEMM of block values: rows grouped (a [R, K], b [E, N, K] ->
     [R, N]) or reduction grouped (a [W1, R], b [W2, R] -> [E, W1, W2]); each group's fp32 sum
-    times a_s_dec[g] * b_s_dec[g], one rounding to out_dtype (an empty group: zeros)."""
-    if kernels.available(a):
-        gemm = kernel_module("grouped_gemm")
-        a16, b16 = a.to(torch.float16), b.to(torch.float16)  # (already: values_dtype)
-        if b.dim() == 3:
-            return gemm.grouped_rows_gemm(a16, b16, a_s_dec, b_s_dec, ends, out_dtype,
-                                          precise=False)
-        return gemm.grouped_reduction_gemm(a16, b16, a_s_dec, b_s_dec, ends, out_dtype,
-                                           precise=False)
-    alpha = a_s_dec.float() * b_s_dec.float()
-    if b.dim() == 3:
-        product = torch._grouped_mm(a.float(), b.float().transpose(1, 2), offs=ends)
-        return (product * alpha[tile_groups(ends, a.shape[0], 1)][:, None]).to(out_dtype)
-    product = torch._grouped_mm(a.float(), b.float().t(), offs=ends)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    # an empty group's sum is zero, whatever the kernel leaves there
-    return torch.where(counts[:, None, None] > 0, product * alpha[:, None, None],
-                       0.0).to(out_dtype)
-
-
-def _grouped_product_fake(a, b, a_s_dec, b_s_dec, ends, out_dtype):
-    if b.dim() == 3:
-        return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
-    return a.new_empty(ends.shape[0], a.shape[0], b.shape[0], dtype=out_dtype)
-
-
-grouped_product = define_op("nvfp4_grouped_product", _grouped_product, _grouped_product_fake)
+    times a_s_dec[g] * b_s_dec[g], one rounding to out_dtype: the FP8 experts' grouped GEMM
+    ops, fast accumulation (exact products of exact values: nothing to split)."""
+    gemm = grouped_rows_gemm if b.dim() == 3 else grouped_reduction_gemm
+    return gemm(a, b, a_s_dec, b_s_dec, ends, out_dtype, False)
 
 
 class GroupedOffsetsNVFP4(torch.autograd.Function):
