@@ -48,6 +48,16 @@ BF16_BOUND = 2**-8 if DEVICE.type == "cuda" else 2**-7
 FP32_BOUND = 2e-4 if DEVICE.type == "cuda" else 1e-6
 
 
+@pytest.fixture(params=["pointers", "descriptors"])
+def loads(request, monkeypatch):
+    """Each GEMM test once per operand load (grouped_gemm.TENSOR_DESCRIPTORS: TMA tensor
+    descriptors where the operands allow them, else masked pointer loads); returns whether
+    descriptors are on."""
+    on = request.param == "descriptors"
+    monkeypatch.setattr(grouped_gemm, "TENSOR_DESCRIPTORS", on)
+    return on
+
+
 def fp8_values(shape, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(shape, generator=g) * 8).to(dtype)
@@ -68,7 +78,7 @@ def relative_error(actual, expected):
 @pytest.mark.parametrize("a_dtype", FP8)
 @pytest.mark.parametrize("b_dtype", FP8)
 @pytest.mark.parametrize("precise", [False, True])
-def test_rows_gemm_each_group_through_its_own_weight(a_dtype, b_dtype, precise):
+def test_rows_gemm_each_group_through_its_own_weight(a_dtype, b_dtype, precise, loads):
     counts = [GROUP_ROWS, 0, 2 * GROUP_ROWS, GROUP_ROWS]  # an empty group
     ends, rows = layout(counts)
     depth, width = 96, 80  # not multiples of the blocks: masked edges
@@ -87,27 +97,32 @@ def test_rows_gemm_each_group_through_its_own_weight(a_dtype, b_dtype, precise):
         assert relative_error(out[piece], want) < BF16_BOUND
 
 
-def test_rows_gemm_strided_operands_and_rows_past_the_last_group():
-    """b given as the transposed view of [E, D, W] bytes (dgrad reads W_g^T's copy), output
-    fp32, and rows after the last group's end written as zeros."""
+def test_rows_gemm_strided_operands_and_rows_past_the_last_group(loads):
+    """b as the transposed view of [E, D, W] bytes (innermost stride not 1: pointer loads
+    whatever the setting) and as the experts' transposed weight copy (expert e's [W, D] the
+    columns e * D .. (e + 1) * D of one [W, E * D] matrix: grouped_offsets.expert_copies, what
+    the dgrad reads), output fp32, and rows after the last group's end written as zeros."""
     counts = [GROUP_ROWS, GROUP_ROWS]
     ends, rows = layout(counts)
     total = sum(counts) + GROUP_ROWS
     a = fp8_values((total, 64), torch.float8_e5m2, 2)
     b_t = fp8_values((2, 64, 48), torch.float8_e4m3fn, 3)  # [E, D, W]
+    columns = b_t.permute(2, 0, 1).reshape(48, 2 * 64).contiguous()  # [W, E * D]
     scales = torch.tensor([1.5, 0.5])
-    out = grouped_gemm.grouped_rows_gemm(
-        a.to(DEVICE), b_t.to(DEVICE).transpose(1, 2), scales.to(DEVICE), scales.to(DEVICE),
-        ends.to(DEVICE), torch.float32, precise=True).cpu()
-    for g, piece in enumerate(rows):
-        want = (a[piece].double() @ b_t[g].double()) * (scales[g].double() ** 2)
-        assert relative_error(out[piece], want) < FP32_BOUND
-    assert torch.equal(out[sum(counts):], torch.zeros(GROUP_ROWS, 48))
+    for b in (b_t.to(DEVICE).transpose(1, 2),
+              columns.to(DEVICE).view(48, 2, 64).transpose(0, 1)):
+        out = grouped_gemm.grouped_rows_gemm(
+            a.to(DEVICE), b, scales.to(DEVICE), scales.to(DEVICE), ends.to(DEVICE),
+            torch.float32, precise=True).cpu()
+        for g, piece in enumerate(rows):
+            want = (a[piece].double() @ b_t[g].double()) * (scales[g].double() ** 2)
+            assert relative_error(out[piece], want) < FP32_BOUND
+        assert torch.equal(out[sum(counts):], torch.zeros(GROUP_ROWS, 48))
 
 
 @pytest.mark.parametrize("a_dtype", FP8)
 @pytest.mark.parametrize("precise", [False, True])
-def test_reduction_gemm_sums_each_groups_rows(a_dtype, precise):
+def test_reduction_gemm_sums_each_groups_rows(a_dtype, precise, loads):
     counts = [2 * GROUP_ROWS, 0, GROUP_ROWS]
     ends, rows = layout(counts)
     a = fp8_values((40, sum(counts)), a_dtype, 4)  # dy^T [N, R]
@@ -125,7 +140,7 @@ def test_reduction_gemm_sums_each_groups_rows(a_dtype, precise):
         assert relative_error(out[g], want) < BF16_BOUND
 
 
-def test_rows_gemm_blocks_deeper_than_the_split_accumulator(monkeypatch):
+def test_rows_gemm_blocks_deeper_than_the_split_accumulator(monkeypatch, loads):
     """A BLOCK_K deeper than SPLIT_ACCUMULATION (grouped_gemm_bench.py --sweep times 256 on a
     GPU; the kernel then promotes twice a block) sums every group right, the masked last block
     included."""
@@ -150,7 +165,7 @@ def test_rows_gemm_blocks_deeper_than_the_split_accumulator(monkeypatch):
         assert relative_error(out[piece], want) < FP32_BOUND
 
 
-def test_fp16_operands_of_exact_values_for_the_nvfp4_experts():
+def test_fp16_operands_of_exact_values_for_the_nvfp4_experts(loads):
     """The NVFP4 experts (modules/grouped_offsets_nvfp4.py) pass block values as fp16 (exact)
     with each group's global decode scales: both kernels take them (64-deep tiles on a GPU),
     fp32 output, one rounding of the scaled fp32 sum."""
