@@ -123,26 +123,32 @@ def cast_rows(name: str, rows: int, ends: torch.Tensor, experts: int, width: int
               repeats: int, tile: tuple[int, int, int] | None = None) -> list[dict]:
     """The grouped cast of a [rows, width] bf16 operand (both copies: 2 bytes read, 1 + 1
     written per element) against a bf16 copy of it (2 + 2: the same bytes moved)."""
-    from minifloat.kernels import grouped_cast  # imports triton: CUDA machines only
+    # imports triton: CUDA machines only
+    from minifloat.kernels import grouped_cast, per_tensor_fp8
 
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(rows, width, device="cuda", generator=g, dtype=torch.bfloat16)
     scales = torch.full((experts,), 3.0, device="cuda")
-    default = grouped_cast.CUDA_TILE
-    grouped_cast.CUDA_TILE = tile or default
+    # the grouped cast casts with the dense per-tensor casts' tile (per_tensor_fp8's settings)
+    names = ("TILE_M", "TILE_K", "NUM_WARPS")
+    default = tuple(getattr(per_tensor_fp8, name) for name in names)
+    for name, value in zip(names, tile or default, strict=True):
+        setattr(per_tensor_fp8, name, value)
     try:
         cast_ms = timed_ms(lambda: grouped_cast.grouped_cast(
             x, scales, ends, E4M3, rowwise=True, columnwise=True), warmup, repeats)
     finally:
-        grouped_cast.CUDA_TILE = default
+        for name, value in zip(names, default, strict=True):
+            setattr(per_tensor_fp8, name, value)
     copy_ms = timed_ms(lambda: x.clone(), warmup, repeats)
     label = "triton grouped cast" + (f" tile {tile[0]}x{tile[1]} w{tile[2]}" if tile else "")
     return [dict(projection=name, gemm="cast", kernel=label, ms=round(cast_ms, 4),
                  of_copy=round(copy_ms / cast_ms, 3), copy_ms=round(copy_ms, 4))]
 
 
-# grouped cast tiles: (BLOCK_M dividing 128, BLOCK_K, warps)
-CAST_SWEEP = [(128, 64, 4), (128, 128, 8), (64, 128, 4), (32, 128, 4)]
+# grouped cast tiles: (BLOCK_M dividing 128, BLOCK_K, warps); the default is the dense
+# casts' 64 x 128, 4 warps
+CAST_SWEEP = [(32, 128, 4), (64, 64, 4), (128, 128, 8), (64, 128, 8)]
 
 
 def main(argv: list[str] | None = None) -> int:

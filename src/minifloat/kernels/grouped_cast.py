@@ -2,57 +2,58 @@
 the groups given by device-side row ends: rowwise bytes and their transpose in one launch.
 
 Why: the device-offsets experts (modules/grouped_offsets.py) cast each expert's rows of the
-padded layout with that expert's current-scaling scale. As torch ops the cast is a dozen eager
-kernels per operand (fused only under torch.compile) and its transposed copy one more pass.
-Here one program casts a tile and writes both copies; the scales ([E] fp32, numerics'
-scale_from_amax of each group's maximum) come from torch ops on [E]-sized tensors.
+padded layout (and the experts' stacked weights, as rows) with that expert's current-scaling
+scale. As torch ops the cast is a dozen eager kernels per operand (fused only under
+torch.compile) and its transposed copy one more pass. Here each program casts one tile with
+per_tensor_tile, the tile function of every per-tensor cast (words of four elements in, words
+of four codes out: benchmarks/KERNEL_NOTES.md), with the scale of the group that holds the
+tile; the scales ([E] fp32, numerics' scale_from_amax of each group's maximum) come from the
+group scales' op. The first version cast element by element (a byte transpose through shared
+memory) and moved its bytes at 0.53-0.69 of a copy's speed on an H100.
 
 Layout contract (grouped_gemm.GROUP_ROWS): every group starts on a multiple of 128 rows, so a
-BLOCK_M-row tile (BLOCK_M dividing 128) lies in one group. Bytes: fp8_common.fp8_codes of the
-fp32 product x * scale, the contract's saturating round-to-nearest-even (NaN 0x7F | the sign of
-x, not of the product, which the GPU makes the canonical positive NaN), the bytes of
-numerics.cast_to_fp8 (tests/gpu/test_grouped_offsets_kernels.py checks them).
+tile of the dense casts' rows (64, or 32; dividing 128) lies in one group; tiles past the last
+group's end (rows of no group, zeros) take the last group's scale. Bytes: those of
+numerics.cast_to_fp8 of the fp32 product x * scale, as every per-tensor kernel writes them
+(NaN's sign follows the product as the device computes it: no part of the contract;
+tests/gpu/test_grouped_offsets_kernels.py).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from .element_cast import kernel_view, load_as_float
-from .fp8_common import fp8_codes, is_e5m2, with_nan_codes
+from . import per_tensor_fp8
+from .fp8_common import cdiv, hw_cast, is_e5m2, jit, max_u16x2, tl, triton
 from .grouped_gemm import group_of_block
 from .launch import launch
-
-# (BLOCK_M, BLOCK_K, warps) on CUDA; BLOCK_M divides 128 (the layout contract).
-# benchmarks/grouped_gemm_bench.py --sweep times others against a copy of the same bytes.
-CUDA_TILE = (64, 64, 4)
+from .per_tensor_fp8 import tile_modes, tile_views
+from .per_tensor_tile import per_tensor_tile, scale_makes_nan
 
 
-@triton.jit
-def _grouped_cast_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, ends_ptr, rows, depth,
-                         GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BF16_BITS: tl.constexpr, E5M2: tl.constexpr, HW_CAST: tl.constexpr,
-                         ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_m[:, None] < rows) & (offs_k[None, :] < depth)
-    x = load_as_float(x_ptr, offs_m[:, None].to(tl.int64) * depth + offs_k[None, :], mask,
-                      BF16_BITS)
+@jit
+def _grouped_cast_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, ends_ptr, M, K,
+                         GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, E5M2: tl.constexpr,
+                         ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HALVES: tl.constexpr,
+                         ROW_WORDS: tl.constexpr, COL_WORDS: tl.constexpr,
+                         MASK_M: tl.constexpr, MASK_K: tl.constexpr, WIDE: tl.constexpr,
+                         HW_CAST: tl.constexpr, PRODUCTS: tl.constexpr,
+                         MAX_U16X2: tl.constexpr):
+    """One tile per program, in the dense cast's order (along K first); the views are those
+    per_tensor_tile's modes ask for (tile_views)."""
+    pid = tl.program_id(0)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    pid_m = pid // tiles_k
+    pid_k = pid % tiles_k
     group = tl.minimum(group_of_block(ends_ptr, pid_m * BLOCK_M, GROUPS, GROUPS_POW2),
                        GROUPS - 1)
-    # the NaN byte keeps the sign of x, not of the product (with_nan_codes says why)
-    codes = with_nan_codes(x, fp8_codes(x * tl.load(scale_ptr + group), E5M2, HW_CAST))
-    if ROWWISE:
-        tl.store(data_ptr + offs_m[:, None].to(tl.int64) * depth + offs_k[None, :], codes,
-                 mask=mask)
-    if COLUMNWISE:
-        tl.store(data_t_ptr + offs_k[None, :].to(tl.int64) * rows + offs_m[:, None], codes,
-                 mask=mask)
+    scale = tl.load(scale_ptr + group)
+    # the scales are given, so the tile checks its own NaN (a NaN input anywhere in it)
+    per_tensor_tile(x_ptr, data_ptr, data_t_ptr, scale_ptr, scale, scale_makes_nan(scale), M,
+                    K, pid_m, pid_k, E5M2, ROWWISE, COLUMNWISE, False, HW_CAST or PRODUCTS,
+                    BLOCK_M, BLOCK_K, HALVES, ROW_WORDS, COL_WORDS, MASK_M, MASK_K, WIDE,
+                    HW_CAST, PRODUCTS, MAX_U16X2)
 
 
 def grouped_cast(x: torch.Tensor, scale: torch.Tensor, ends: torch.Tensor,
@@ -64,16 +65,28 @@ def grouped_cast(x: torch.Tensor, scale: torch.Tensor, ends: torch.Tensor,
     if not (rowwise or columnwise):
         raise ValueError("grouped_cast: ask for the rowwise or the columnwise copy")
     rows, depth = x.shape
+    # the dense casts' tiles (per_tensor_fp8._tile_constexprs: smaller ones where a copy is
+    # stored byte by byte), read at the call (tests switch them and the emulated products)
+    settings = per_tensor_fp8
+    words = rows % 4 == 0 and depth % 4 == 0
+    tile_m, tile_k = ((settings.TILE_M, settings.TILE_K) if words
+                      else (settings.BYTES_TILE_M, settings.BYTES_TILE_K))
+    if tile_m > 128 or 128 % tile_m:
+        raise ValueError(f"grouped_cast: tiles of {tile_m} rows would straddle two groups")
     groups = ends.shape[0]
-    data = torch.empty(rows, depth, dtype=torch.uint8, device=x.device) if rowwise else None
-    data_t = torch.empty(depth, rows, dtype=torch.uint8, device=x.device) if columnwise else None
-    view, bf16_bits = kernel_view(x)
-    block_m, block_k, warps = CUDA_TILE if x.is_cuda else (32, 32, 4)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(depth, block_k))
-    launch(_grouped_cast_kernel, grid, view, data if rowwise else data_t,
-           data_t if columnwise else data, scale, ends, rows, depth, num_warps=warps,
-           GROUPS=groups, GROUPS_POW2=triton.next_power_of_2(groups), BLOCK_M=block_m,
-           BLOCK_K=block_k, BF16_BITS=bf16_bits, E5M2=is_e5m2(fp8_dtype), HW_CAST=x.is_cuda,
-           ROWWISE=rowwise, COLUMNWISE=columnwise)
+    device = x.device
+    data = torch.empty(rows, depth, dtype=torch.uint8, device=device) if rowwise else None
+    data_t = torch.empty(depth, rows, dtype=torch.uint8, device=device) if columnwise else None
+    modes = tile_modes(x, rows, depth, tile_m, tile_k)
+    # an absent copy's pointer: the other copy (its stores are compiled out)
+    x_view, rows_out, cols_out = tile_views(x, data if rowwise else data_t,
+                                            data_t if columnwise else data, modes)
+    hw = hw_cast(x)
+    grid = (cdiv(rows, tile_m) * cdiv(depth, tile_k),)
+    launch(_grouped_cast_kernel, grid, x_view, rows_out, cols_out, scale, ends, rows, depth,
+           num_warps=settings.NUM_WARPS, GROUPS=groups,
+           GROUPS_POW2=triton.next_power_of_2(groups), E5M2=is_e5m2(fp8_dtype),
+           ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_M=tile_m, BLOCK_K=tile_k, **modes,
+           HW_CAST=hw, PRODUCTS=hw or settings.EMULATE_PRODUCTS, MAX_U16X2=max_u16x2(x))
     return (data.view(fp8_dtype) if rowwise else None,
             data_t.view(fp8_dtype) if columnwise else None)
