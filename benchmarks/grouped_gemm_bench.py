@@ -116,6 +116,7 @@ def projection_rows(name: str, rows: int, pairs: int, ends: torch.Tensor, expert
             continue
         results.append(dict(projection=name, gemm=gemm, kernel=kernel, ms=round(ms, 4),
                             tflops=round(flops / ms / 1e9, 1)))
+        print(json.dumps(results[-1]), flush=True)  # as it goes: a run cut short keeps its rows
     return results
 
 
@@ -142,6 +143,8 @@ def cast_rows(name: str, rows: int, ends: torch.Tensor, experts: int, width: int
             setattr(per_tensor_fp8, name, value)
     copy_ms = timed_ms(lambda: x.clone(), warmup, repeats)
     label = "triton grouped cast" + (f" tile {tile[0]}x{tile[1]} w{tile[2]}" if tile else "")
+    print(json.dumps(dict(projection=name, kernel=label, ms=round(cast_ms, 4),
+                          copy_ms=round(copy_ms, 4))), flush=True)
     return [dict(projection=name, gemm="cast", kernel=label, ms=round(cast_ms, 4),
                  of_copy=round(copy_ms / cast_ms, 3), copy_ms=round(copy_ms, 4))]
 
