@@ -35,21 +35,18 @@ from minifloat.modules.grouped_offsets import routing_layout  # noqa: E402
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-# the rows kernel (fprop, dgrad): ((BLOCK_M <= 128: the layout contract) x BLOCK_N x BLOCK_K,
-# warps, stages), operand loads by TMA tensor descriptors (grouped_gemm.TENSOR_DESCRIPTORS)
-SWEEP = [((128, 128, 128, 8, 3), False), ((128, 128, 128, 8, 3), True),
-         ((128, 128, 128, 8, 4), False), ((128, 128, 128, 8, 4), True),
+# the rows kernel (fprop, dgrad): (BLOCK_M <= 128: the layout contract) x BLOCK_N x BLOCK_K,
+# warps, stages
+SWEEP = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5),
          # 256 wide: half the operand bytes a product; the fast-accumulating forward's
          # accumulator fits in the registers, the split accumulator's two do not
-         ((128, 256, 128, 8, 3), False), ((128, 256, 128, 8, 3), True),
+         (128, 256, 128, 8, 3),
          # 256 deep: two split-accumulator promotions a block (the same numerics), half the
-         # loop steps (pointer loads: a TMA box row holds 128 bytes)
-         ((128, 128, 256, 8, 3), False), ((128, 128, 256, 8, 2), False)]
+         # loop steps
+         (128, 128, 256, 8, 3), (128, 128, 256, 8, 2)]
 # the wgrad kernel (groups outermost, grouped_gemm.REDUCTION_GROUP_MAJOR; the innermost order
-# ran 1.27-1.30x slower on an H100): (tiles with BLOCK_K 128, the split accumulator's
-# interval), operand loads
-WGRAD_SWEEP = [((128, 128, 128, 8, 4), False), ((128, 128, 128, 8, 4), True),
-               ((128, 128, 128, 8, 3), True), ((128, 128, 128, 8, 5), True)]
+# ran 1.27-1.30x slower on an H100): tiles with BLOCK_K 128, the split accumulator's interval
+WGRAD_SWEEP = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5)]
 
 
 def timed_ms(fn, warmup: int, repeats: int) -> float:
@@ -69,7 +66,7 @@ def timed_ms(fn, warmup: int, repeats: int) -> float:
 def projection_rows(name: str, rows: int, pairs: int, ends: torch.Tensor, experts: int,
                     width_in: int, width_out: int, warmup: int, repeats: int,
                     gemms: tuple[str, ...] = ("fprop", "dgrad", "wgrad"),
-                    triton_only: bool = False) -> list[dict]:
+                    triton_only: bool = False, label: str = "") -> list[dict]:
     from minifloat.kernels import grouped_gemm  # imports triton: CUDA machines only
 
     device = "cuda"
@@ -114,7 +111,7 @@ def projection_rows(name: str, rows: int, pairs: int, ends: torch.Tensor, expert
         except Exception as error:  # noqa: BLE001 - a kernel a torch build lacks: say so
             results.append(dict(projection=name, gemm=gemm, kernel=kernel, error=str(error)))
             continue
-        results.append(dict(projection=name, gemm=gemm, kernel=kernel, ms=round(ms, 4),
+        results.append(dict(projection=name, gemm=gemm, kernel=kernel + label, ms=round(ms, 4),
                             tflops=round(flops / ms / 1e9, 1)))
         print(json.dumps(results[-1]), flush=True)  # as it goes: a run cut short keeps its rows
     return results
@@ -131,16 +128,16 @@ def cast_rows(name: str, rows: int, ends: torch.Tensor, experts: int, width: int
     x = torch.randn(rows, width, device="cuda", generator=g, dtype=torch.bfloat16)
     scales = torch.full((experts,), 3.0, device="cuda")
     # the grouped cast casts with the dense per-tensor casts' tile (per_tensor_fp8's settings)
-    names = ("TILE_M", "TILE_K", "NUM_WARPS")
-    default = tuple(getattr(per_tensor_fp8, name) for name in names)
-    for name, value in zip(names, tile or default, strict=True):
-        setattr(per_tensor_fp8, name, value)
+    settings = ("TILE_M", "TILE_K", "NUM_WARPS")
+    default = tuple(getattr(per_tensor_fp8, setting) for setting in settings)
+    for setting, value in zip(settings, tile or default, strict=True):
+        setattr(per_tensor_fp8, setting, value)
     try:
         cast_ms = timed_ms(lambda: grouped_cast.grouped_cast(
             x, scales, ends, E4M3, rowwise=True, columnwise=True), warmup, repeats)
     finally:
-        for name, value in zip(names, default, strict=True):
-            setattr(per_tensor_fp8, name, value)
+        for setting, value in zip(settings, default, strict=True):
+            setattr(per_tensor_fp8, setting, value)
     copy_ms = timed_ms(lambda: x.clone(), warmup, repeats)
     label = "triton grouped cast" + (f" tile {tile[0]}x{tile[1]} w{tile[2]}" if tile else "")
     print(json.dumps(dict(projection=name, kernel=label, ms=round(cast_ms, 4),
@@ -192,22 +189,19 @@ def main(argv: list[str] | None = None) -> int:
 
     def swept(label: str, gemms: tuple[str, ...]) -> None:
         for name, width_in, width_out in projections:
-            for row in projection_rows(name, rows, pairs, layout.ends, args.experts, width_in,
-                                       width_out, args.warmup, args.repeats, gemms, True):
-                row["kernel"] += label
-                results.append(row)
+            results.extend(projection_rows(name, rows, pairs, layout.ends, args.experts,
+                                           width_in, width_out, args.warmup, args.repeats,
+                                           gemms, True, label))
 
-    default_tiles, default_loads = grouped_gemm._tiles, grouped_gemm.TENSOR_DESCRIPTORS
+    default_tiles = grouped_gemm._tiles
     try:
         for sweep, gemms in ((SWEEP, ("fprop", "dgrad")), (WGRAD_SWEEP, ("wgrad",))):
-            for tiles, descriptors in sweep if args.sweep else ():
+            for tiles in sweep if args.sweep else ():
                 grouped_gemm._tiles = lambda *_, t=tiles: dict(
                     BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_K=t[2], num_warps=t[3], num_stages=t[4])
-                grouped_gemm.TENSOR_DESCRIPTORS = descriptors
-                swept(" tiles {}x{}x{} w{} s{}, ".format(*tiles)
-                      + ("TMA loads" if descriptors else "pointer loads"), gemms)
+                swept(" tiles {}x{}x{} w{} s{}".format(*tiles), gemms)
     finally:
-        grouped_gemm._tiles, grouped_gemm.TENSOR_DESCRIPTORS = default_tiles, default_loads
+        grouped_gemm._tiles = default_tiles
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.tokens} tokens x "
           f"top-{args.top_k} over {args.experts} experts ({rows} padded rows), d {args.hidden},"
           f" ffn {args.ffn}\n")

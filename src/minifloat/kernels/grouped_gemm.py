@@ -33,7 +33,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .launch import launch
 
@@ -64,34 +63,11 @@ def _accumulate(a, b, acc, PRECISE: tl.constexpr, PROMOTE_K: tl.constexpr):
 
 
 @triton.jit
-def _rows_operands(a_ref, b_ref, group, start, n_start, k, width, depth, stride_am, stride_ak,
-                   stride_bg, stride_bn, stride_bk, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DESCRIPTORS: tl.constexpr):
-    """The rows kernel's a [BLOCK_M, BLOCK_K] and b [BLOCK_N, BLOCK_K] blocks at depth k: by
-    tensor descriptors (TMA: the copy engine fills shared memory, zeros past the edges) or by
-    masked pointer loads."""
-    if DESCRIPTORS:
-        a = a_ref.load([start, k])
-        b = tl.reshape(b_ref.load([group, n_start, k]), (BLOCK_N, BLOCK_K))
-    else:
-        offs_m = start + tl.arange(0, BLOCK_M)
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        offs_k = k + tl.arange(0, BLOCK_K)
-        k_mask = offs_k[None, :] < depth
-        a = tl.load(a_ref + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                    mask=k_mask, other=0.0)
-        b = tl.load(b_ref + group.to(tl.int64) * stride_bg + offs_n[:, None] * stride_bn
-                    + offs_k[None, :] * stride_bk,
-                    mask=(offs_n[:, None] < width) & k_mask, other=0.0)
-    return a, b
-
-
-@triton.jit
-def _rows_kernel(a_ref, b_ref, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows, width, depth,
+def _rows_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows, width, depth,
                  stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_om, stride_on,
                  GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE: tl.constexpr,
-                 PROMOTE_K: tl.constexpr, OUT_TYPE: tl.constexpr, DESCRIPTORS: tl.constexpr):
+                 PROMOTE_K: tl.constexpr, OUT_TYPE: tl.constexpr):
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(width, BLOCK_N)
     pid_m, pid_n = pid // n_blocks, pid % n_blocks
@@ -103,46 +79,27 @@ def _rows_kernel(a_ref, b_ref, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows
     group = group_of_block(ends_ptr, start, GROUPS, GROUPS_POW2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if group < GROUPS:  # else rows of no group: zeros
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = (b_ptr + group.to(tl.int64) * stride_bg + offs_n[:, None] * stride_bn
+                  + offs_k[None, :] * stride_bk)
         for k in range(0, depth, BLOCK_K):
-            a, b = _rows_operands(a_ref, b_ref, group, start, pid_n * BLOCK_N, k, width, depth,
-                                  stride_am, stride_ak, stride_bg, stride_bn, stride_bk,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, DESCRIPTORS)
+            k_mask = offs_k[None, :] < depth - k
+            a = tl.load(a_ptrs, mask=k_mask, other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_n[:, None] < width) & k_mask, other=0.0)
             acc = _accumulate(a, b, acc, PRECISE, PROMOTE_K)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
         acc = acc * (tl.load(a_scale_ptr + group) * tl.load(b_scale_ptr + group))
     tl.store(out_ptrs, acc.to(OUT_TYPE), mask=out_mask)
 
 
 @triton.jit
-def _reduction_operands(a_ref, b_ref, m_start, n_start, k, width_a, width_b, stride_ai,
-                        stride_ar, stride_bj, stride_br, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DESCRIPTORS: tl.constexpr):
-    """The wgrad kernel's a [BLOCK_M, BLOCK_K] and b [BLOCK_N, BLOCK_K] blocks at row k (whole
-    blocks along the rows: the layout contract), as _rows_operands loads them."""
-    if DESCRIPTORS:
-        a = a_ref.load([m_start, k])
-        b = b_ref.load([n_start, k])
-    else:
-        offs_m = m_start + tl.arange(0, BLOCK_M)
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        # k is a multiple of BLOCK_K (the group's rows start on GROUP_ROWS): said to the
-        # compiler, so that it loads whole 16-byte vectors along them (without such a hint,
-        # an H200 ran this kernel at 21 TFLOP/s)
-        offs_k = tl.multiple_of(k, BLOCK_K) + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ref + offs_m[:, None] * stride_ai + offs_k[None, :] * stride_ar,
-                    mask=offs_m[:, None] < width_a, other=0.0)
-        b = tl.load(b_ref + offs_n[:, None] * stride_bj + offs_k[None, :] * stride_br,
-                    mask=offs_n[:, None] < width_b, other=0.0)
-    return a, b
-
-
-@triton.jit
-def _reduction_kernel(a_ref, b_ref, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, width_a,
+def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, width_a,
                       width_b, stride_ai, stride_ar, stride_bj, stride_br, stride_og, stride_oi,
                       stride_oj, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, PROMOTE_K: tl.constexpr,
-                      OUT_TYPE: tl.constexpr, GROUP_MAJOR: tl.constexpr,
-                      DESCRIPTORS: tl.constexpr):
+                      OUT_TYPE: tl.constexpr, GROUP_MAJOR: tl.constexpr):
     if GROUP_MAJOR:  # the blocks of one group run together (REDUCTION_GROUP_MAJOR)
         pid, group = tl.program_id(0), tl.program_id(1)
     else:
@@ -151,15 +108,21 @@ def _reduction_kernel(a_ref, b_ref, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr,
     pid_m, pid_n = pid // n_blocks, pid % n_blocks
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # the group's rows start and end on GROUP_ROWS: said to the compiler, so that it loads
+    # whole 16-byte vectors along them (without it, an H200 ran this kernel at 21 TFLOP/s)
     first = tl.multiple_of(tl.load(ends_ptr + group - 1, mask=group > 0, other=0), _GROUP_ROWS)
     last = tl.multiple_of(tl.load(ends_ptr + group), _GROUP_ROWS)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_ai + (first + offs_k)[None, :] * stride_ar
+    b_ptrs = b_ptr + offs_n[:, None] * stride_bj + (first + offs_k)[None, :] * stride_br
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     # whole BLOCK_K steps: every group's row count is a multiple of GROUP_ROWS >= BLOCK_K
-    for k in range(first, last, BLOCK_K):
-        a, b = _reduction_operands(a_ref, b_ref, pid_m * BLOCK_M, pid_n * BLOCK_N, k, width_a,
-                                   width_b, stride_ai, stride_ar, stride_bj, stride_br,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, DESCRIPTORS)
+    for _ in range(first, last, BLOCK_K):
+        a = tl.load(a_ptrs, mask=offs_m[:, None] < width_a, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_n[:, None] < width_b, other=0.0)
         acc = _accumulate(a, b, acc, PRECISE, PROMOTE_K)
+        a_ptrs += BLOCK_K * stride_ar
+        b_ptrs += BLOCK_K * stride_br
     alpha = tl.load(a_scale_ptr + group) * tl.load(b_scale_ptr + group)
     # an empty group's sum is zero whatever its scales hold
     result = tl.where(last > first, acc * alpha, 0.0)
@@ -175,33 +138,6 @@ def _reduction_kernel(a_ref, b_ref, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr,
 # (the first version's order). grouped_gemm_bench.py --sweep times both: on an H100 at
 # Mixtral-style shapes, outermost ran 1.27x (gate_up) and 1.30x (down) faster (BENCHMARKS.md).
 REDUCTION_GROUP_MAJOR = True
-# Operand loads by tensor descriptors (TMA) where the operands allow them (_descriptor): the
-# copy engine moves each block into shared memory, with no address arithmetic or masks in the
-# kernel's threads. grouped_gemm_bench.py --sweep times both settings.
-TENSOR_DESCRIPTORS = False
-_TMA_ROW_BYTES = 128  # a block's innermost extent that one swizzled TMA box holds
-
-
-def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor | None:
-    """A tensor descriptor of t with `block` boxes, or None where TMA cannot read t (innermost
-    stride not 1, a base or stride not 16-byte aligned, a box row wider than 128 bytes) or
-    TENSOR_DESCRIPTORS is off: the kernels then load by pointers."""
-    size = t.element_size()
-    if (not TENSOR_DESCRIPTORS or t.stride(-1) != 1 or t.data_ptr() % 16
-            or any(stride * size % 16 for stride in t.stride()[:-1])
-            or block[-1] * size > _TMA_ROW_BYTES):
-        return None
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
-
-
-def _operands(a: torch.Tensor, b: torch.Tensor, a_block: list[int], b_block: list[int]
-              ) -> tuple[object, object, bool]:
-    """(a, b, DESCRIPTORS): both as tensor descriptors when TMA can read both, else both as
-    tensors (the pointer loads)."""
-    a_desc, b_desc = _descriptor(a, a_block), _descriptor(b, b_block)
-    if a_desc is None or b_desc is None:
-        return a, b, False
-    return a_desc, b_desc, True
 
 
 def _tiles(device: torch.device, stages: int, element_size: int = 1) -> dict[str, int]:
@@ -237,14 +173,12 @@ def grouped_rows_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tenso
     stages = tiles.pop("num_stages")
     warps = tiles.pop("num_warps")
     grid = (triton.cdiv(rows, tiles["BLOCK_M"]) * triton.cdiv(width, tiles["BLOCK_N"]),)
-    a_ref, b_ref, descriptors = _operands(a, b, [tiles["BLOCK_M"], tiles["BLOCK_K"]],
-                                          [1, tiles["BLOCK_N"], tiles["BLOCK_K"]])
-    launch(_rows_kernel, grid, a_ref, b_ref, out, a_scale_inv, b_scale_inv, ends, rows, width,
-           depth, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
+    launch(_rows_kernel, grid, a, b, out, a_scale_inv, b_scale_inv, ends, rows, width, depth,
+           a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
            out.stride(1), num_warps=warps, options=dict(num_stages=stages), GROUPS=groups,
            GROUPS_POW2=triton.next_power_of_2(groups), **tiles, PRECISE=precise,
            PROMOTE_K=min(tiles["BLOCK_K"], SPLIT_ACCUMULATION),
-           OUT_TYPE=_OUT_TYPES[out_dtype], DESCRIPTORS=descriptors)
+           OUT_TYPE=_OUT_TYPES[out_dtype])
     return out
 
 
@@ -260,12 +194,10 @@ def grouped_reduction_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.
     warps = tiles.pop("num_warps")
     blocks = triton.cdiv(width_a, tiles["BLOCK_M"]) * triton.cdiv(width_b, tiles["BLOCK_N"])
     grid = (blocks, groups) if REDUCTION_GROUP_MAJOR else (groups, blocks)
-    a_ref, b_ref, descriptors = _operands(a, b, [tiles["BLOCK_M"], tiles["BLOCK_K"]],
-                                          [tiles["BLOCK_N"], tiles["BLOCK_K"]])
-    launch(_reduction_kernel, grid, a_ref, b_ref, out, a_scale_inv, b_scale_inv, ends, width_a,
+    launch(_reduction_kernel, grid, a, b, out, a_scale_inv, b_scale_inv, ends, width_a,
            width_b, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
            out.stride(1), out.stride(2), num_warps=warps, options=dict(num_stages=stages),
            **tiles, PRECISE=precise, PROMOTE_K=min(tiles["BLOCK_K"], SPLIT_ACCUMULATION),
-           OUT_TYPE=_OUT_TYPES[out_dtype], GROUP_MAJOR=REDUCTION_GROUP_MAJOR,
-           DESCRIPTORS=descriptors)
+           OUT_TYPE=_OUT_TYPES[out_dtype],
+           GROUP_MAJOR=REDUCTION_GROUP_MAJOR)
     return out

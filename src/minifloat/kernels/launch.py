@@ -51,11 +51,6 @@ def _argument_key(value: Any) -> tuple:
         return ("int", value == 1, value % 16 == 0, value in _INT32, value >= 0)
     if isinstance(value, float):
         return ("float",)
-    if hasattr(value, "block_shape"):  # a TMA tensor descriptor (triton.tools.tensor_descriptor)
-        # Triton specialises it on its dtype and box (its base is 16-byte aligned by
-        # construction; shape and strides are runtime values)
-        return ("descriptor", value.base.dtype, tuple(value.block_shape), len(value.shape),
-                value.padding)
     return ("value", value)
 
 
