@@ -11,11 +11,14 @@ Rows per projection (gate_up: x [R, D] -> [R, 2F]; down: [R, F] -> [R, D]):
   dgrad  bf16 _grouped_mm | Triton E5M2 x E4M3 (split accumulation)
   wgrad  bf16 _grouped_mm (2d x 2d) | Triton E5M2 x E4M3 (split accumulation)
   cast   the grouped cast of x and of dy (both copies) as a share of a bf16 copy's bandwidth
-Each: median of --repeats launches timed by CUDA events, after --warmup; TFLOP/s counts the
-routed rows only (2 * pairs * in * out). --sweep adds other GEMM and cast tiles.
+Each: median of --repeats windows of BATCH launches timed by CUDA events, after --warmup;
+TFLOP/s counts the routed rows only (2 * pairs * in * out). --sweep adds other GEMM and cast
+tiles; --rounds N times everything N times over, interleaved, and reports each setting's median
+and spread (one round's timings of the same setting differed by 13% on an H100: a difference
+smaller than the spread is noise).
 
 Usage: python benchmarks/grouped_gemm_bench.py [--tokens 8192] [--top-k 2] [--experts 8]
-           [--hidden 2048] [--ffn 4096] [--out FILE.json]
+           [--hidden 2048] [--ffn 4096] [--sweep] [--rounds 3] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -49,18 +52,53 @@ SWEEP = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5),
 WGRAD_SWEEP = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5)]
 
 
+# launches between one pair of events: the host's Python before each launch (tens of
+# microseconds for a Triton kernel, less for torch's) then overlaps the GPU's work instead of
+# counting as idle time inside the window, as it did with one launch a pair
+BATCH = 5
+
+
 def timed_ms(fn, warmup: int, repeats: int) -> float:
+    """Median over `repeats` windows of BATCH back-to-back launches, per launch."""
     for _ in range(warmup):
         fn()
+    torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(BATCH):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / BATCH)
     return statistics.median(times)
+
+
+def merged_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One row per timed setting, in the first round's order: the median of its rounds' times
+    and their spread (max - min), the figure a difference between settings must exceed
+    (rounds interleave the settings, so a drift of the card's speed lands in every one)."""
+    times: dict[tuple, list[float]] = {}
+    for round_rows in rounds:
+        for row in round_rows:
+            if "ms" in row:
+                times.setdefault((row["projection"], row["gemm"], row["kernel"]), []).append(
+                    row["ms"])
+    merged = []
+    for row in rounds[0]:
+        ms = times.get((row["projection"], row["gemm"], row["kernel"]))
+        if ms is None:
+            merged.append(row)
+            continue
+        median = statistics.median(ms)
+        extra = dict(ms=round(median, 4), spread_ms=round(max(ms) - min(ms), 4), rounds_ms=ms)
+        if "tflops" in row:  # the rate of the median time
+            extra["tflops"] = round(row["tflops"] * row["ms"] / median, 1)
+        if "of_copy" in row:
+            extra["of_copy"] = round(row["copy_ms"] / median, 3)
+        merged.append(row | extra)
+    return merged
 
 
 def projection_rows(name: str, rows: int, pairs: int, ends: torch.Tensor, experts: int,
@@ -162,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--sweep", action="store_true",
                         help="also time the Triton kernels under other tile settings")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every setting this many times, interleaved; report the "
+                             "median and the spread")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -172,43 +213,46 @@ def main(argv: list[str] | None = None) -> int:
                          for _ in range(args.tokens)]).cuda()
     layout = routing_layout(index, args.experts)
     rows, pairs = layout.pair_of_row.shape[0], args.tokens * args.top_k
-    results = []
     projections = (("gate_up", args.hidden, 2 * args.ffn), ("down", args.ffn, args.hidden))
-    for name, width_in, width_out in projections:
-        results += projection_rows(name, rows, pairs, layout.ends, args.experts, width_in,
-                                   width_out, args.warmup, args.repeats)
     # the operands the experts' casts read: x of each projection, and its gradient dy
     cast_widths = {"x gate_up": args.hidden, "x down": args.ffn,
                    "dy gate_up": 2 * args.ffn, "dy down": args.hidden}
-    for tile in [None, *(CAST_SWEEP if args.sweep else ())]:
-        for name, width in cast_widths.items():
-            results += cast_rows(name, rows, layout.ends, args.experts, width, args.warmup,
-                                 args.repeats, tile)
     from minifloat.kernels import grouped_gemm
 
-
-    def swept(label: str, gemms: tuple[str, ...]) -> None:
+    def one_round() -> list[dict]:
+        rows_timed = []
         for name, width_in, width_out in projections:
-            results.extend(projection_rows(name, rows, pairs, layout.ends, args.experts,
-                                           width_in, width_out, args.warmup, args.repeats,
-                                           gemms, True, label))
+            rows_timed += projection_rows(name, rows, pairs, layout.ends, args.experts,
+                                          width_in, width_out, args.warmup, args.repeats)
+        for tile in [None, *(CAST_SWEEP if args.sweep else ())]:
+            for name, width in cast_widths.items():
+                rows_timed += cast_rows(name, rows, layout.ends, args.experts, width,
+                                        args.warmup, args.repeats, tile)
+        default_tiles = grouped_gemm._tiles
+        try:
+            for sweep, gemms in ((SWEEP, ("fprop", "dgrad")), (WGRAD_SWEEP, ("wgrad",))):
+                for tiles in sweep if args.sweep else ():
+                    grouped_gemm._tiles = lambda *_, t=tiles: dict(
+                        BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_K=t[2], num_warps=t[3],
+                        num_stages=t[4])
+                    label = " tiles {}x{}x{} w{} s{}".format(*tiles)
+                    for name, width_in, width_out in projections:
+                        rows_timed += projection_rows(
+                            name, rows, pairs, layout.ends, args.experts, width_in, width_out,
+                            args.warmup, args.repeats, gemms, True, label)
+        finally:
+            grouped_gemm._tiles = default_tiles
+        return rows_timed
 
-    default_tiles = grouped_gemm._tiles
-    try:
-        for sweep, gemms in ((SWEEP, ("fprop", "dgrad")), (WGRAD_SWEEP, ("wgrad",))):
-            for tiles in sweep if args.sweep else ():
-                grouped_gemm._tiles = lambda *_, t=tiles: dict(
-                    BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_K=t[2], num_warps=t[3], num_stages=t[4])
-                swept(" tiles {}x{}x{} w{} s{}".format(*tiles), gemms)
-    finally:
-        grouped_gemm._tiles = default_tiles
+    results = merged_rounds([one_round() for _ in range(args.rounds)])
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.tokens} tokens x "
           f"top-{args.top_k} over {args.experts} experts ({rows} padded rows), d {args.hidden},"
           f" ffn {args.ffn}\n")
-    print("| projection | GEMM | kernel | ms | TFLOP/s or of copy |\n|---|---|---|---:|---:|")
+    print("| projection | GEMM | kernel | ms | spread ms | TFLOP/s or of copy |\n"
+          "|---|---|---|---:|---:|---:|")
     for row in results:
         print(f"| {row['projection']} | {row['gemm']} | {row['kernel']} | "
-              f"{row.get('ms', row.get('error', ''))} | "
+              f"{row.get('ms', row.get('error', ''))} | {row.get('spread_ms', '')} | "
               f"{row.get('tflops', row.get('of_copy', ''))} |")
     if args.out:
         args.out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(),
