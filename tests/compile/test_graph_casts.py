@@ -101,6 +101,52 @@ def test_the_graph_holds_the_casts_and_no_gemm_op():
     assert sum("_scaled_mm" in name for name in names) == 6, graph.code
 
 
+class Projections(torch.nn.Module):
+    """Three projections of one normed input, as transformers' Llama and Mistral attention
+    run q_proj, k_proj and v_proj (and gate_proj, up_proj in their MLPs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(64)
+        self.q = torch.nn.Linear(64, 96, bias=False)
+        self.k = torch.nn.Linear(64, 32, bias=False)
+        self.v = torch.nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return torch.cat([self.q(h), self.k(h), self.v(h)], dim=-1)
+
+
+def test_sibling_projections_cast_their_shared_input_once(monkeypatch):
+    """On this path the graph holds each cast as an op of its inputs, so the compiler's common
+    subexpression elimination merges the three casts of q/k/v's one input: seven casts a step
+    (the input once, three weights, three gradients) where the GEMM ops path makes nine (each
+    op casts its input inside), and the results stay eager's bit for bit."""
+    casts = []
+    cast_call = lean_fp8.Cast.__call__
+
+    def counted(self, x, **kwargs):
+        casts.append(tuple(x.shape))
+        return cast_call(self, x, **kwargs)
+
+    monkeypatch.setattr(lean_fp8.Cast, "__call__", counted)
+    torch.manual_seed(0)
+    model = mf.convert_model(Projections())
+    recipe = mf.Float8CurrentScaling()
+    x = torch.randn(2, 40, 64, generator=torch.Generator().manual_seed(2))
+    dy = torch.randn(2, 40, 160, generator=torch.Generator().manual_seed(3))
+    eager = _step(model, recipe, x, dy, seed=0)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    _step(compiled, recipe, x, dy, seed=0)  # traces
+    casts.clear()
+    results = _step(compiled, recipe, x, dy, seed=0)
+    assert casts.count((80, 64)) == 1, casts  # the shared input [80 rows, 64]
+    assert len(casts) == 7, casts
+    for index, (a, b) in enumerate(zip([results[0], results[1], *results[2]],
+                                       [eager[0], eager[1], *eager[2]], strict=True)):
+        assert torch.equal(a, b), f"tensor {index}"
+
+
 def test_delayed_scaling_keeps_the_gemm_ops():
     graphs = []
     torch.manual_seed(0)
