@@ -50,8 +50,6 @@ SWEEP = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5),
 # the wgrad kernel (groups outermost, grouped_gemm.REDUCTION_GROUP_MAJOR; the innermost order
 # ran 1.27-1.30x slower on an H100): tiles with BLOCK_K 128, the split accumulator's interval
 WGRAD_SWEEP = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5)]
-# the backward GEMMs' promotions: a fresh dot a block added (1), the add one block later (2)
-SPLIT_STYLES = (0, 1, 2)
 
 
 # launches between one pair of events: the host's Python before each launch (tens of
@@ -230,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, width in cast_widths.items():
                 rows_timed += cast_rows(name, rows, layout.ends, args.experts, width,
                                         args.warmup, args.repeats, tile)
-        default_tiles, default_style = grouped_gemm._tiles, grouped_gemm.SPLIT_STYLE
+        default_tiles = grouped_gemm._tiles
         try:
             for sweep, gemms in ((SWEEP, ("fprop", "dgrad")), (WGRAD_SWEEP, ("wgrad",))):
                 for tiles in sweep if args.sweep else ():
@@ -242,17 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                         rows_timed += projection_rows(
                             name, rows, pairs, layout.ends, args.experts, width_in, width_out,
                             args.warmup, args.repeats, gemms, True, label)
-            grouped_gemm._tiles = default_tiles
-            # the split accumulator's promotions (grouped_gemm.SPLIT_STYLE), default tiles
-            for style in SPLIT_STYLES if args.sweep else ():
-                grouped_gemm.SPLIT_STYLE = style
-                for name, width_in, width_out in projections:
-                    rows_timed += projection_rows(
-                        name, rows, pairs, layout.ends, args.experts, width_in, width_out,
-                        args.warmup, args.repeats, ("dgrad", "wgrad"), True,
-                        f" split style {style}")
         finally:
-            grouped_gemm._tiles, grouped_gemm.SPLIT_STYLE = default_tiles, default_style
+            grouped_gemm._tiles = default_tiles
         return rows_timed
 
     results = merged_rounds([one_round() for _ in range(args.rounds)])

@@ -48,14 +48,6 @@ BF16_BOUND = 2**-8 if DEVICE.type == "cuda" else 2**-7
 FP32_BOUND = 2e-4 if DEVICE.type == "cuda" else 1e-6
 
 
-@pytest.fixture(params=[0, 1, 2], ids=lambda style: f"split{style}")
-def split_style(request, monkeypatch):
-    """Each precise GEMM case once per way of promoting the partial sums
-    (grouped_gemm.SPLIT_STYLE: the same numerics, three codings)."""
-    monkeypatch.setattr(grouped_gemm, "SPLIT_STYLE", request.param)
-    return request.param
-
-
 def fp8_values(shape, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(shape, generator=g) * 8).to(dtype)
@@ -76,8 +68,7 @@ def relative_error(actual, expected):
 @pytest.mark.parametrize("a_dtype", FP8)
 @pytest.mark.parametrize("b_dtype", FP8)
 @pytest.mark.parametrize("precise", [False, True])
-def test_rows_gemm_each_group_through_its_own_weight(a_dtype, b_dtype, precise,
-                                                     split_style):
+def test_rows_gemm_each_group_through_its_own_weight(a_dtype, b_dtype, precise):
     counts = [GROUP_ROWS, 0, 2 * GROUP_ROWS, GROUP_ROWS]  # an empty group
     ends, rows = layout(counts)
     depth, width = 96, 80  # not multiples of the blocks: masked edges
@@ -96,7 +87,7 @@ def test_rows_gemm_each_group_through_its_own_weight(a_dtype, b_dtype, precise,
         assert relative_error(out[piece], want) < BF16_BOUND
 
 
-def test_rows_gemm_strided_operands_and_rows_past_the_last_group(split_style):
+def test_rows_gemm_strided_operands_and_rows_past_the_last_group():
     """b as the transposed view of [E, D, W] bytes and as the experts' transposed weight copy
     (expert e's [W, D] the columns e * D .. (e + 1) * D of one [W, E * D] matrix:
     grouped_offsets.expert_copies, what the dgrad reads), output fp32, and rows after the last
@@ -121,7 +112,7 @@ def test_rows_gemm_strided_operands_and_rows_past_the_last_group(split_style):
 
 @pytest.mark.parametrize("a_dtype", FP8)
 @pytest.mark.parametrize("precise", [False, True])
-def test_reduction_gemm_sums_each_groups_rows(a_dtype, precise, split_style):
+def test_reduction_gemm_sums_each_groups_rows(a_dtype, precise):
     counts = [2 * GROUP_ROWS, 0, GROUP_ROWS]
     ends, rows = layout(counts)
     a = fp8_values((40, sum(counts)), a_dtype, 4)  # dy^T [N, R]

@@ -53,17 +53,12 @@ def group_of_block(ends_ptr, start, GROUPS: tl.constexpr, GROUPS_POW2: tl.conste
 
 
 @triton.jit
-def _accumulate(a, b, acc, PRECISE: tl.constexpr, PROMOTE_K: tl.constexpr,
-                SPLIT_STYLE: tl.constexpr):
-    """acc + a @ b^T: with PRECISE, each PROMOTE_K-deep partial sum promoted to fp32 apart, by
-    Triton (style 0) or as a fresh dot added (style 1; the comment at SPLIT_STYLE). Style 2
-    is written in the loops themselves: only there does its pending sum become loop-carried."""
-    if not PRECISE:
-        acc = tl.dot(a, tl.trans(b), acc)
-    elif SPLIT_STYLE == 0:
+def _accumulate(a, b, acc, PRECISE: tl.constexpr, PROMOTE_K: tl.constexpr):
+    """acc + a @ b^T: with PRECISE, each PROMOTE_K-deep partial sum promoted to fp32 apart."""
+    if PRECISE:
         acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE_K)
     else:
-        acc += tl.dot(a, tl.trans(b))
+        acc = tl.dot(a, tl.trans(b), acc)
     return acc
 
 
@@ -72,7 +67,7 @@ def _rows_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows
                  stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_om, stride_on,
                  GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE: tl.constexpr,
-                 PROMOTE_K: tl.constexpr, OUT_TYPE: tl.constexpr, SPLIT_STYLE: tl.constexpr):
+                 PROMOTE_K: tl.constexpr, OUT_TYPE: tl.constexpr):
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(width, BLOCK_N)
     pid_m, pid_n = pid // n_blocks, pid % n_blocks
@@ -83,7 +78,6 @@ def _rows_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     group = group_of_block(ends_ptr, start, GROUPS, GROUPS_POW2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    pending = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if group < GROUPS:  # else rows of no group: zeros
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
@@ -93,16 +87,9 @@ def _rows_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows
             k_mask = offs_k[None, :] < depth - k
             a = tl.load(a_ptrs, mask=k_mask, other=0.0)
             b = tl.load(b_ptrs, mask=(offs_n[:, None] < width) & k_mask, other=0.0)
-            if PRECISE and SPLIT_STYLE == 2:  # this block's MMA, then the last block's add
-                fresh = tl.dot(a, tl.trans(b))
-                acc += pending
-                pending = fresh
-            else:
-                acc = _accumulate(a, b, acc, PRECISE, PROMOTE_K, SPLIT_STYLE)
+            acc = _accumulate(a, b, acc, PRECISE, PROMOTE_K)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
-        if PRECISE and SPLIT_STYLE == 2:
-            acc += pending
         acc = acc * (tl.load(a_scale_ptr + group) * tl.load(b_scale_ptr + group))
     tl.store(out_ptrs, acc.to(OUT_TYPE), mask=out_mask)
 
@@ -112,8 +99,7 @@ def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr,
                       width_b, stride_ai, stride_ar, stride_bj, stride_br, stride_og, stride_oi,
                       stride_oj, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, PROMOTE_K: tl.constexpr,
-                      OUT_TYPE: tl.constexpr, GROUP_MAJOR: tl.constexpr,
-                      SPLIT_STYLE: tl.constexpr):
+                      OUT_TYPE: tl.constexpr, GROUP_MAJOR: tl.constexpr):
     if GROUP_MAJOR:  # the blocks of one group run together (REDUCTION_GROUP_MAJOR)
         pid, group = tl.program_id(0), tl.program_id(1)
     else:
@@ -130,21 +116,13 @@ def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr,
     a_ptrs = a_ptr + offs_m[:, None] * stride_ai + (first + offs_k)[None, :] * stride_ar
     b_ptrs = b_ptr + offs_n[:, None] * stride_bj + (first + offs_k)[None, :] * stride_br
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    pending = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     # whole BLOCK_K steps: every group's row count is a multiple of GROUP_ROWS >= BLOCK_K
     for _ in range(first, last, BLOCK_K):
         a = tl.load(a_ptrs, mask=offs_m[:, None] < width_a, other=0.0)
         b = tl.load(b_ptrs, mask=offs_n[:, None] < width_b, other=0.0)
-        if PRECISE and SPLIT_STYLE == 2:  # this block's MMA, then the last block's add
-            fresh = tl.dot(a, tl.trans(b))
-            acc += pending
-            pending = fresh
-        else:
-            acc = _accumulate(a, b, acc, PRECISE, PROMOTE_K, SPLIT_STYLE)
+        acc = _accumulate(a, b, acc, PRECISE, PROMOTE_K)
         a_ptrs += BLOCK_K * stride_ar
         b_ptrs += BLOCK_K * stride_br
-    if PRECISE and SPLIT_STYLE == 2:
-        acc += pending
     alpha = tl.load(a_scale_ptr + group) * tl.load(b_scale_ptr + group)
     # an empty group's sum is zero whatever its scales hold
     result = tl.where(last > first, acc * alpha, 0.0)
@@ -160,19 +138,6 @@ def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr,
 # (the first version's order). grouped_gemm_bench.py --sweep times both: on an H100 at
 # Mixtral-style shapes, outermost ran 1.27x (gate_up) and 1.30x (down) faster (BENCHMARKS.md).
 REDUCTION_GROUP_MAJOR = True
-# How a precise GEMM promotes its partial sums (the numerics are the same: each BLOCK_K-deep
-# block, at most SPLIT_ACCUMULATION, summed by the MMA at its own precision, then added to the
-# fp32 accumulator in order): 0 Triton's max_num_imprecise_acc; 1 a fresh dot a block, added;
-# 2 the same with each block's add one step later, so that the next block's MMA may run while
-# the add waits (a dot with fast accumulation ran the dgrad 1.25x and the wgrad 1.27-1.5x
-# faster on an H100: the promotions' cost). grouped_gemm_bench.py --sweep times all three.
-SPLIT_STYLE = 0
-
-
-def _split_style(block_k: int) -> int:
-    """SPLIT_STYLE where a block is at most SPLIT_ACCUMULATION deep (styles 1 and 2 promote once
-    a block), else 0 (Triton's promotions every SPLIT_ACCUMULATION within the block)."""
-    return SPLIT_STYLE if block_k <= SPLIT_ACCUMULATION else 0
 
 
 def _tiles(device: torch.device, stages: int, element_size: int = 1) -> dict[str, int]:
@@ -213,7 +178,7 @@ def grouped_rows_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tenso
            out.stride(1), num_warps=warps, options=dict(num_stages=stages), GROUPS=groups,
            GROUPS_POW2=triton.next_power_of_2(groups), **tiles, PRECISE=precise,
            PROMOTE_K=min(tiles["BLOCK_K"], SPLIT_ACCUMULATION),
-           OUT_TYPE=_OUT_TYPES[out_dtype], SPLIT_STYLE=_split_style(tiles["BLOCK_K"]))
+           OUT_TYPE=_OUT_TYPES[out_dtype])
     return out
 
 
@@ -233,6 +198,6 @@ def grouped_reduction_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.
            width_b, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
            out.stride(1), out.stride(2), num_warps=warps, options=dict(num_stages=stages),
            **tiles, PRECISE=precise, PROMOTE_K=min(tiles["BLOCK_K"], SPLIT_ACCUMULATION),
-           OUT_TYPE=_OUT_TYPES[out_dtype], GROUP_MAJOR=REDUCTION_GROUP_MAJOR,
-           SPLIT_STYLE=_split_style(tiles["BLOCK_K"]))
+           OUT_TYPE=_OUT_TYPES[out_dtype],
+           GROUP_MAJOR=REDUCTION_GROUP_MAJOR)
     return out
