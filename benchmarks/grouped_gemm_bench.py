@@ -178,10 +178,10 @@ def cast_rows(name: str, rows: int, ends: torch.Tensor, experts: int, width: int
             setattr(per_tensor_fp8, setting, value)
     copy_ms = timed_ms(lambda: x.clone(), warmup, repeats)
     label = "triton grouped cast" + (f" tile {tile[0]}x{tile[1]} w{tile[2]}" if tile else "")
-    print(json.dumps(dict(projection=name, kernel=label, ms=round(cast_ms, 4),
-                          copy_ms=round(copy_ms, 4))), flush=True)
-    return [dict(projection=name, gemm="cast", kernel=label, ms=round(cast_ms, 4),
-                 of_copy=round(copy_ms / cast_ms, 3), copy_ms=round(copy_ms, 4))]
+    row = dict(projection=name, gemm="cast", kernel=label, ms=round(cast_ms, 4),
+               of_copy=round(copy_ms / cast_ms, 3), copy_ms=round(copy_ms, 4))
+    print(json.dumps(row), flush=True)  # as it goes, as projection_rows does
+    return [row]
 
 
 # grouped cast tiles: (BLOCK_M dividing 128, BLOCK_K, warps); the default is the dense

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu.fp8_codes import canonical_nan
 from minifloat.kernels import kernel_device
 
 DEVICE = kernel_device()
@@ -203,14 +204,6 @@ def test_ops_take_the_kernels_and_agree_with_the_reference(monkeypatch):
     monkeypatch.setattr(grouped_offsets, "_kernel_serves", lambda _a: False)
     reference = grouped_offsets.grouped_rows_gemm(*args, torch.bfloat16, False)
     assert relative_error(fast, reference) < 2 * BF16_BOUND  # two roundings apart
-
-
-def canonical_nan(codes, fp8_dtype):
-    """FP8 codes with every NaN code as 0x7F: NaN's sign is no part of the contract (CPU
-    arithmetic keeps an input NaN's sign in x * scale, CUDA's makes the canonical NaN)."""
-    magnitude = codes & 0x7F
-    nan = magnitude == 0x7F if fp8_dtype == torch.float8_e4m3fn else magnitude > 0x7C
-    return torch.where(nan, torch.full_like(codes, 0x7F), codes)
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)

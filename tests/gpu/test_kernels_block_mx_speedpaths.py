@@ -22,6 +22,8 @@ import os
 import pytest
 import torch
 
+from gpu.fp8_codes import canonical_nan
+
 if torch.cuda.is_available():
     DEVICE = torch.device("cuda")
 elif os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
@@ -52,13 +54,6 @@ CUDA = DEVICE.type == "cuda"
 def as_bytes(t):
     dense = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())  # standard strides
     return dense.view(torch.uint8).reshape(-1)
-
-
-def canonical_nan(codes, dtype):
-    """NaN codes mapped to 0x7F (the NaN sign is not part of the contract)."""
-    magnitude = codes & 0x7F
-    nan = magnitude == 0x7F if dtype == E4M3 else magnitude > 0x7C
-    return torch.where(nan, torch.full_like(codes, 0x7F), codes)
 
 
 def assert_bytes_equal(actual, expected, what, fp8_dtype=None):

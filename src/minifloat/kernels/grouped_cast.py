@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 
 from . import per_tensor_fp8
-from .fp8_common import cdiv, hw_cast, is_e5m2, jit, max_u16x2, tl, triton
+from .fp8_common import cdiv, is_e5m2, jit, tl, triton
 from .grouped_gemm import group_of_block
 from .launch import launch
-from .per_tensor_fp8 import tile_modes, tile_views
+from .per_tensor_fp8 import tile_views
 from .per_tensor_tile import per_tensor_tile, scale_makes_nan
 
 
@@ -65,28 +65,21 @@ def grouped_cast(x: torch.Tensor, scale: torch.Tensor, ends: torch.Tensor,
     if not (rowwise or columnwise):
         raise ValueError("grouped_cast: ask for the rowwise or the columnwise copy")
     rows, depth = x.shape
-    # the dense casts' tiles (per_tensor_fp8._tile_constexprs: smaller ones where a copy is
-    # stored byte by byte), read at the call (tests switch them and the emulated products)
-    settings = per_tensor_fp8
-    words = rows % 4 == 0 and depth % 4 == 0
-    tile_m, tile_k = ((settings.TILE_M, settings.TILE_K) if words
-                      else (settings.BYTES_TILE_M, settings.BYTES_TILE_K))
-    if tile_m > 128 or 128 % tile_m:
-        raise ValueError(f"grouped_cast: tiles of {tile_m} rows would straddle two groups")
+    # the dense casts' tile, modes and conversion path (read at the call: tests switch them)
+    tile = per_tensor_fp8.tile_constexprs(x, rows, depth)
+    if 128 % tile["BLOCK_M"]:
+        raise ValueError(f"grouped_cast: tiles of {tile['BLOCK_M']} rows would straddle two "
+                         "groups")
     groups = ends.shape[0]
-    device = x.device
-    data = torch.empty(rows, depth, dtype=torch.uint8, device=device) if rowwise else None
-    data_t = torch.empty(depth, rows, dtype=torch.uint8, device=device) if columnwise else None
-    modes = tile_modes(x, rows, depth, tile_m, tile_k)
+    data = torch.empty(rows, depth, dtype=torch.uint8, device=x.device) if rowwise else None
+    data_t = torch.empty(depth, rows, dtype=torch.uint8, device=x.device) if columnwise else None
     # an absent copy's pointer: the other copy (its stores are compiled out)
     x_view, rows_out, cols_out = tile_views(x, data if rowwise else data_t,
-                                            data_t if columnwise else data, modes)
-    hw = hw_cast(x)
-    grid = (cdiv(rows, tile_m) * cdiv(depth, tile_k),)
+                                            data_t if columnwise else data, tile)
+    grid = (cdiv(rows, tile["BLOCK_M"]) * cdiv(depth, tile["BLOCK_K"]),)
     launch(_grouped_cast_kernel, grid, x_view, rows_out, cols_out, scale, ends, rows, depth,
-           num_warps=settings.NUM_WARPS, GROUPS=groups,
+           num_warps=per_tensor_fp8.NUM_WARPS, GROUPS=groups,
            GROUPS_POW2=triton.next_power_of_2(groups), E5M2=is_e5m2(fp8_dtype),
-           ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_M=tile_m, BLOCK_K=tile_k, **modes,
-           HW_CAST=hw, PRODUCTS=hw or settings.EMULATE_PRODUCTS, MAX_U16X2=max_u16x2(x))
+           ROWWISE=rowwise, COLUMNWISE=columnwise, **tile)
     return (data.view(fp8_dtype) if rowwise else None,
             data_t.view(fp8_dtype) if columnwise else None)

@@ -3,7 +3,7 @@
 One pass over the input writes the rowwise data [M, K] and its transpose [K, M] (the columnwise
 copy, a byte transpose with the same scale_inv): each program casts one TILE_M x TILE_K tile
 with per_tensor_tile.per_tensor_tile (words of four elements in, words of four codes out; the
-host picks its load and store modes from the dtype, shape and alignment: _tile_constexprs).
+host picks its load and store modes from the dtype, shape and alignment: tile_constexprs).
 
 - Current scaling: the amax kernel (amax.py) reduces max|x| into a device scalar (the caller may
   all-reduce it in between) or, without a reduction, leaves per-program partial maxima that
@@ -197,9 +197,10 @@ def tile_views(x: torch.Tensor, rows_out: torch.Tensor, cols_out: torch.Tensor,
     return (x_view, words(rows_out, modes["ROW_WORDS"]), words(cols_out, modes["COL_WORDS"]))
 
 
-def _tile_constexprs(x: torch.Tensor, m: int, k: int) -> dict:
-    """The tile constexprs of a single-tensor launch: the tile (BYTES_TILE_* where a copy is
-    stored in bytes), the modes, the conversion path."""
+def tile_constexprs(x: torch.Tensor, m: int, k: int) -> dict:
+    """The tile constexprs of a single-tensor launch (and of the grouped cast's, which casts
+    with the same tile): the tile (BYTES_TILE_* where a copy is stored in bytes), the modes,
+    the conversion path."""
     words = m % 4 == 0 and k % 4 == 0
     tile_m, tile_k = (TILE_M, TILE_K) if words else (BYTES_TILE_M, BYTES_TILE_K)
     hw = hw_cast(x)
@@ -257,7 +258,7 @@ def _launch(
     if plan is None:
         constexprs = {"E5M2": is_e5m2(fp8_dtype), "CURRENT": current, "POW2": power_2_scale,
                       "ROWWISE": rowwise, "COLUMNWISE": columnwise,
-                      **_tile_constexprs(x, m, k),
+                      **tile_constexprs(x, m, k),
                       "PARTIALS_BLOCK": _partials_block(amax, partials)}
         tiles = cdiv(m, constexprs["BLOCK_M"]) * cdiv(k, constexprs["BLOCK_K"])
         plan = _CAST_PLANS[plan_key] = ((tiles,), constexprs)
@@ -341,7 +342,7 @@ def _one_launch_applies(x: torch.Tensor) -> bool:
 
 def _one_launch_plan(x: torch.Tensor, m: int, k: int, e5m2: bool, power_2_scale: bool,
                      rowwise: bool, columnwise: bool, index: int) -> tuple[tuple[int], int, dict]:
-    tile = _tile_constexprs(x, m, k)
+    tile = tile_constexprs(x, m, k)
     tiles = cdiv(m, tile["BLOCK_M"]) * cdiv(k, tile["BLOCK_K"])
     amax_blocks = cdiv(m * k, ONE_LAUNCH_AMAX_BLOCK * ONE_LAUNCH_AMAX_UNROLL)
     programs = min(ONE_LAUNCH_PROGRAMS_PER_SM * _sm_count(index), max(tiles, amax_blocks))
