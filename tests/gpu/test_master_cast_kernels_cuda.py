@@ -4,7 +4,8 @@ the all-reduce, then every buffer of every weight (the rank's bytes, every scale
 outside its range untouched, NVFP4's other nibble of a shared byte kept) and delayed scaling's
 recorded amax. FP8 current and delayed scaling, block FP8, MXFP8 and 2D NVFP4; fp32 and bf16
 masters; ranges cut inside rows, tiles, blocks and bytes, single elements, an empty range, a
-NaN in one master; FSDP2 row shards."""
+NaN in one master, infinities and a NaN inside tiles a range covers whole (the MXFP8 maxima
+kernel's rare path); FSDP2 row shards."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def ranges(name: str, case: str) -> list[tuple[int, int]]:
         return [(size // 3 + 1, 2 * size // 3 + 6) for size in sizes[:2]] + [(0, 0)]
     if case == "single":  # one element at an odd start, one at an even start, the whole weight
         return [(7, 8), (sizes[1] - 2, sizes[1] - 1), (0, sizes[2])]
-    return [(0, size // 2 + 1) for size in sizes]  # "head": a prefix ending inside a byte
+    # "head" and "special": a prefix ending inside a byte
+    return [(0, size // 2 + 1) for size in sizes]
 
 
 def masters(name: str, case: str, dtype: torch.dtype) -> tuple[list, list[int]]:
@@ -58,6 +60,11 @@ def masters(name: str, case: str, dtype: torch.dtype) -> tuple[list, list[int]]:
         full = torch.randn(n * k, generator=generator) * (index + 2)
         if index == 1 and case == "cut":
             full[start + 5] = float("nan")
+        if index == 0 and case == "special":  # inside tiles the range covers whole
+            k = SHAPES[name][0][1]
+            full[37] = float("inf")
+            full[33 * k + k // 2 + 44] = float("nan")
+            full[2 * k + 3] = -float("inf")
         shards.append(full[start:end].to(dtype).to(DEVICE) if end > start else None)
         starts.append(start)
     return shards, starts
@@ -105,7 +112,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", ["cut", "single", "head"])
+@pytest.mark.parametrize("case", ["cut", "single", "head", "special"])
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_kernels_equal_the_reference(name, case, dtype, monkeypatch):
     calls = []

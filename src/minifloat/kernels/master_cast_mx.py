@@ -29,6 +29,7 @@ from .multi_tensor import _owner
 from .mxfp8 import _fp8_codes, _hw_factors
 from .nvfp4 import _e2m1_nibbles
 from .nvfp4_scales import block_scales, global_scales
+from .per_tensor_tile import codes_word
 
 # ---- scales: every scale of every weight (master_cast.py: why each rank writes them all) ----
 
@@ -152,12 +153,18 @@ def _mxfp8_maxima_kernel(master_base, exponents, bytes_base, table_ptr, starts_p
         origin = (tile_row * 32) * K + tile_col * COLUMNS
         offsets = _full_offsets(K, rows, cols, ALIGNED)
         x = _load_tile(master_base, row, origin, offsets, None, BF16_BITS, ALIGNED)
-        row_exponent, col_exponent = _mxfp8_exponents(abs_bits(x), COLUMNS, RECIPROCAL_BITS)
-        tl.store(row_grid + row_cells, row_exponent.to(tl.uint8))
-        tl.store(column_grid + cols, col_exponent.to(tl.uint8))
-        _mxfp8_store_copies(x, bytes_base, row, origin, offsets, None, row_exponent,
-                            col_exponent, COLUMNS, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE, E5M2,
-                            HW_CAST, ALIGNED)
+        if ALIGNED:
+            _mxfp8_interior_words(x, bytes_base, row, origin, K, row_grid + row_cells,
+                                  column_grid + cols, offsets, COLUMNS, RECIPROCAL_BITS,
+                                  MANTISSA_BITS, MIN_EXPONENT, MAX_CODE, E5M2, HW_CAST)
+        else:
+            row_exponent, col_exponent = _mxfp8_exponents(abs_bits(x), COLUMNS,
+                                                          RECIPROCAL_BITS)
+            tl.store(row_grid + row_cells, row_exponent.to(tl.uint8))
+            tl.store(column_grid + cols, col_exponent.to(tl.uint8))
+            _mxfp8_store_copies(x, bytes_base, row, origin, offsets, None, row_exponent,
+                                col_exponent, COLUMNS, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE,
+                                E5M2, HW_CAST, ALIGNED)
     else:
         origin, offsets, inside = _tile_range(row, M, K, tile_row * 32, tile_col * COLUMNS,
                                               rows, cols, ALIGNED)
@@ -168,6 +175,71 @@ def _mxfp8_maxima_kernel(master_base, exponents, bytes_base, table_ptr, starts_p
                  & (blocks[None, :] < (K // 32 - first_block).to(tl.int32)))
         tl.store(column_grid + cols, col_exponent.to(tl.uint8),
                  mask=cols < (K - tile_col * COLUMNS).to(tl.int32))
+
+
+@triton.jit
+def _mxfp8_interior_words(x, bytes_base, row, origin, K, row_cells, column_cells, offsets,
+                          COLUMNS: tl.constexpr, RECIPROCAL_BITS: tl.constexpr,
+                          MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+                          MAX_CODE: tl.constexpr, E5M2: tl.constexpr, HW_CAST: tl.constexpr):
+    """A tile inside the range and the weight, its starts 16-byte aligned (ALIGNED): the
+    exponents into their cells and both copies' codes as int32 words of four elements.
+
+    Why words (as per_tensor_tile): the tile is split into its four column components (x_c
+    holds columns 4j + c), so a word's four codes come from one inline conversion of four
+    products and go to memory as they are. Byte codes cost a PRMT an element to pack into the
+    stores' words, and the two multiplies and the NaN select an element of each copy are
+    needed only in a tile whose maximum is infinite or NaN (exponent 254 or 255: one scalar
+    test a tile); there the byte path runs as before. Elsewhere f = 2^(127 - e) is a normal
+    fp32 and x * f is the reference's product."""
+    WORDS: tl.constexpr = COLUMNS // 4
+    evens, odds = tl.split(tl.reshape(x, [32, WORDS, 2, 2]))
+    x0, x2 = tl.split(evens)
+    x1, x3 = tl.split(odds)
+    m0 = abs_bits(x0)
+    m1 = abs_bits(x1)
+    m2 = abs_bits(x2)
+    m3 = abs_bits(x3)
+    word_max = tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3))
+    row_max = tl.max(tl.reshape(word_max, [32, COLUMNS // 32, 8]), axis=2)
+    row_exponent = e8m0_from_amax(row_max.to(tl.float32, bitcast=True), RECIPROCAL_BITS)
+    e0 = e8m0_from_amax(tl.max(m0, axis=0).to(tl.float32, bitcast=True), RECIPROCAL_BITS)
+    e1 = e8m0_from_amax(tl.max(m1, axis=0).to(tl.float32, bitcast=True), RECIPROCAL_BITS)
+    e2 = e8m0_from_amax(tl.max(m2, axis=0).to(tl.float32, bitcast=True), RECIPROCAL_BITS)
+    e3 = e8m0_from_amax(tl.max(m3, axis=0).to(tl.float32, bitcast=True), RECIPROCAL_BITS)
+    tl.store(row_cells, row_exponent.to(tl.uint8))
+    col_exponent = tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), [COLUMNS])
+    tl.store(column_cells, col_exponent.to(tl.uint8))
+    if tl.max(tl.max(row_exponent, axis=1), axis=0) >= 254:  # an infinite or NaN element
+        _mxfp8_store_copies(x, bytes_base, row, origin, offsets, None, row_exponent,
+                            col_exponent, COLUMNS, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE, E5M2,
+                            HW_CAST, True)
+    else:
+        rows = tl.arange(0, 32)
+        word_offsets = (rows[:, None] * tl.multiple_of((K // 4).to(tl.int32), 4)
+                        + tl.arange(0, WORDS)[None, :])
+        row_data = tl.load(row + 8)
+        if row_data >= 0:
+            f = expand_blocks(((254 - row_exponent) << 23).to(tl.float32, bitcast=True), 32,
+                              WORDS, 8)
+            words = codes_word(x0 * f, x1 * f, x2 * f, x3 * f, E5M2, HW_CAST, False)
+            tl.store(_words_at(bytes_base, row_data - tl.load(row + 6) + origin)
+                     + word_offsets, words)
+        col_data = tl.load(row + 9)
+        if col_data >= 0:
+            f0 = ((254 - e0) << 23).to(tl.float32, bitcast=True)[None, :]
+            f1 = ((254 - e1) << 23).to(tl.float32, bitcast=True)[None, :]
+            f2 = ((254 - e2) << 23).to(tl.float32, bitcast=True)[None, :]
+            f3 = ((254 - e3) << 23).to(tl.float32, bitcast=True)[None, :]
+            words = codes_word(x0 * f0, x1 * f1, x2 * f2, x3 * f3, E5M2, HW_CAST, False)
+            tl.store(_words_at(bytes_base, col_data - tl.load(row + 6) + origin)
+                     + word_offsets, words)
+
+
+@triton.jit
+def _words_at(bytes_base, offset):
+    """The int32 words at bytes_base + offset, a 16-byte aligned offset (ALIGNED)."""
+    return tl.multiple_of((bytes_base + offset).to(tl.pointer_type(tl.int32)), 16)
 
 
 @triton.jit

@@ -58,7 +58,7 @@ EMULATED_NAN_CODE = 0x5A
 
 
 @jit
-def _codes_word(y0, y1, y2, y3, E5M2: tl.constexpr, HW_CAST: tl.constexpr,
+def codes_word(y0, y1, y2, y3, E5M2: tl.constexpr, HW_CAST: tl.constexpr,
                 PRODUCTS: tl.constexpr):
     """int32 word of the FP8 codes of four fp32 values (y0 in byte 0).
 
@@ -81,7 +81,7 @@ def _codes_word(y0, y1, y2, y3, E5M2: tl.constexpr, HW_CAST: tl.constexpr,
 
 @jit
 def _code(y, E5M2: tl.constexpr, PRODUCTS: tl.constexpr):
-    """One code as int32 for the interpreter's paths of _codes_word."""
+    """One code as int32 for the interpreter's paths of codes_word."""
     code = sat_rne_fp8(y, E5M2).to(tl.int32)
     if PRODUCTS:
         is_nan = (y.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
@@ -113,7 +113,7 @@ def _nan_fixed(word, y0, y1, y2, y3):
 def _word(y0, y1, y2, y3, E5M2: tl.constexpr, HW_CAST: tl.constexpr, PRODUCTS: tl.constexpr,
           FIX_NAN: tl.constexpr):
     """The codes word of four products, NaN bytes rewritten where FIX_NAN."""
-    word = _codes_word(y0, y1, y2, y3, E5M2, HW_CAST, PRODUCTS)
+    word = codes_word(y0, y1, y2, y3, E5M2, HW_CAST, PRODUCTS)
     if FIX_NAN:
         word = _nan_fixed(word, y0, y1, y2, y3)
     return word
