@@ -191,7 +191,12 @@ def _mxfp8_interior_words(x, bytes_base, row, origin, K, row_cells, column_cells
     stores' words, and the two multiplies and the NaN select an element of each copy are
     needed only in a tile whose maximum is infinite or NaN (exponent 254 or 255: one scalar
     test a tile); there the byte path runs as before. Elsewhere f = 2^(127 - e) is a normal
-    fp32 and x * f is the reference's product."""
+    fp32 and x * f is the reference's product.
+
+    The words are stored in the layout they are computed in (a word a thread a row, 128
+    contiguous bytes a warp): a 16-byte alignment hint made Triton convert each copy to
+    4-word vectors through shared memory first. The column maxima are one reduction of the
+    whole tile (a reduction a component added a shared-memory round trip each)."""
     WORDS: tl.constexpr = COLUMNS // 4
     evens, odds = tl.split(tl.reshape(x, [32, WORDS, 2, 2]))
     x0, x2 = tl.split(evens)
@@ -203,13 +208,13 @@ def _mxfp8_interior_words(x, bytes_base, row, origin, K, row_cells, column_cells
     word_max = tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3))
     row_max = tl.max(tl.reshape(word_max, [32, COLUMNS // 32, 8]), axis=2)
     row_exponent = e8m0_from_amax(row_max.to(tl.float32, bitcast=True), RECIPROCAL_BITS)
-    e0 = e8m0_from_amax(tl.max(m0, axis=0).to(tl.float32, bitcast=True), RECIPROCAL_BITS)
-    e1 = e8m0_from_amax(tl.max(m1, axis=0).to(tl.float32, bitcast=True), RECIPROCAL_BITS)
-    e2 = e8m0_from_amax(tl.max(m2, axis=0).to(tl.float32, bitcast=True), RECIPROCAL_BITS)
-    e3 = e8m0_from_amax(tl.max(m3, axis=0).to(tl.float32, bitcast=True), RECIPROCAL_BITS)
     tl.store(row_cells, row_exponent.to(tl.uint8))
-    col_exponent = tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), [COLUMNS])
+    col_exponent = e8m0_from_amax(tl.max(abs_bits(x), axis=0).to(tl.float32, bitcast=True),
+                                  RECIPROCAL_BITS)  # [COLUMNS]
     tl.store(column_cells, col_exponent.to(tl.uint8))
+    even_exponents, odd_exponents = tl.split(tl.reshape(col_exponent, [WORDS, 2, 2]))
+    e0, e2 = tl.split(even_exponents)
+    e1, e3 = tl.split(odd_exponents)
     if tl.max(tl.max(row_exponent, axis=1), axis=0) >= 254:  # an infinite or NaN element
         _mxfp8_store_copies(x, bytes_base, row, origin, offsets, None, row_exponent,
                             col_exponent, COLUMNS, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE, E5M2,
@@ -238,8 +243,9 @@ def _mxfp8_interior_words(x, bytes_base, row, origin, K, row_cells, column_cells
 
 @triton.jit
 def _words_at(bytes_base, offset):
-    """The int32 words at bytes_base + offset, a 16-byte aligned offset (ALIGNED)."""
-    return tl.multiple_of((bytes_base + offset).to(tl.pointer_type(tl.int32)), 16)
+    """The int32 words at bytes_base + offset (a 16-byte aligned offset under ALIGNED, left
+    unhinted on purpose: _mxfp8_interior_words says why)."""
+    return (bytes_base + offset).to(tl.pointer_type(tl.int32))
 
 
 @triton.jit
