@@ -16,6 +16,19 @@ Presets (the batch shape of a step included):
                     4 x 2048 tokens (hf-mixtral-moe's experts are narrow: their GEMMs took a
                     quarter of its bf16 step's GPU time on an H100)
   hf-llama-tiny, hf-mixtral-tiny    CPU smoke tests
+  hf-llama-1b-causal, hf-mixtral-moe-causal, hf-llama-tiny-causal
+                    the same models with attention run as SDPA's causal kernel (is_causal,
+                    grouped KV heads in the kernel) instead of over a materialised mask
+
+Why the -causal presets: transformers 5.24 lets SDPA take `is_causal` (flash attention) when no
+token is padded, except while dynamo traces on torch older than 2.14 (masking_utils.
+_ignore_causal_mask_sdpa: dynamo answered "exporting" before pytorch#176499). On the GPU
+machine's torch 2.11 every compiled row therefore ran attention over a [seq, seq] boolean mask
+with the KV heads repeated (repeat_kv), eager rows over the causal kernel. The -causal presets
+register transformers' own `sdpa_attention_forward` under a name that has no mask function, so
+no mask is built in either mode and the same function takes `is_causal`. It is a benchmark
+setting for unpadded batches only: a padding mask would be dropped, which is why the library
+does not do this for users.
 
 On the GPU machine (no network, no transformers) transformers and its dependencies travel as
 wheels in .whl/hf (git-ignored; carry .whl), made here with `pip download transformers==5.24.0
@@ -27,7 +40,7 @@ typing_extensions (torch's environment has them), and are installed there with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +63,7 @@ class HFModelConfig:
     experts: int = 0
     experts_per_token: int = 0
     tie_embeddings: bool = False
+    attention: str = "sdpa"  # or "sdpa-causal" (the module docstring)
 
     @property
     def tokens_per_step(self) -> int:
@@ -93,6 +107,20 @@ HF_PRESETS: dict[str, HFModelConfig] = {
                                      n_kv_heads=2, ffn_hidden=128, vocab_size=256, seq_len=64,
                                      batch_size=2, experts=4, experts_per_token=2),
 }
+HF_PRESETS.update({f"{name}-causal": replace(HF_PRESETS[name], attention="sdpa-causal")
+                   for name in ("hf-llama-1b", "hf-mixtral-moe", "hf-llama-tiny")})
+
+CAUSAL_SDPA = "minifloat_benchmark_causal_sdpa"
+
+
+def register_causal_sdpa() -> str:
+    """transformers' SDPA attention under a name without a mask function (the module
+    docstring): `create_causal_mask` then returns None, and the function takes is_causal."""
+    import transformers
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    transformers.AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    return CAUSAL_SDPA
 
 
 class HFCausalLM(nn.Module):
@@ -104,8 +132,12 @@ class HFCausalLM(nn.Module):
         import transformers
 
         self.config = config
+        if config.attention not in ("sdpa", "sdpa-causal"):
+            raise ValueError(f"unknown attention {config.attention!r}: sdpa or sdpa-causal")
+        attention = register_causal_sdpa() if config.attention == "sdpa-causal" else "sdpa"
         self.hf = transformers.AutoModelForCausalLM.from_config(
-            config.transformers_config(), torch_dtype=dtype).to(device)
+            config.transformers_config(), torch_dtype=dtype,
+            attn_implementation=attention).to(device)
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
         logits = self.hf(input_ids=tokens[:, :-1]).logits

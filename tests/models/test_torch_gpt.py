@@ -175,6 +175,47 @@ def test_model_step_runs_transformers_presets_on_cpu(tmp_path: Path) -> None:
         assert torch.isfinite(loss) and 4.0 < loss.item() < 7.0  # about ln(256) at the start
 
 
+def test_causal_attention_presets_build_no_mask_and_match_the_default(monkeypatch) -> None:
+    """hf_models' -causal presets (the benchmark setting that keeps SDPA on its causal kernel
+    under torch.compile on torch < 2.14): no attention mask is built, SDPA is asked for
+    is_causal with the KV heads grouped in the kernel, and the loss is the default preset's
+    (same weights; a masked SDPA on the CPU gives the same sums to fp32 rounding)."""
+    pytest.importorskip("transformers")
+    import torch.nn.functional as F
+    from transformers import masking_utils
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import hf_models
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is not None, kwargs.get("is_causal"),
+                      kwargs.get("enable_gqa")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    # what torch < 2.14 does under dynamo: the default preset's mask is never skipped
+    monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
+    tokens = torch.randint(0, 256, (2, 65), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for preset in ("hf-llama-tiny", "hf-llama-tiny-causal"):
+        torch.manual_seed(0)
+        model = hf_models.HFCausalLM(hf_models.HF_PRESETS[preset], torch.float32, "cpu")
+        calls.clear()
+        losses[preset] = model.loss(tokens)
+        masked = {mask for mask, _, _ in calls}
+        assert masked == ({True} if preset == "hf-llama-tiny" else {False}), (preset, calls)
+    assert {call[1:] for call in calls} == {(True, True)}  # is_causal, enable_gqa
+    assert torch.allclose(losses["hf-llama-tiny"], losses["hf-llama-tiny-causal"], rtol=1e-5)
+    with pytest.raises(ValueError, match="unknown attention"):
+        hf_models.HFCausalLM(hf_models.replace(hf_models.HF_PRESETS["hf-llama-tiny"],
+                                               attention="flash"), torch.float32, "cpu")
+
+
 def test_host_profile_stubs_the_kernel_layer_and_restores_it(capsys) -> None:
     """benchmarks/host_profile.py --stub-kernels on the CPU: the stubbed rows run through the
     lean path, and the lean path is whole again afterwards."""
