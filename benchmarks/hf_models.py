@@ -16,14 +16,14 @@ Presets (the batch shape of a step included):
                     4 x 2048 tokens (hf-mixtral-moe's experts are narrow: their GEMMs took a
                     quarter of its bf16 step's GPU time on an H100)
   hf-llama-tiny, hf-mixtral-tiny    CPU smoke tests
-  hf-llama-1b-causal, hf-mixtral-moe-causal, hf-llama-tiny-causal
+  hf-llama-1b-causal, hf-mixtral-moe-causal, hf-mixtral-8x7b-2l-causal, hf-llama-tiny-causal
                     the same models with attention run as SDPA's causal kernel (is_causal,
                     grouped KV heads in the kernel) instead of over a materialised mask
 
 Why the -causal presets: transformers 5.24 lets SDPA take `is_causal` (flash attention) when no
 token is padded, except while dynamo traces on torch older than 2.14 (masking_utils.
-_ignore_causal_mask_sdpa: dynamo answered "exporting" before pytorch#176499). On the GPU
-machine's torch 2.11 every compiled row therefore ran attention over a [seq, seq] boolean mask
+_ignore_causal_mask_sdpa: dynamo answered "exporting" before pytorch#176499). By that rule,
+on the GPU machine's torch 2.11 every compiled row runs attention over a [seq, seq] boolean mask
 with the KV heads repeated (repeat_kv), eager rows over the causal kernel. The -causal presets
 register transformers' own `sdpa_attention_forward` under a name that has no mask function, so
 no mask is built in either mode and the same function takes `is_causal`. It is a benchmark
@@ -108,7 +108,8 @@ HF_PRESETS: dict[str, HFModelConfig] = {
                                      batch_size=2, experts=4, experts_per_token=2),
 }
 HF_PRESETS.update({f"{name}-causal": replace(HF_PRESETS[name], attention="sdpa-causal")
-                   for name in ("hf-llama-1b", "hf-mixtral-moe", "hf-llama-tiny")})
+                   for name in ("hf-llama-1b", "hf-mixtral-moe", "hf-mixtral-8x7b-2l",
+                                "hf-llama-tiny")})
 
 CAUSAL_SDPA = "minifloat_benchmark_causal_sdpa"
 
