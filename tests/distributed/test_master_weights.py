@@ -191,6 +191,24 @@ def test_nan_in_one_rank_reaches_every_rank():
         assert torch.isnan(result[0]) and result[1:].tolist() == [3.0, 5.0]
 
 
+def exponent_worker(rank: int, world_size: int) -> tuple:
+    """uint8 exponents (NaN is 255, the largest): reduced as they are, into a copy or in place."""
+    values = torch.tensor([3, 255, 7], dtype=torch.uint8) if rank == 0 else torch.tensor(
+        [9, 1, 2], dtype=torch.uint8)
+    copied = mw.all_reduce_max_keep_nan(values, dist.group.WORLD)
+    untouched = values.clone()
+    reduced = mw.all_reduce_max_keep_nan(values, dist.group.WORLD, in_place=True)
+    return copied, untouched, reduced, reduced.data_ptr() == values.data_ptr()
+
+
+def test_integer_maxima_reduce_into_a_copy_or_in_place():
+    for rank, (copied, untouched, reduced, same) in enumerate(
+            run_ranks(exponent_worker, 2, timeout=60)):
+        assert copied.tolist() == reduced.tolist() == [9, 255, 7]
+        assert untouched.tolist() == ([3, 255, 7] if rank == 0 else [9, 1, 2])
+        assert same  # in place: the caller's vector holds the result
+
+
 def cast_worker(rank: int, world_size: int, name: str) -> dict:
     """Every rank: its range of each master weight -> quantize_master_weights -> all-gather of
     the bytes (a SUM all-reduce of each rank's range, zeros elsewhere) -> post-processing."""
