@@ -74,8 +74,8 @@ def run(name: str, case: str, dtype: torch.dtype, monkeypatch) -> tuple[list, to
     handed = []
     reduce = master_weights.all_reduce_max_keep_nan
     monkeypatch.setattr(master_weights, "all_reduce_max_keep_nan",
-                        lambda values, group: handed.append(values.clone()) or reduce(values,
-                                                                                      group))
+                        lambda values, group, **kwargs: handed.append(values.clone())
+                        or reduce(values, group, **kwargs))
     model_weights = weights(name)
     shards, starts = masters(name, case, dtype)
     quantize_master_weights(model_weights, shards, starts)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .element_cast import FP32_INF_BITS, e8m0_exponent_finite, expand_blocks
 from .element_cast import e8m0_exponent as e8m0_from_amax
-from .element_cast import expand_blocks
 from .fp8_common import abs_bits, cvt_sat_rne_fp8
 from .master_cast import (
     _at,
@@ -207,15 +207,23 @@ def _mxfp8_interior_words(x, bytes_base, row, origin, K, row_cells, column_cells
     m3 = abs_bits(x3)
     word_max = tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3))
     row_max = tl.max(tl.reshape(word_max, [32, COLUMNS // 32, 8]), axis=2)
-    row_exponent = e8m0_from_amax(row_max.to(tl.float32, bitcast=True), RECIPROCAL_BITS)
+    column_max = tl.max(abs_bits(x), axis=0)  # [COLUMNS]
+    finite = tl.max(tl.max(row_max, axis=1), axis=0) < FP32_INF_BITS
+    if finite:
+        row_exponent = e8m0_exponent_finite(row_max.to(tl.float32, bitcast=True),
+                                            RECIPROCAL_BITS)
+        col_exponent = e8m0_exponent_finite(column_max.to(tl.float32, bitcast=True),
+                                            RECIPROCAL_BITS)
+    else:
+        row_exponent = e8m0_from_amax(row_max.to(tl.float32, bitcast=True), RECIPROCAL_BITS)
+        col_exponent = e8m0_from_amax(column_max.to(tl.float32, bitcast=True),
+                                      RECIPROCAL_BITS)
     tl.store(row_cells, row_exponent.to(tl.uint8))
-    col_exponent = e8m0_from_amax(tl.max(abs_bits(x), axis=0).to(tl.float32, bitcast=True),
-                                  RECIPROCAL_BITS)  # [COLUMNS]
     tl.store(column_cells, col_exponent.to(tl.uint8))
     even_exponents, odd_exponents = tl.split(tl.reshape(col_exponent, [WORDS, 2, 2]))
     e0, e2 = tl.split(even_exponents)
     e1, e3 = tl.split(odd_exponents)
-    if tl.max(tl.max(row_exponent, axis=1), axis=0) >= 254:  # an infinite or NaN element
+    if not finite:  # an infinite or NaN element: exponent 254 or 255
         _mxfp8_store_copies(x, bytes_base, row, origin, offsets, None, row_exponent,
                             col_exponent, COLUMNS, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE, E5M2,
                             HW_CAST, True)
