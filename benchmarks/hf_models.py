@@ -137,7 +137,7 @@ class HFCausalLM(nn.Module):
             raise ValueError(f"unknown attention {config.attention!r}: sdpa or sdpa-causal")
         attention = register_causal_sdpa() if config.attention == "sdpa-causal" else "sdpa"
         self.hf = transformers.AutoModelForCausalLM.from_config(
-            config.transformers_config(), torch_dtype=dtype,
+            config.transformers_config(), dtype=dtype,
             attn_implementation=attention).to(device)
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
