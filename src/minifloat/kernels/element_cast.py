@@ -175,23 +175,6 @@ def e8m0_exponent(block_amax, RECIPROCAL_BITS: tl.constexpr):
 
 
 @triton.jit
-def e8m0_exponent_finite(block_amax, RECIPROCAL_BITS: tl.constexpr):
-    """e8m0_exponent for finite block maxima, in four integer operations instead of about twelve
-    (the MXFP8 master cast computes it for every row block of a tile, on every thread that
-    holds the block).
-
-    Why it is the same: R = 1/element_max with element_max >= 256 (E4M3 448, E5M2 57344), so
-    v = amax * R < 2^120 and no exponent reaches 254, whose rules (infinity, no rounding up at
-    0xFE) are left out. For v's bits b: b + 0x7FFFFF carries into the exponent field exactly
-    when the mantissa is non-zero, which rounds up to a power of two (b = 0 stays 0); a
-    subnormal v of at most 2^-127 (b <= 0x400000) has exponent 0 and adds 0x3FFFFF instead,
-    which stays below 2^23. Infinite or NaN maxima must take e8m0_exponent."""
-    reciprocal = tl.full(block_amax.shape, RECIPROCAL_BITS, tl.int32).to(tl.float32, bitcast=True)
-    bits = (block_amax * reciprocal).to(tl.int32, bitcast=True)
-    return (bits + tl.where(bits > 0x400000, 0x7FFFFF, 0x3FFFFF)) >> 23
-
-
-@triton.jit
 def pack_nibbles(codes, ROWS: tl.constexpr, COLS: tl.constexpr):
     """[ROWS, COLS] int32 nibble codes -> [ROWS, COLS // 2] uint8, element 2j in the low nibble."""
     low, high = tl.split(tl.reshape(codes, [ROWS, COLS // 2, 2]))

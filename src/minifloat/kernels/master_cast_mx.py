@@ -13,8 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .element_cast import FP32_INF_BITS, e8m0_exponent_finite, expand_blocks
 from .element_cast import e8m0_exponent as e8m0_from_amax
+from .element_cast import expand_blocks
 from .fp8_common import abs_bits, cvt_sat_rne_fp8
 from .master_cast import (
     _at,
@@ -26,7 +26,7 @@ from .master_cast import (
     _tile_range,
 )
 from .multi_tensor import _owner
-from .mxfp8 import _fp8_codes, _hw_factors
+from .mxfp8 import _e8m0, _fp8_codes, _hw_factors, _word_factor
 from .nvfp4 import _e2m1_nibbles
 from .nvfp4_scales import block_scales, global_scales
 from .per_tensor_tile import codes_word
@@ -188,10 +188,11 @@ def _mxfp8_interior_words(x, bytes_base, row, origin, K, row_cells, column_cells
     Why words (as per_tensor_tile): the tile is split into its four column components (x_c
     holds columns 4j + c), so a word's four codes come from one inline conversion of four
     products and go to memory as they are. Byte codes cost a PRMT an element to pack into the
-    stores' words, and the two multiplies and the NaN select an element of each copy are
-    needed only in a tile whose maximum is infinite or NaN (exponent 254 or 255: one scalar
-    test a tile); there the byte path runs as before. Elsewhere f = 2^(127 - e) is a normal
-    fp32 and x * f is the reference's product.
+    stores' words. The exponents and factors are the MXFP8 words kernel's (mxfp8._e8m0,
+    mxfp8._word_factor: one product x * 2^(127 - e) is the reference's, an infinite block's
+    subnormal factor included), so the two multiplies and the NaN select an element of each
+    copy are needed only in a tile with a NaN (exponent 255: one scalar test a tile), where
+    the byte path runs as before.
 
     The words reach memory as 16-byte vectors (Triton moves them through shared memory into
     that layout). Stored where they are computed, a word a thread a row, the kernel took
@@ -207,23 +208,15 @@ def _mxfp8_interior_words(x, bytes_base, row, origin, K, row_cells, column_cells
     m3 = abs_bits(x3)
     word_max = tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3))
     row_max = tl.max(tl.reshape(word_max, [32, COLUMNS // 32, 8]), axis=2)
-    column_max = tl.max(abs_bits(x), axis=0)  # [COLUMNS]
-    finite = tl.max(tl.max(row_max, axis=1), axis=0) < FP32_INF_BITS
-    if finite:
-        row_exponent = e8m0_exponent_finite(row_max.to(tl.float32, bitcast=True),
-                                            RECIPROCAL_BITS)
-        col_exponent = e8m0_exponent_finite(column_max.to(tl.float32, bitcast=True),
-                                            RECIPROCAL_BITS)
-    else:
-        row_exponent = e8m0_from_amax(row_max.to(tl.float32, bitcast=True), RECIPROCAL_BITS)
-        col_exponent = e8m0_from_amax(column_max.to(tl.float32, bitcast=True),
-                                      RECIPROCAL_BITS)
+    row_exponent = _e8m0(row_max.to(tl.float32, bitcast=True), RECIPROCAL_BITS)
+    col_exponent = _e8m0(tl.max(abs_bits(x), axis=0).to(tl.float32, bitcast=True),
+                         RECIPROCAL_BITS)  # [COLUMNS]
     tl.store(row_cells, row_exponent.to(tl.uint8))
     tl.store(column_cells, col_exponent.to(tl.uint8))
     even_exponents, odd_exponents = tl.split(tl.reshape(col_exponent, [WORDS, 2, 2]))
     e0, e2 = tl.split(even_exponents)
     e1, e3 = tl.split(odd_exponents)
-    if not finite:  # an infinite or NaN element: exponent 254 or 255
+    if tl.max(tl.max(row_exponent, axis=1), axis=0) == 255:  # a NaN element
         _mxfp8_store_copies(x, bytes_base, row, origin, offsets, None, row_exponent,
                             col_exponent, COLUMNS, MANTISSA_BITS, MIN_EXPONENT, MAX_CODE, E5M2,
                             HW_CAST, True)
@@ -233,18 +226,15 @@ def _mxfp8_interior_words(x, bytes_base, row, origin, K, row_cells, column_cells
                         + tl.arange(0, WORDS)[None, :])
         row_data = tl.load(row + 8)
         if row_data >= 0:
-            f = expand_blocks(((254 - row_exponent) << 23).to(tl.float32, bitcast=True), 32,
-                              WORDS, 8)
+            f = expand_blocks(_word_factor(row_exponent), 32, WORDS, 8)
             words = codes_word(x0 * f, x1 * f, x2 * f, x3 * f, E5M2, HW_CAST, False)
             tl.store(_words_at(bytes_base, row_data - tl.load(row + 6) + origin)
                      + word_offsets, words)
         col_data = tl.load(row + 9)
         if col_data >= 0:
-            f0 = ((254 - e0) << 23).to(tl.float32, bitcast=True)[None, :]
-            f1 = ((254 - e1) << 23).to(tl.float32, bitcast=True)[None, :]
-            f2 = ((254 - e2) << 23).to(tl.float32, bitcast=True)[None, :]
-            f3 = ((254 - e3) << 23).to(tl.float32, bitcast=True)[None, :]
-            words = codes_word(x0 * f0, x1 * f1, x2 * f2, x3 * f3, E5M2, HW_CAST, False)
+            words = codes_word(x0 * _word_factor(e0)[None, :], x1 * _word_factor(e1)[None, :],
+                               x2 * _word_factor(e2)[None, :], x3 * _word_factor(e3)[None, :],
+                               E5M2, HW_CAST, False)
             tl.store(_words_at(bytes_base, col_data - tl.load(row + 6) + origin)
                      + word_offsets, words)
 
