@@ -59,7 +59,7 @@ EMULATED_NAN_CODE = 0x5A
 
 @jit
 def codes_word(y0, y1, y2, y3, E5M2: tl.constexpr, HW_CAST: tl.constexpr,
-                PRODUCTS: tl.constexpr):
+               PRODUCTS: tl.constexpr):
     """int32 word of the FP8 codes of four fp32 values (y0 in byte 0).
 
     HW_CAST: the hardware conversion, NaN bytes left to _nan_fixed. Otherwise PRODUCTS (tests,
