@@ -16,9 +16,15 @@ TFLOP/s counts the routed rows only (2 * pairs * in * out). --sweep adds other G
 tiles; --rounds N times everything N times over, interleaved, and reports each setting's median
 and spread (one round's timings of the same setting differed by 13% on an H100: a difference
 smaller than the spread is noise).
+--split-depths 128,256 times the split-accumulating dgrad and wgrad with 256-deep blocks at each
+promotion depth (grouped_gemm.SPLIT_ACCUMULATION: the fp32 promotion every this many products;
+a depth cannot exceed BLOCK_K), each row with its largest error against an fp32 product of the
+same FP8 operands, relative to the product's largest magnitude: what a deeper promotion would
+save, and what it would cost in accuracy (the fast-accumulation rows give the other end).
 
 Usage: python benchmarks/grouped_gemm_bench.py [--tokens 8192] [--top-k 2] [--experts 8]
-           [--hidden 2048] [--ffn 4096] [--sweep] [--rounds 3] [--out FILE.json]
+           [--hidden 2048] [--ffn 4096] [--sweep] [--rounds 3] [--split-depths 128,256]
+           [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ SWEEP = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5),
 # the wgrad kernel (groups outermost, grouped_gemm.REDUCTION_GROUP_MAJOR; the innermost order
 # ran 1.27-1.30x slower on an H100): tiles with BLOCK_K 128, the split accumulator's interval
 WGRAD_SWEEP = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5)]
+# --split-depths: the tile of both kernels (256 deep, two stages: four stages of 256-deep
+# blocks asked for more shared memory than an H100 has)
+DEEP_TILES = (128, 128, 256, 8, 2)
 
 
 # launches between one pair of events: the host's Python before each launch (tens of
@@ -104,7 +113,10 @@ def merged_rounds(rounds: list[list[dict]]) -> list[dict]:
 def projection_rows(name: str, rows: int, pairs: int, ends: torch.Tensor, experts: int,
                     width_in: int, width_out: int, warmup: int, repeats: int,
                     gemms: tuple[str, ...] = ("fprop", "dgrad", "wgrad"),
-                    triton_only: bool = False, label: str = "") -> list[dict]:
+                    triton_only: bool = False, label: str = "",
+                    with_errors: bool = False) -> list[dict]:
+    """Timed rows of one projection's GEMMs; with_errors adds each Triton row's relative
+    error against an fp32 product of its FP8 operands (reference_products)."""
     from minifloat.kernels import grouped_gemm  # imports triton: CUDA machines only
 
     device = "cuda"
@@ -140,19 +152,42 @@ def projection_rows(name: str, rows: int, pairs: int, ends: torch.Tensor, expert
         ("wgrad", "triton E5M2xE4M3 fast accumulation"): lambda: reduction_gemm(
             dy8_t, x8_t, scales, scales, ends, torch.bfloat16, precise=False),
     }
+    references = (reference_products(x8, w8, dy8, ends, experts) if with_errors else {})
     results = []
     for (gemm, kernel), fn in cases.items():
         if gemm not in gemms or (triton_only and not kernel.startswith("triton")):
             continue
         try:
             ms = timed_ms(fn, warmup, repeats)
+            extra = {}
+            if gemm in references and kernel.startswith("triton"):
+                reference = references[gemm]
+                extra["max_rel_error"] = float((fn().float() - reference).abs().max()
+                                               / reference.abs().max())
         except Exception as error:  # noqa: BLE001 - a kernel a torch build lacks: say so
             results.append(dict(projection=name, gemm=gemm, kernel=kernel, error=str(error)))
             continue
         results.append(dict(projection=name, gemm=gemm, kernel=kernel + label, ms=round(ms, 4),
-                            tflops=round(flops / ms / 1e9, 1)))
+                            tflops=round(flops / ms / 1e9, 1), **extra))
         print(json.dumps(results[-1]), flush=True)  # as it goes: a run cut short keeps its rows
     return results
+
+
+def reference_products(x8: torch.Tensor, w8: torch.Tensor, dy8: torch.Tensor,
+                       ends: torch.Tensor, experts: int) -> dict[str, torch.Tensor]:
+    """fp32 products of the FP8 operands, group by group (unit scales, as the timed calls):
+    dgrad [rows, in] = dy_e @ w_e and wgrad [experts, out, in] = dy_e^T @ x_e. An fp32 GEMM
+    rounds too, but at 2^-24 a sum, far below what an FP8 accumulator order moves."""
+    bounds = [0, *ends.tolist()]
+    dgrad = torch.zeros(x8.shape, device=x8.device)
+    wgrad = torch.zeros(w8.shape, device=x8.device)
+    for e in range(experts):
+        first, last = bounds[e], bounds[e + 1]
+        if last > first:
+            dy_e = dy8[first:last].float()
+            dgrad[first:last] = dy_e @ w8[e].float()
+            wgrad[e] = dy_e.t() @ x8[first:last].float()
+    return {"dgrad": dgrad, "wgrad": wgrad}
 
 
 def cast_rows(name: str, rows: int, ends: torch.Tensor, experts: int, width: int, warmup: int,
@@ -203,8 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="time every setting this many times, interleaved; report the "
                              "median and the spread")
+    parser.add_argument("--split-depths", default="",
+                        help="comma list of promotion depths to time the split-accumulating "
+                             "dgrad and wgrad at (256-deep blocks), with their errors")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    depths = [int(d) for d in args.split_depths.split(",") if d]
+    if any(d <= 0 or d > DEEP_TILES[2] for d in depths):
+        parser.error(f"--split-depths: each depth in 1..{DEEP_TILES[2]} (the blocks' depth)")
     if not torch.cuda.is_available():
         print("grouped_gemm_bench: needs CUDA")
         return 0
@@ -240,6 +281,20 @@ def main(argv: list[str] | None = None) -> int:
                         rows_timed += projection_rows(
                             name, rows, pairs, layout.ends, args.experts, width_in, width_out,
                             args.warmup, args.repeats, gemms, True, label)
+            default_depth = grouped_gemm.SPLIT_ACCUMULATION
+            deep = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"),
+                            DEEP_TILES, strict=True))
+            try:
+                for depth in depths:
+                    grouped_gemm.SPLIT_ACCUMULATION = depth
+                    grouped_gemm._tiles = lambda *_: dict(deep)
+                    label = " split {} tiles {}x{}x{} w{} s{}".format(depth, *DEEP_TILES)
+                    for name, width_in, width_out in projections:
+                        rows_timed += projection_rows(
+                            name, rows, pairs, layout.ends, args.experts, width_in, width_out,
+                            args.warmup, args.repeats, ("dgrad", "wgrad"), True, label, True)
+            finally:
+                grouped_gemm.SPLIT_ACCUMULATION = default_depth
         finally:
             grouped_gemm._tiles = default_tiles
         return rows_timed
@@ -248,12 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.tokens} tokens x "
           f"top-{args.top_k} over {args.experts} experts ({rows} padded rows), d {args.hidden},"
           f" ffn {args.ffn}\n")
-    print("| projection | GEMM | kernel | ms | spread ms | TFLOP/s or of copy |\n"
-          "|---|---|---|---:|---:|---:|")
+    print("| projection | GEMM | kernel | ms | spread ms | TFLOP/s or of copy | max rel error |\n"
+          "|---|---|---|---:|---:|---:|---:|")
     for row in results:
+        error = row.get("max_rel_error")
         print(f"| {row['projection']} | {row['gemm']} | {row['kernel']} | "
               f"{row.get('ms', row.get('error', ''))} | {row.get('spread_ms', '')} | "
-              f"{row.get('tflops', row.get('of_copy', ''))} |")
+              f"{row.get('tflops', row.get('of_copy', ''))} | "
+              f"{'' if error is None else f'{error:.2e}'} |")
     if args.out:
         args.out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(),
                                             torch=torch.__version__, args=vars(args) | dict(
