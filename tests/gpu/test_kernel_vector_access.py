@@ -70,7 +70,7 @@ def test_mxfp8_interior_tiles_store_and_load_vectors():
         {"COLUMNS": plan.TILE_COLUMNS["mxfp8"],
          "RECIPROCAL_BITS": plan._reciprocal_bits(448.0), **E4M3_CODES})
     # two copies of a 32 x 256 tile as 16-byte vectors: the interior tiles' int32 words, and
-    # the byte codes of the rare tiles with an infinite or NaN element
+    # the byte codes of the rare tiles with a NaN element
     assert accesses["st.global.v4.b32"] >= 16, accesses
     assert vectors(accesses, "ld") >= 16, accesses
     assert accesses["st.global.b8"] <= 8, accesses  # the exponents only, not the codes

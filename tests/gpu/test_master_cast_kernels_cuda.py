@@ -5,7 +5,7 @@ outside its range untouched, NVFP4's other nibble of a shared byte kept) and del
 recorded amax. FP8 current and delayed scaling, block FP8, MXFP8 and 2D NVFP4; fp32 and bf16
 masters; ranges cut inside rows, tiles, blocks and bytes, single elements, an empty range, a
 NaN in one master, infinities and a NaN inside tiles a range covers whole (the MXFP8 maxima
-kernel's rare path); FSDP2 row shards."""
+kernel's word path with infinite blocks, and its byte path for a NaN); FSDP2 row shards."""
 
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .element_cast import e8m0_exponent as e8m0_from_amax
 from .element_cast import expand_blocks
 from .fp8_common import abs_bits, cvt_sat_rne_fp8
 from .master_cast import (
@@ -196,21 +195,14 @@ def _mxfp8_interior_words(x, bytes_base, row, origin, K, row_cells, column_cells
 
     The words reach memory as 16-byte vectors (Triton moves them through shared memory into
     that layout). Stored where they are computed, a word a thread a row, the kernel took
-    0.332 ms instead of 0.295 on an H100 (1b, rank 0 of 8; KERNEL_NOTES.md).
-    The column maxima are one reduction of the whole tile, split into components after."""
+    0.332 ms instead of 0.295 on an H100 (1b, rank 0 of 8; KERNEL_NOTES.md). The exponents
+    are those of the byte path (_mxfp8_exponents, one reduction of the whole tile for the
+    columns), split into components after."""
     WORDS: tl.constexpr = COLUMNS // 4
     evens, odds = tl.split(tl.reshape(x, [32, WORDS, 2, 2]))
     x0, x2 = tl.split(evens)
     x1, x3 = tl.split(odds)
-    m0 = abs_bits(x0)
-    m1 = abs_bits(x1)
-    m2 = abs_bits(x2)
-    m3 = abs_bits(x3)
-    word_max = tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3))
-    row_max = tl.max(tl.reshape(word_max, [32, COLUMNS // 32, 8]), axis=2)
-    row_exponent = _e8m0(row_max.to(tl.float32, bitcast=True), RECIPROCAL_BITS)
-    col_exponent = _e8m0(tl.max(abs_bits(x), axis=0).to(tl.float32, bitcast=True),
-                         RECIPROCAL_BITS)  # [COLUMNS]
+    row_exponent, col_exponent = _mxfp8_exponents(abs_bits(x), COLUMNS, RECIPROCAL_BITS)
     tl.store(row_cells, row_exponent.to(tl.uint8))
     tl.store(column_cells, col_exponent.to(tl.uint8))
     even_exponents, odd_exponents = tl.split(tl.reshape(col_exponent, [WORDS, 2, 2]))
@@ -248,11 +240,12 @@ def _words_at(bytes_base, offset):
 @triton.jit
 def _mxfp8_exponents(magnitude, COLUMNS: tl.constexpr, RECIPROCAL_BITS: tl.constexpr):
     """E8M0 exponents (int32) of a 32-row tile's 1x32 blocks [32, COLUMNS / 32] and 32x1
-    blocks [COLUMNS], from its magnitudes' bits."""
+    blocks [COLUMNS], from its magnitudes' bits, by the MXFP8 words kernel's rule (mxfp8._e8m0:
+    the reference's for every fp32 maximum, in about half the instructions)."""
     row_max = tl.max(tl.reshape(magnitude, [32, COLUMNS // 32, 32]), axis=2)
     column_max = tl.max(magnitude, axis=0)
-    return (e8m0_from_amax(row_max.to(tl.float32, bitcast=True), RECIPROCAL_BITS),
-            e8m0_from_amax(column_max.to(tl.float32, bitcast=True), RECIPROCAL_BITS))
+    return (_e8m0(row_max.to(tl.float32, bitcast=True), RECIPROCAL_BITS),
+            _e8m0(column_max.to(tl.float32, bitcast=True), RECIPROCAL_BITS))
 
 
 @triton.jit
