@@ -84,6 +84,13 @@ def timed_ms(fn, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def fixed_tiles(tiles: tuple[int, int, int, int, int]):
+    """A stand-in for grouped_gemm._tiles that returns these (BLOCK_M, BLOCK_N, BLOCK_K,
+    warps, stages) whatever it is asked (the kernels pop from the dict: a fresh one a call)."""
+    names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+    return lambda *_: dict(zip(names, tiles, strict=True))
+
+
 def merged_rounds(rounds: list[list[dict]]) -> list[dict]:
     """One row per timed setting, in the first round's order: the median of its rounds' times
     and their spread (max - min), the figure a difference between settings must exceed
@@ -273,21 +280,17 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for sweep, gemms in ((SWEEP, ("fprop", "dgrad")), (WGRAD_SWEEP, ("wgrad",))):
                 for tiles in sweep if args.sweep else ():
-                    grouped_gemm._tiles = lambda *_, t=tiles: dict(
-                        BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_K=t[2], num_warps=t[3],
-                        num_stages=t[4])
+                    grouped_gemm._tiles = fixed_tiles(tiles)
                     label = " tiles {}x{}x{} w{} s{}".format(*tiles)
                     for name, width_in, width_out in projections:
                         rows_timed += projection_rows(
                             name, rows, pairs, layout.ends, args.experts, width_in, width_out,
                             args.warmup, args.repeats, gemms, True, label)
             default_depth = grouped_gemm.SPLIT_ACCUMULATION
-            deep = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"),
-                            DEEP_TILES, strict=True))
             try:
                 for depth in depths:
                     grouped_gemm.SPLIT_ACCUMULATION = depth
-                    grouped_gemm._tiles = lambda *_: dict(deep)
+                    grouped_gemm._tiles = fixed_tiles(DEEP_TILES)
                     label = " split {} tiles {}x{}x{} w{} s{}".format(depth, *DEEP_TILES)
                     for name, width_in, width_out in projections:
                         rows_timed += projection_rows(
