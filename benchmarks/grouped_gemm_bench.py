@@ -16,11 +16,15 @@ TFLOP/s counts the routed rows only (2 * pairs * in * out). --sweep adds other G
 tiles; --rounds N times everything N times over, interleaved, and reports each setting's median
 and spread (one round's timings of the same setting differed by 13% on an H100: a difference
 smaller than the spread is noise).
---split-depths 128,256 times the split-accumulating dgrad and wgrad with 256-deep blocks at each
-promotion depth (grouped_gemm.SPLIT_ACCUMULATION: the fp32 promotion every this many products;
-a depth cannot exceed BLOCK_K), each row with its largest error against an fp32 product of the
-same FP8 operands, relative to the product's largest magnitude: what a deeper promotion would
-save, and what it would cost in accuracy (the fast-accumulation rows give the other end).
+--split-depths 128,256 times the split-accumulating dgrad with 256-deep blocks at each promotion
+depth (grouped_gemm.SPLIT_ACCUMULATION: the fp32 promotion every this many products; a depth
+cannot exceed BLOCK_K), each row with its largest error against an fp32 product of the same FP8
+operands, relative to the product's largest magnitude: what a deeper promotion would save, and
+what it would cost in accuracy (the fast-accumulation rows give the other end). The wgrad is
+not among them: it reduces over the groups' rows, BLOCK_K at a time, so its blocks are at most
+GROUP_ROWS (128) deep and its promotion depth is already the deepest its blocks allow (a first
+version ran it with 256-deep blocks, which read across group ends: an illegal address on an
+H100, BENCHMARKS.md twenty-ninth session).
 
 Usage: python benchmarks/grouped_gemm_bench.py [--tokens 8192] [--top-k 2] [--experts 8]
            [--hidden 2048] [--ffn 4096] [--sweep] [--rounds 3] [--split-depths 128,256]
@@ -247,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                              "median and the spread")
     parser.add_argument("--split-depths", default="",
                         help="comma list of promotion depths to time the split-accumulating "
-                             "dgrad and wgrad at (256-deep blocks), with their errors")
+                             "dgrad at (256-deep blocks), with its errors")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     depths = [int(d) for d in args.split_depths.split(",") if d]
@@ -295,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                     for name, width_in, width_out in projections:
                         rows_timed += projection_rows(
                             name, rows, pairs, layout.ends, args.experts, width_in, width_out,
-                            args.warmup, args.repeats, ("dgrad", "wgrad"), True, label, True)
+                            args.warmup, args.repeats, ("dgrad",), True, label, True)
             finally:
                 grouped_gemm.SPLIT_ACCUMULATION = default_depth
         finally:

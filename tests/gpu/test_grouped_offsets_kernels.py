@@ -159,6 +159,24 @@ def test_rows_gemm_blocks_deeper_than_the_split_accumulator(monkeypatch):
         assert relative_error(out[piece], want) < FP32_BOUND
 
 
+def test_reduction_gemm_refuses_blocks_deeper_than_a_group(monkeypatch):
+    """The wgrad kernel steps through each group's rows BLOCK_K at a time: a block deeper than
+    GROUP_ROWS would read the next group's rows (an illegal address on an H100 when
+    grouped_gemm_bench.py ran it with 256-deep blocks), so it says so instead of launching."""
+    tiles = grouped_gemm._tiles
+    monkeypatch.setattr(grouped_gemm, "_tiles", lambda device, stages, element_size=1: tiles(
+        device, stages, element_size) | dict(BLOCK_K=2 * GROUP_ROWS))
+    counts = [GROUP_ROWS, GROUP_ROWS]
+    ends, _ = layout(counts)
+    a = fp8_values((40, sum(counts)), torch.float8_e5m2, 9)
+    b = fp8_values((72, sum(counts)), torch.float8_e4m3fn, 10)
+    scales = torch.ones(2)
+    with pytest.raises(ValueError, match="BLOCK_K 256 exceeds GROUP_ROWS"):
+        grouped_gemm.grouped_reduction_gemm(
+            a.to(DEVICE), b.to(DEVICE), scales.to(DEVICE), scales.to(DEVICE), ends.to(DEVICE),
+            torch.bfloat16, precise=True)
+
+
 def test_fp16_operands_of_exact_values_for_the_nvfp4_experts():
     """The NVFP4 experts (modules/grouped_offsets_nvfp4.py) pass block values as fp16 (exact)
     with each group's global decode scales: both kernels take them (64-deep tiles on a GPU),
