@@ -13,9 +13,9 @@ Rows per projection (gate_up: x [R, D] -> [R, 2F]; down: [R, F] -> [R, D]):
   cast   the grouped cast of x and of dy (both copies) as a share of a bf16 copy's bandwidth
 Each: median of --repeats windows of BATCH launches timed by CUDA events, after --warmup;
 TFLOP/s counts the routed rows only (2 * pairs * in * out). --sweep adds other GEMM and cast
-tiles; --rounds N times everything N times over, interleaved, and reports each setting's median
-and spread (one round's timings of the same setting differed by 13% on an H100: a difference
-smaller than the spread is noise).
+tiles and other launch orders of the rows kernel (BAND_SWEEP); --rounds N times everything N
+times over, interleaved, and reports each setting's median and spread (one round's timings of
+the same setting differed by 13% on an H100: a difference smaller than the spread is noise).
 --split-depths 128,256 times the split-accumulating dgrad with 256-deep blocks at each promotion
 depth (grouped_gemm.SPLIT_ACCUMULATION: the fp32 promotion every this many products; a depth
 cannot exceed BLOCK_K), each row with its largest error against an fp32 product of the same FP8
@@ -60,6 +60,9 @@ SWEEP = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5),
 # the wgrad kernel (groups outermost, grouped_gemm.REDUCTION_GROUP_MAJOR; the innermost order
 # ran 1.27-1.30x slower on an H100): tiles with BLOCK_K 128, the split accumulator's interval
 WGRAD_SWEEP = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5)]
+# the rows kernel's launch order (grouped_gemm.ROWS_GROUP_M, default 8): row blocks a band;
+# 1 is row-major, the order before the twenty-ninth session
+BAND_SWEEP = (1, 4, 16)
 # --split-depths: the tile of both kernels (256 deep, two stages: four stages of 256-deep
 # blocks asked for more shared memory than an H100 has)
 DEEP_TILES = (128, 128, 256, 8, 2)
@@ -290,6 +293,17 @@ def main(argv: list[str] | None = None) -> int:
                         rows_timed += projection_rows(
                             name, rows, pairs, layout.ends, args.experts, width_in, width_out,
                             args.warmup, args.repeats, gemms, True, label)
+            default_band = grouped_gemm.ROWS_GROUP_M
+            try:
+                for band in BAND_SWEEP if args.sweep else ():
+                    grouped_gemm.ROWS_GROUP_M = band
+                    for name, width_in, width_out in projections:
+                        rows_timed += projection_rows(
+                            name, rows, pairs, layout.ends, args.experts, width_in, width_out,
+                            args.warmup, args.repeats, ("fprop", "dgrad"), True,
+                            f" rows in bands of {band}")
+            finally:
+                grouped_gemm.ROWS_GROUP_M = default_band
             default_depth = grouped_gemm.SPLIT_ACCUMULATION
             try:
                 for depth in depths:

@@ -159,6 +159,27 @@ def test_rows_gemm_blocks_deeper_than_the_split_accumulator(monkeypatch):
         assert relative_error(out[piece], want) < FP32_BOUND
 
 
+@pytest.mark.parametrize("group_m", [1, 3])
+def test_rows_gemm_in_bands_of_row_blocks(monkeypatch, group_m):
+    """The rows kernel's launch order (ROWS_GROUP_M): row-major (1) and bands of 3 row blocks,
+    whose last band is shorter (8 row blocks of 32 under the interpreter, 4 of 128 on a GPU),
+    write every block of the result once."""
+    monkeypatch.setattr(grouped_gemm, "ROWS_GROUP_M", group_m)
+    counts = ([GROUP_ROWS, 0, 2 * GROUP_ROWS, GROUP_ROWS] if DEVICE.type == "cuda"
+              else [GROUP_ROWS, GROUP_ROWS])
+    ends, rows = layout(counts)
+    a = fp8_values((sum(counts), 64), torch.float8_e4m3fn, 11)
+    b = fp8_values((len(counts), 160, 64), torch.float8_e4m3fn, 12)  # 5 column blocks of 32
+    scales = torch.linspace(0.5, 2.0, len(counts))
+    out = grouped_gemm.grouped_rows_gemm(
+        a.to(DEVICE), b.to(DEVICE), scales.to(DEVICE), scales.to(DEVICE), ends.to(DEVICE),
+        torch.float32, precise=False).cpu()
+    for g, piece in enumerate(rows):
+        if counts[g]:
+            want = (a[piece].double() @ b[g].double().t()) * (scales[g].double() ** 2)
+            assert relative_error(out[piece], want) < FP32_BOUND
+
+
 def test_reduction_gemm_refuses_blocks_deeper_than_a_group(monkeypatch):
     """The wgrad kernel steps through each group's rows BLOCK_K at a time: a block deeper than
     GROUP_ROWS would read the next group's rows (an illegal address on an H100 when

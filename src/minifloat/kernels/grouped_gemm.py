@@ -63,14 +63,24 @@ def _accumulate(a, b, acc, PRECISE: tl.constexpr, PROMOTE_K: tl.constexpr):
 
 
 @triton.jit
+def _banded_block(pid, m_blocks, n_blocks, GROUP_M: tl.constexpr):
+    """The (row block, column block) of program `pid` in bands of GROUP_M row blocks: down each
+    band's column blocks, the band's row blocks innermost (ROWS_GROUP_M says why). With
+    GROUP_M 1, row-major order: every column block of row block 0, then of row block 1, ..."""
+    in_band = GROUP_M * n_blocks
+    first_m = (pid // in_band) * GROUP_M
+    band_rows = tl.minimum(m_blocks - first_m, GROUP_M)  # the last band may be shorter
+    return first_m + (pid % in_band) % band_rows, (pid % in_band) // band_rows
+
+
+@triton.jit
 def _rows_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows, width, depth,
                  stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_om, stride_on,
                  GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE: tl.constexpr,
-                 PROMOTE_K: tl.constexpr, OUT_TYPE: tl.constexpr):
-    pid = tl.program_id(0)
-    n_blocks = tl.cdiv(width, BLOCK_N)
-    pid_m, pid_n = pid // n_blocks, pid % n_blocks
+                 PROMOTE_K: tl.constexpr, OUT_TYPE: tl.constexpr, GROUP_M: tl.constexpr):
+    pid_m, pid_n = _banded_block(tl.program_id(0), tl.cdiv(rows, BLOCK_M),
+                                 tl.cdiv(width, BLOCK_N), GROUP_M)
     start = pid_m * BLOCK_M
     offs_m = start + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -132,6 +142,16 @@ def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr,
              mask=(offs_m[:, None] < width_a) & (offs_n[None, :] < width_b))
 
 
+# Launch order of the rows kernel's output blocks: bands of this many row blocks, each band's
+# column blocks in turn with its row blocks innermost. In row-major order (1) the blocks that
+# run at once share one row block of the input but read as many distinct column blocks of the
+# expert's weight, and the next row block reads them again: at Mixtral 8x7B's widths (a
+# gate_up weight of 117 MB an expert in FP8, more than L2) every weight byte comes from memory
+# once per row block by that count, 16 times an expert at 2048 rows, about what the kernel's
+# 784 TFLOP/s there suggests (BENCHMARKS.md, twenty-ninth session). In bands of 8, a wave of
+# 132 blocks reads 8 row blocks and about 16 column blocks, each from L2 after its first read.
+ROWS_GROUP_M = 8
+
 # Launch order of the wgrad's output blocks: with the groups outermost, the blocks that run at
 # once share one group's operands in L2 (a wave of 132 blocks reads one group's [W2, rows]
 # operand and 8 row blocks of the other); with the groups innermost, a wave reads every group's
@@ -178,7 +198,7 @@ def grouped_rows_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tenso
            out.stride(1), num_warps=warps, options=dict(num_stages=stages), GROUPS=groups,
            GROUPS_POW2=triton.next_power_of_2(groups), **tiles, PRECISE=precise,
            PROMOTE_K=min(tiles["BLOCK_K"], SPLIT_ACCUMULATION),
-           OUT_TYPE=_OUT_TYPES[out_dtype])
+           OUT_TYPE=_OUT_TYPES[out_dtype], GROUP_M=ROWS_GROUP_M)
     return out
 
 
