@@ -13,9 +13,11 @@ Rows per projection (gate_up: x [R, D] -> [R, 2F]; down: [R, F] -> [R, D]):
   cast   the grouped cast of x and of dy (both copies) as a share of a bf16 copy's bandwidth
 Each: median of --repeats windows of BATCH launches timed by CUDA events, after --warmup;
 TFLOP/s counts the routed rows only (2 * pairs * in * out). --sweep adds other GEMM and cast
-tiles and other launch orders of the rows kernel (BAND_SWEEP); --rounds N times everything N
-times over, interleaved, and reports each setting's median and spread (one round's timings of
-the same setting differed by 13% on an H100: a difference smaller than the spread is noise).
+tiles; --bands 1,4,16 times the rows kernel (fprop, dgrad) in other launch orders
+(grouped_gemm.ROWS_GROUP_M: row blocks a band, default 8; 1 is row-major, the order before the
+twenty-ninth session); --rounds N times everything N times over, interleaved, and reports each
+setting's median and spread (one round's timings of the same setting differed by 13% on an H100:
+a difference smaller than the spread is noise).
 --split-depths 128,256 times the split-accumulating dgrad with 256-deep blocks at each promotion
 depth (grouped_gemm.SPLIT_ACCUMULATION: the fp32 promotion every this many products; a depth
 cannot exceed BLOCK_K), each row with its largest error against an fp32 product of the same FP8
@@ -28,7 +30,7 @@ H100, BENCHMARKS.md twenty-ninth session).
 
 Usage: python benchmarks/grouped_gemm_bench.py [--tokens 8192] [--top-k 2] [--experts 8]
            [--hidden 2048] [--ffn 4096] [--sweep] [--rounds 3] [--split-depths 128,256]
-           [--out FILE.json]
+           [--bands 1,4,16] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -60,9 +62,6 @@ SWEEP = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5),
 # the wgrad kernel (groups outermost, grouped_gemm.REDUCTION_GROUP_MAJOR; the innermost order
 # ran 1.27-1.30x slower on an H100): tiles with BLOCK_K 128, the split accumulator's interval
 WGRAD_SWEEP = [(128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 8, 5)]
-# the rows kernel's launch order (grouped_gemm.ROWS_GROUP_M, default 8): row blocks a band;
-# 1 is row-major, the order before the twenty-ninth session
-BAND_SWEEP = (1, 4, 16)
 # --split-depths: the tile of both kernels (256 deep, two stages: four stages of 256-deep
 # blocks asked for more shared memory than an H100 has)
 DEEP_TILES = (128, 128, 256, 8, 2)
@@ -255,9 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split-depths", default="",
                         help="comma list of promotion depths to time the split-accumulating "
                              "dgrad at (256-deep blocks), with its errors")
+    parser.add_argument("--bands", default="",
+                        help="comma list of the rows kernel's band heights (row blocks) to "
+                             "time fprop and dgrad at, besides the default")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     depths = [int(d) for d in args.split_depths.split(",") if d]
+    bands = [int(b) for b in args.bands.split(",") if b]
+    if any(b <= 0 for b in bands):
+        parser.error("--bands: each band height at least 1 (row blocks)")
     if any(d <= 0 or d > DEEP_TILES[2] for d in depths):
         parser.error(f"--split-depths: each depth in 1..{DEEP_TILES[2]} (the blocks' depth)")
     if not torch.cuda.is_available():
@@ -295,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                             args.warmup, args.repeats, gemms, True, label)
             default_band = grouped_gemm.ROWS_GROUP_M
             try:
-                for band in BAND_SWEEP if args.sweep else ():
+                for band in bands:
                     grouped_gemm.ROWS_GROUP_M = band
                     for name, width_in, width_out in projections:
                         rows_timed += projection_rows(
