@@ -198,6 +198,23 @@ def test_reduction_gemm_refuses_blocks_deeper_than_a_group(monkeypatch):
             torch.bfloat16, precise=True)
 
 
+def test_rows_gemm_refuses_blocks_that_straddle_groups(monkeypatch):
+    """A BLOCK_M that does not divide GROUP_ROWS would give some blocks rows of two groups
+    (the kernel looks up one group a block): an error, not a wrong product."""
+    tiles = grouped_gemm._tiles
+    monkeypatch.setattr(grouped_gemm, "_tiles", lambda device, stages, element_size=1: tiles(
+        device, stages, element_size) | dict(BLOCK_M=96))
+    counts = [GROUP_ROWS, GROUP_ROWS]
+    ends, _ = layout(counts)
+    a = fp8_values((sum(counts), 64), torch.float8_e4m3fn, 13)
+    b = fp8_values((2, 32, 64), torch.float8_e4m3fn, 14)
+    scales = torch.ones(2)
+    with pytest.raises(ValueError, match="BLOCK_M 96 does not divide GROUP_ROWS"):
+        grouped_gemm.grouped_rows_gemm(
+            a.to(DEVICE), b.to(DEVICE), scales.to(DEVICE), scales.to(DEVICE), ends.to(DEVICE),
+            torch.bfloat16, precise=False)
+
+
 def test_fp16_operands_of_exact_values_for_the_nvfp4_experts():
     """The NVFP4 experts (modules/grouped_offsets_nvfp4.py) pass block values as fp16 (exact)
     with each group's global decode scales: both kernels take them (64-deep tiles on a GPU),

@@ -190,6 +190,11 @@ def grouped_rows_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tenso
     groups, width = b.shape[0], b.shape[1]
     out = torch.empty(rows, width, dtype=out_dtype, device=a.device)
     tiles = _tiles(a.device, 4 if precise else 3, a.element_size())
+    if GROUP_ROWS % tiles["BLOCK_M"]:
+        raise ValueError(
+            f"grouped_rows_gemm: BLOCK_M {tiles['BLOCK_M']} does not divide GROUP_ROWS "
+            f"({GROUP_ROWS}): a block of rows would straddle two groups and take the first "
+            "one's weight. Use a BLOCK_M that divides GROUP_ROWS.")
     stages = tiles.pop("num_stages")
     warps = tiles.pop("num_warps")
     grid = (triton.cdiv(rows, tiles["BLOCK_M"]) * triton.cdiv(width, tiles["BLOCK_N"]),)
