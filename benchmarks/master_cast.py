@@ -19,13 +19,15 @@ Per recipe row (the model weights built under quantized_model_init with that rec
 - gbps = bytes / device time; copy_gbps: torch's copy of a buffer of as many bytes read plus
   written, timed the same way; copy_fraction = gbps / copy_gbps.
 - launches, kernel_ms: CUDA kernels of one cast and their summed GPU time (torch.profiler; GPU
-  only); kernel_copy_fraction = bytes / kernel time / copy_gbps: the cast kernels' own
-  bandwidth, issue 16's target (>= 0.7), which device_ms hides when the cast is host-bound;
-  required_copy_fraction counts what the algorithm must move: the masters read as often as
-  the format needs (twice for current scaling and NVFP4, whose per-tensor amax is all-reduced
-  between the maxima pass and the cast; once for delayed scaling, whose scale is known before,
-  and for block FP8 and MXFP8, whose maxima pass casts every tile the range covers whole and
-  rereads only the cut ones), the quantized bytes written (MXFP8: both copies), and every
+  only); kernel_copy_fraction = bytes / kernel time / copy_gbps: the kernels' time against the
+  minimum bytes above, which device_ms hides when the cast is host-bound; it counts one master
+  read and one quantized copy, so it charges a format for the second read or copy it cannot do
+  without. required_copy_fraction, the bandwidth the kernels reach on what the algorithm must
+  move (issue 16's "0.7 of copy bandwidth for the cast kernels"), counts the masters read as
+  often as the format needs (twice for current scaling and NVFP4, whose per-tensor amax is all-
+  reduced between the maxima pass and the cast; once for delayed scaling, whose scale is known
+  before, and for block FP8 and MXFP8, whose maxima pass casts every tile the range covers whole
+  and rereads only the cut ones), the quantized bytes written (MXFP8: both copies), and every
   scale tensor of every weight written once (each rank writes them all: they are the same
   everywhere after the all-reduce). Reads of the maxima vector are left out (a lower bound).
 
