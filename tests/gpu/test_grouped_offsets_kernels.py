@@ -181,9 +181,10 @@ def test_rows_gemm_in_bands_of_row_blocks(monkeypatch, group_m):
 
 
 def test_reduction_gemm_refuses_blocks_deeper_than_a_group(monkeypatch):
-    """The wgrad kernel steps through each group's rows BLOCK_K at a time: a block deeper than
-    GROUP_ROWS would read the next group's rows (an illegal address on an H100 when
-    grouped_gemm_bench.py ran it with 256-deep blocks), so it says so instead of launching."""
+    """The wgrad kernel steps through each group's rows BLOCK_K at a time: a block that does
+    not divide GROUP_ROWS, such as one deeper than it, would read the next group's rows (an
+    illegal address on an H100 when grouped_gemm_bench.py ran it with 256-deep blocks), so it
+    says so instead of launching."""
     tiles = grouped_gemm._tiles
     monkeypatch.setattr(grouped_gemm, "_tiles", lambda device, stages, element_size=1: tiles(
         device, stages, element_size) | dict(BLOCK_K=2 * GROUP_ROWS))
@@ -192,7 +193,7 @@ def test_reduction_gemm_refuses_blocks_deeper_than_a_group(monkeypatch):
     a = fp8_values((40, sum(counts)), torch.float8_e5m2, 9)
     b = fp8_values((72, sum(counts)), torch.float8_e4m3fn, 10)
     scales = torch.ones(2)
-    with pytest.raises(ValueError, match="BLOCK_K 256 exceeds GROUP_ROWS"):
+    with pytest.raises(ValueError, match="BLOCK_K 256 does not divide GROUP_ROWS"):
         grouped_gemm.grouped_reduction_gemm(
             a.to(DEVICE), b.to(DEVICE), scales.to(DEVICE), scales.to(DEVICE), ends.to(DEVICE),
             torch.bfloat16, precise=True)

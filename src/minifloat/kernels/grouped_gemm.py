@@ -215,12 +215,12 @@ def grouped_reduction_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.
     width_a, width_b, groups = a.shape[0], b.shape[0], ends.shape[0]
     out = torch.empty(groups, width_a, width_b, dtype=out_dtype, device=a.device)
     tiles = _reduction_tiles(a.device, a.element_size())
-    if tiles["BLOCK_K"] > GROUP_ROWS:
+    if GROUP_ROWS % tiles["BLOCK_K"]:
         raise ValueError(
-            f"grouped_reduction_gemm: BLOCK_K {tiles['BLOCK_K']} exceeds GROUP_ROWS "
+            f"grouped_reduction_gemm: BLOCK_K {tiles['BLOCK_K']} does not divide GROUP_ROWS "
             f"({GROUP_ROWS}): the kernel steps through each group's rows BLOCK_K at a time, so "
-            "a deeper block reads the next group's rows (or past the buffer). Use a BLOCK_K "
-            "that divides GROUP_ROWS.")
+            "its last block would read the next group's rows (or past the buffer). Use a "
+            "BLOCK_K that divides GROUP_ROWS.")
     stages = tiles.pop("num_stages")
     warps = tiles.pop("num_warps")
     blocks = triton.cdiv(width_a, tiles["BLOCK_M"]) * triton.cdiv(width_b, tiles["BLOCK_N"])
