@@ -13,8 +13,8 @@ Rows per projection (gate_up: x [R, D] -> [R, 2F]; down: [R, F] -> [R, D]):
   cast   the grouped cast of x and of dy (both copies) as a share of a bf16 copy's bandwidth
 Each: median of --repeats windows of BATCH launches timed by CUDA events, after --warmup;
 TFLOP/s counts the routed rows only (2 * pairs * in * out). --sweep adds other GEMM and cast
-tiles; --bands 1,4,16 times the rows kernel (fprop, dgrad) in other launch orders
-(grouped_gemm.ROWS_GROUP_M: row blocks a band, default 8; 1 is row-major, the order before the
+tiles; --bands 1,4,16 times both kernels in other launch orders (grouped_gemm.ROWS_GROUP_M
+and REDUCTION_GROUP_M: row blocks a band, default 8; 1 is row-major, the order before the
 twenty-ninth session); --rounds N times everything N times over, interleaved, and reports each
 setting's median and spread (one round's timings of the same setting differed by 13% on an H100:
 a difference smaller than the spread is noise).
@@ -255,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma list of promotion depths to time the split-accumulating "
                              "dgrad at (256-deep blocks), with its errors")
     parser.add_argument("--bands", default="",
-                        help="comma list of the rows kernel's band heights (row blocks) to "
-                             "time fprop and dgrad at, besides the default")
+                        help="comma list of band heights (row blocks) to time both kernels' "
+                             "launch orders at, besides the default")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     depths = [int(d) for d in args.split_depths.split(",") if d]
@@ -298,17 +298,17 @@ def main(argv: list[str] | None = None) -> int:
                         rows_timed += projection_rows(
                             name, rows, pairs, layout.ends, args.experts, width_in, width_out,
                             args.warmup, args.repeats, gemms, True, label)
-            default_band = grouped_gemm.ROWS_GROUP_M
+            default_bands = grouped_gemm.ROWS_GROUP_M, grouped_gemm.REDUCTION_GROUP_M
             try:
                 for band in bands:
-                    grouped_gemm.ROWS_GROUP_M = band
+                    grouped_gemm.ROWS_GROUP_M = grouped_gemm.REDUCTION_GROUP_M = band
                     for name, width_in, width_out in projections:
                         rows_timed += projection_rows(
                             name, rows, pairs, layout.ends, args.experts, width_in, width_out,
-                            args.warmup, args.repeats, ("fprop", "dgrad"), True,
-                            f" rows in bands of {band}")
+                            args.warmup, args.repeats, ("fprop", "dgrad", "wgrad"), True,
+                            f" blocks in bands of {band}")
             finally:
-                grouped_gemm.ROWS_GROUP_M = default_band
+                grouped_gemm.ROWS_GROUP_M, grouped_gemm.REDUCTION_GROUP_M = default_bands
             default_depth = grouped_gemm.SPLIT_ACCUMULATION
             try:
                 for depth in depths:

@@ -180,6 +180,27 @@ def test_rows_gemm_in_bands_of_row_blocks(monkeypatch, group_m):
             assert relative_error(out[piece], want) < FP32_BOUND
 
 
+@pytest.mark.parametrize("group_m", [1, 3])
+def test_reduction_gemm_in_bands_of_row_blocks(monkeypatch, group_m):
+    """The wgrad kernel's order within a group (REDUCTION_GROUP_M): row-major (1) and bands of
+    3 row blocks with a shorter last band (5 row blocks of 32 under the interpreter, 2 of 128
+    on a GPU) write every block of every group once."""
+    monkeypatch.setattr(grouped_gemm, "REDUCTION_GROUP_M", group_m)
+    counts = [GROUP_ROWS, 0, 2 * GROUP_ROWS]
+    ends, rows = layout(counts)
+    width_a = 160 if DEVICE.type != "cuda" else 256
+    a = fp8_values((width_a, sum(counts)), torch.float8_e5m2, 15)
+    b = fp8_values((96, sum(counts)), torch.float8_e4m3fn, 16)
+    scales = torch.tensor([0.5, 1.0, 2.0])
+    out = grouped_gemm.grouped_reduction_gemm(
+        a.to(DEVICE), b.to(DEVICE), scales.to(DEVICE), scales.to(DEVICE), ends.to(DEVICE),
+        torch.float32, precise=True).cpu()
+    assert torch.equal(out[1], torch.zeros(width_a, 96))
+    for g in (0, 2):
+        want = (a[:, rows[g]].double() @ b[:, rows[g]].double().t()) * (scales[g].double() ** 2)
+        assert relative_error(out[g], want) < FP32_BOUND
+
+
 def test_reduction_gemm_refuses_blocks_deeper_than_a_group(monkeypatch):
     """The wgrad kernel steps through each group's rows BLOCK_K at a time: a block that does
     not divide GROUP_ROWS, such as one deeper than it, would read the next group's rows (an

@@ -109,13 +109,14 @@ def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr,
                       width_b, stride_ai, stride_ar, stride_bj, stride_br, stride_og, stride_oi,
                       stride_oj, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, PROMOTE_K: tl.constexpr,
-                      OUT_TYPE: tl.constexpr, GROUP_MAJOR: tl.constexpr):
+                      OUT_TYPE: tl.constexpr, GROUP_MAJOR: tl.constexpr,
+                      GROUP_M: tl.constexpr):
     if GROUP_MAJOR:  # the blocks of one group run together (REDUCTION_GROUP_MAJOR)
         pid, group = tl.program_id(0), tl.program_id(1)
     else:
         group, pid = tl.program_id(0), tl.program_id(1)
-    n_blocks = tl.cdiv(width_b, BLOCK_N)
-    pid_m, pid_n = pid // n_blocks, pid % n_blocks
+    pid_m, pid_n = _banded_block(pid, tl.cdiv(width_a, BLOCK_M), tl.cdiv(width_b, BLOCK_N),
+                                 GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # the group's rows start and end on GROUP_ROWS: said to the compiler, so that it loads
@@ -158,6 +159,11 @@ ROWS_GROUP_M = 8
 # (the first version's order). grouped_gemm_bench.py --sweep times both: on an H100 at
 # Mixtral-style shapes, outermost ran 1.27x (gate_up) and 1.30x (down) faster (BENCHMARKS.md).
 REDUCTION_GROUP_MAJOR = True
+# Within a group, the wgrad's output blocks in bands too (ROWS_GROUP_M's order): row-major, a
+# wave of the down projection's wgrad at 8x7B's widths (dy^T 4096 x rows against x^T 14336 x
+# rows) spans one row block and all 112 column blocks, so every wave reads the group's whole
+# x^T (29 MB at 2048 rows) again, from L2 at best; in bands of 8, about 6 MB a wave.
+REDUCTION_GROUP_M = 8
 
 
 def _tiles(device: torch.device, stages: int, element_size: int = 1) -> dict[str, int]:
@@ -230,5 +236,5 @@ def grouped_reduction_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.
            out.stride(1), out.stride(2), num_warps=warps, options=dict(num_stages=stages),
            **tiles, PRECISE=precise, PROMOTE_K=min(tiles["BLOCK_K"], SPLIT_ACCUMULATION),
            OUT_TYPE=_OUT_TYPES[out_dtype],
-           GROUP_MAJOR=REDUCTION_GROUP_MAJOR)
+           GROUP_MAJOR=REDUCTION_GROUP_MAJOR, GROUP_M=REDUCTION_GROUP_M)
     return out
