@@ -40,6 +40,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -279,50 +280,39 @@ def main(argv: list[str] | None = None) -> int:
                    "dy gate_up": 2 * args.ffn, "dy down": args.hidden}
     from minifloat.kernels import grouped_gemm
 
-    def one_round() -> list[dict]:
-        rows_timed = []
+    def projections_timed(gemms: tuple[str, ...] = ("fprop", "dgrad", "wgrad"),
+                          triton_only: bool = False, label: str = "",
+                          with_errors: bool = False) -> list[dict]:
+        timed = []
         for name, width_in, width_out in projections:
-            rows_timed += projection_rows(name, rows, pairs, layout.ends, args.experts,
-                                          width_in, width_out, args.warmup, args.repeats)
+            timed += projection_rows(name, rows, pairs, layout.ends, args.experts, width_in,
+                                     width_out, args.warmup, args.repeats, gemms, triton_only,
+                                     label, with_errors)
+        return timed
+
+    def one_round() -> list[dict]:
+        # the settings below are patched for their own rows and restored (mock.patch.object)
+        rows_timed = projections_timed()
         for tile in [None, *(CAST_SWEEP if args.sweep else ())]:
             for name, width in cast_widths.items():
                 rows_timed += cast_rows(name, rows, layout.ends, args.experts, width,
                                         args.warmup, args.repeats, tile)
-        default_tiles = grouped_gemm._tiles
-        try:
-            for sweep, gemms in ((SWEEP, ("fprop", "dgrad")), (WGRAD_SWEEP, ("wgrad",))):
-                for tiles in sweep if args.sweep else ():
-                    grouped_gemm._tiles = fixed_tiles(tiles)
-                    label = " tiles {}x{}x{} w{} s{}".format(*tiles)
-                    for name, width_in, width_out in projections:
-                        rows_timed += projection_rows(
-                            name, rows, pairs, layout.ends, args.experts, width_in, width_out,
-                            args.warmup, args.repeats, gemms, True, label)
-            default_bands = grouped_gemm.ROWS_GROUP_M, grouped_gemm.REDUCTION_GROUP_M
-            try:
-                for band in bands:
-                    grouped_gemm.ROWS_GROUP_M = grouped_gemm.REDUCTION_GROUP_M = band
-                    for name, width_in, width_out in projections:
-                        rows_timed += projection_rows(
-                            name, rows, pairs, layout.ends, args.experts, width_in, width_out,
-                            args.warmup, args.repeats, ("fprop", "dgrad", "wgrad"), True,
-                            f" blocks in bands of {band}")
-            finally:
-                grouped_gemm.ROWS_GROUP_M, grouped_gemm.REDUCTION_GROUP_M = default_bands
-            default_depth = grouped_gemm.SPLIT_ACCUMULATION
-            try:
-                for depth in depths:
-                    grouped_gemm.SPLIT_ACCUMULATION = depth
-                    grouped_gemm._tiles = fixed_tiles(DEEP_TILES)
-                    label = " split {} tiles {}x{}x{} w{} s{}".format(depth, *DEEP_TILES)
-                    for name, width_in, width_out in projections:
-                        rows_timed += projection_rows(
-                            name, rows, pairs, layout.ends, args.experts, width_in, width_out,
-                            args.warmup, args.repeats, ("dgrad",), True, label, True)
-            finally:
-                grouped_gemm.SPLIT_ACCUMULATION = default_depth
-        finally:
-            grouped_gemm._tiles = default_tiles
+        for sweep, gemms in ((SWEEP, ("fprop", "dgrad")), (WGRAD_SWEEP, ("wgrad",))):
+            for tiles in sweep if args.sweep else ():
+                with mock.patch.object(grouped_gemm, "_tiles", fixed_tiles(tiles)):
+                    rows_timed += projections_timed(
+                        gemms, True, " tiles {}x{}x{} w{} s{}".format(*tiles))
+        for band in bands:
+            with (mock.patch.object(grouped_gemm, "ROWS_GROUP_M", band),
+                  mock.patch.object(grouped_gemm, "REDUCTION_GROUP_M", band)):
+                rows_timed += projections_timed(label=f" blocks in bands of {band}",
+                                                triton_only=True)
+        for depth in depths:
+            with (mock.patch.object(grouped_gemm, "SPLIT_ACCUMULATION", depth),
+                  mock.patch.object(grouped_gemm, "_tiles", fixed_tiles(DEEP_TILES))):
+                rows_timed += projections_timed(
+                    ("dgrad",), True, " split {} tiles {}x{}x{} w{} s{}".format(
+                        depth, *DEEP_TILES), with_errors=True)
         return rows_timed
 
     results = merged_rounds([one_round() for _ in range(args.rounds)])
