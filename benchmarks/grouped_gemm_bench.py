@@ -15,10 +15,9 @@ Each: median of --repeats windows of BATCH launches timed by CUDA events, after 
 TFLOP/s counts the routed rows only (2 * pairs * in * out). --sweep adds other GEMM and cast
 tiles; --bands 1,4,16 times both kernels in other launch orders (grouped_gemm.ROWS_GROUP_M
 and REDUCTION_GROUP_M: row blocks a band, default 8; 1 is row-major, the order before the
-twenty-ninth session); --tma times both kernels with their operands loaded through tensor
-descriptors (grouped_gemm.TMA_LOADS); --rounds N times everything N times over, interleaved,
-and reports each setting's median and spread (one round's timings of the same setting
-differed by 13% on an H100: a difference smaller than the spread is noise).
+twenty-ninth session); --rounds N times everything N times over, interleaved, and reports each
+setting's median and spread (one round's timings of the same setting differed by 13% on an H100:
+a difference smaller than the spread is noise).
 --split-depths 128,256 times the split-accumulating dgrad with 256-deep blocks at each promotion
 depth (grouped_gemm.SPLIT_ACCUMULATION: the fp32 promotion every this many products; a depth
 cannot exceed BLOCK_K), each row with its largest error against an fp32 product of the same FP8
@@ -31,7 +30,7 @@ H100, BENCHMARKS.md twenty-ninth session).
 
 Usage: python benchmarks/grouped_gemm_bench.py [--tokens 8192] [--top-k 2] [--experts 8]
            [--hidden 2048] [--ffn 4096] [--sweep] [--rounds 3] [--split-depths 128,256]
-           [--bands 1,4,16] [--tma] [--out FILE.json]
+           [--bands 1,4,16] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -259,8 +258,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bands", default="",
                         help="comma list of band heights (row blocks) to time both kernels' "
                              "launch orders at, besides the default")
-    parser.add_argument("--tma", action="store_true",
-                        help="also time both kernels with TMA loads (grouped_gemm.TMA_LOADS)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     depths = [int(d) for d in args.split_depths.split(",") if d]
@@ -310,9 +307,6 @@ def main(argv: list[str] | None = None) -> int:
                   mock.patch.object(grouped_gemm, "REDUCTION_GROUP_M", band)):
                 rows_timed += projections_timed(label=f" blocks in bands of {band}",
                                                 triton_only=True)
-        if args.tma:
-            with mock.patch.object(grouped_gemm, "TMA_LOADS", True):
-                rows_timed += projections_timed(label=" TMA loads", triton_only=True)
         for depth in depths:
             with (mock.patch.object(grouped_gemm, "SPLIT_ACCUMULATION", depth),
                   mock.patch.object(grouped_gemm, "_tiles", fixed_tiles(DEEP_TILES))):

@@ -49,25 +49,6 @@ BF16_BOUND = 2**-8 if DEVICE.type == "cuda" else 2**-7
 FP32_BOUND = 2e-4 if DEVICE.type == "cuda" else 1e-6
 
 
-@pytest.fixture(params=["pointer loads", "TMA loads"])
-def loads(request, monkeypatch):
-    """Both kernels' operand loads (grouped_gemm.TMA_LOADS): pointers, and tensor descriptors
-    (the copy engine on a GPU; the interpreter reads descriptors too). Under TMA the test must
-    have launched at least one kernel with descriptors: a silent fall back to pointers fails."""
-    tma = request.param == "TMA loads"
-    monkeypatch.setattr(grouped_gemm, "TMA_LOADS", tma)
-    launched = []
-    launch = grouped_gemm.launch
-
-    def recording_launch(kernel, grid, *args, **kwargs):
-        launched.append(kwargs["TMA"])
-        return launch(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(grouped_gemm, "launch", recording_launch)
-    yield tma
-    assert launched and (any(launched) if tma else not any(launched))
-
-
 def fp8_values(shape, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(shape, generator=g) * 8).to(dtype)
@@ -88,7 +69,7 @@ def relative_error(actual, expected):
 @pytest.mark.parametrize("a_dtype", FP8)
 @pytest.mark.parametrize("b_dtype", FP8)
 @pytest.mark.parametrize("precise", [False, True])
-def test_rows_gemm_each_group_through_its_own_weight(a_dtype, b_dtype, precise, loads):
+def test_rows_gemm_each_group_through_its_own_weight(a_dtype, b_dtype, precise):
     counts = [GROUP_ROWS, 0, 2 * GROUP_ROWS, GROUP_ROWS]  # an empty group
     ends, rows = layout(counts)
     depth, width = 96, 80  # not multiples of the blocks: masked edges
@@ -107,7 +88,7 @@ def test_rows_gemm_each_group_through_its_own_weight(a_dtype, b_dtype, precise, 
         assert relative_error(out[piece], want) < BF16_BOUND
 
 
-def test_rows_gemm_strided_operands_and_rows_past_the_last_group(loads):
+def test_rows_gemm_strided_operands_and_rows_past_the_last_group():
     """b as the transposed view of [E, D, W] bytes and as the experts' transposed weight copy
     (expert e's [W, D] the columns e * D .. (e + 1) * D of one [W, E * D] matrix:
     grouped_offsets.expert_copies, what the dgrad reads), output fp32, and rows after the last
@@ -132,7 +113,7 @@ def test_rows_gemm_strided_operands_and_rows_past_the_last_group(loads):
 
 @pytest.mark.parametrize("a_dtype", FP8)
 @pytest.mark.parametrize("precise", [False, True])
-def test_reduction_gemm_sums_each_groups_rows(a_dtype, precise, loads):
+def test_reduction_gemm_sums_each_groups_rows(a_dtype, precise):
     counts = [2 * GROUP_ROWS, 0, GROUP_ROWS]
     ends, rows = layout(counts)
     a = fp8_values((40, sum(counts)), a_dtype, 4)  # dy^T [N, R]
@@ -179,7 +160,7 @@ def test_rows_gemm_blocks_deeper_than_the_split_accumulator(monkeypatch):
 
 
 @pytest.mark.parametrize("group_m", [1, 3])
-def test_rows_gemm_in_bands_of_row_blocks(monkeypatch, group_m, loads):
+def test_rows_gemm_in_bands_of_row_blocks(monkeypatch, group_m):
     """The rows kernel's launch order (ROWS_GROUP_M): row-major (1) and bands of 3 row blocks,
     whose last band is shorter (8 row blocks of 32 under the interpreter, 4 of 128 on a GPU),
     write every block of the result once."""
@@ -200,7 +181,7 @@ def test_rows_gemm_in_bands_of_row_blocks(monkeypatch, group_m, loads):
 
 
 @pytest.mark.parametrize("group_m", [1, 3])
-def test_reduction_gemm_in_bands_of_row_blocks(monkeypatch, group_m, loads):
+def test_reduction_gemm_in_bands_of_row_blocks(monkeypatch, group_m):
     """The wgrad kernel's order within a group (REDUCTION_GROUP_M): row-major (1) and bands of
     3 row blocks with a shorter last band (5 row blocks of 32 under the interpreter, 2 of 128
     on a GPU) write every block of every group once."""
@@ -256,7 +237,7 @@ def test_rows_gemm_refuses_blocks_that_straddle_groups(monkeypatch):
             torch.bfloat16, precise=False)
 
 
-def test_fp16_operands_of_exact_values_for_the_nvfp4_experts(loads):
+def test_fp16_operands_of_exact_values_for_the_nvfp4_experts():
     """The NVFP4 experts (modules/grouped_offsets_nvfp4.py) pass block values as fp16 (exact)
     with each group's global decode scales: both kernels take them (64-deep tiles on a GPU),
     fp32 output, one rounding of the scaled fp32 sum."""
@@ -368,16 +349,3 @@ def test_scales_of_many_amaxes_in_one_launch(fp8_dtype, power_2_scale, amax_epsi
     one, one_inv = amax_kernels.scales_from_amax(amax[3].to(DEVICE), False, amax_epsilon,
                                                  power_2_scale)
     assert one.shape == one_inv.shape == ()
-
-
-def test_tma_descriptors_only_where_the_copy_engine_can_read():
-    """TMA reads a tensor whose last dim is contiguous and whose other strides and base are
-    multiples of 16 bytes; anything else keeps pointer loads instead of a wrong read."""
-    a = fp8_values((256, 96), torch.float8_e4m3fn, 20).to(DEVICE)
-    assert grouped_gemm._descriptor(a, [32, 32]) is not None
-    assert grouped_gemm._descriptor(a.t(), [32, 32]) is None  # not contiguous along the last dim
-    assert grouped_gemm._descriptor(a[:, 8:], [32, 32]) is None  # base 8 bytes off
-    odd = fp8_values((2, 40, 90), torch.float8_e4m3fn, 21).to(DEVICE)  # 90-byte rows
-    assert grouped_gemm._descriptor(odd, [1, 32, 32]) is None
-    assert grouped_gemm._descriptor(odd.half(), [1, 32, 32]) is None  # 180 bytes: not 16s
-    assert grouped_gemm._descriptor(odd[..., :80].contiguous(), [1, 32, 32]) is not None

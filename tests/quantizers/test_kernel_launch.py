@@ -8,8 +8,6 @@ order, the grid padded to three), with a fake kernel standing in for Triton's.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -64,30 +62,6 @@ def test_argument_key_separates_what_triton_specialises_on():
     assert key(1) != key(2) and key(16) != key(17) and key(32) == key(48)
     assert key(2**31 - 16) != key(2**31 + 16)  # 32- vs 64-bit integers
     assert key(True) != key(1) and key(0.5) == key(2.5)
-
-
-def test_argument_key_of_a_tensor_descriptor():
-    """A TMA descriptor (kernels/grouped_gemm.TMA_LOADS; Triton's TensorDescriptor, mirrored
-    here: CPU machines have no Triton) keys on its dtype, base alignment, block shape, padding
-    and its shape's and strides' integer classes, and the key is hashable (the dataclass is
-    not, so the catch-all ("value", descriptor) key raised TypeError)."""
-
-    @dataclasses.dataclass
-    class Descriptor:
-        base: torch.Tensor
-        shape: list[int]
-        strides: list[int]
-        block_shape: list[int]
-        padding: str = "zero"
-
-    base = torch.zeros(4, 64, 96, dtype=torch.float8_e4m3fn)
-    key = launch_module._argument_key
-    one = Descriptor(base, [4, 64, 96], [6144, 96, 1], [1, 32, 32])
-    assert hash(key(one)) == hash(key(Descriptor(base, [4, 64, 96], [6144, 96, 1], [1, 32, 32])))
-    assert key(one) != key(Descriptor(base, [4, 64, 96], [6144, 96, 1], [1, 64, 32]))
-    assert key(one) != key(Descriptor(base.view(torch.uint8), [4, 64, 96], [6144, 96, 1],
-                                      [1, 32, 32]))
-    assert key(one) != key(Descriptor(base, [4, 64, 90], [6144, 96, 1], [1, 32, 32]))
 
 
 def test_first_launch_compiles_then_later_launches_go_direct(direct):

@@ -36,11 +36,6 @@ import triton.language as tl
 
 from .launch import launch
 
-try:  # host-side TMA descriptors (Triton 3.3 on); without them, pointer loads only
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older Triton
-    TensorDescriptor = None
-
 GROUP_ROWS = 128  # every group's row count is a multiple of this (the layout contract)
 # the split accumulator's depth: precise GEMMs promote every this many products to fp32
 # (a 256-deep block then makes two promotions: the numerics do not follow the tiles)
@@ -79,44 +74,11 @@ def _banded_block(pid, m_blocks, n_blocks, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _rows_sum_tma(a_desc, b_desc, acc, start, first_n, group, depth, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, PROMOTE_K: tl.constexpr):
-    """The rows kernel's products through tensor descriptors of a [R, D] and b [E, W, D]: the
-    edges past their shapes load as zeros (no masks, no address arithmetic)."""
-    for k in range(0, depth, BLOCK_K):
-        a = a_desc.load([start, k])
-        b = b_desc.load([group, first_n, k]).reshape(BLOCK_N, BLOCK_K)
-        acc = _accumulate(a, b, acc, PRECISE, PROMOTE_K)
-    return acc
-
-
-@triton.jit
-def _rows_sum_pointers(a_ptr, b_ptr, acc, offs_m, offs_n, group, width, depth, stride_am,
-                       stride_ak, stride_bg, stride_bn, stride_bk, BLOCK_K: tl.constexpr,
-                       PRECISE: tl.constexpr, PROMOTE_K: tl.constexpr):
-    """The rows kernel's products through pointers, the edges masked."""
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = (b_ptr + group.to(tl.int64) * stride_bg + offs_n[:, None] * stride_bn
-              + offs_k[None, :] * stride_bk)
-    for k in range(0, depth, BLOCK_K):
-        k_mask = offs_k[None, :] < depth - k
-        a = tl.load(a_ptrs, mask=k_mask, other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_n[:, None] < width) & k_mask, other=0.0)
-        acc = _accumulate(a, b, acc, PRECISE, PROMOTE_K)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-    return acc
-
-
-@triton.jit
-def _rows_kernel(a_src, b_src, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows, width, depth,
+def _rows_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows, width, depth,
                  stride_am, stride_ak, stride_bg, stride_bn, stride_bk, stride_om, stride_on,
                  GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE: tl.constexpr,
-                 PROMOTE_K: tl.constexpr, OUT_TYPE: tl.constexpr, GROUP_M: tl.constexpr,
-                 TMA: tl.constexpr):
-    # a_src, b_src: pointers, or with TMA tensor descriptors (TMA_LOADS)
+                 PROMOTE_K: tl.constexpr, OUT_TYPE: tl.constexpr, GROUP_M: tl.constexpr):
     pid_m, pid_n = _banded_block(tl.program_id(0), tl.cdiv(rows, BLOCK_M),
                                  tl.cdiv(width, BLOCK_N), GROUP_M)
     start = pid_m * BLOCK_M
@@ -127,53 +89,28 @@ def _rows_kernel(a_src, b_src, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, rows
     group = group_of_block(ends_ptr, start, GROUPS, GROUPS_POW2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if group < GROUPS:  # else rows of no group: zeros
-        if TMA:
-            acc = _rows_sum_tma(a_src, b_src, acc, start, pid_n * BLOCK_N, group, depth,
-                                BLOCK_N, BLOCK_K, PRECISE, PROMOTE_K)
-        else:
-            acc = _rows_sum_pointers(a_src, b_src, acc, offs_m, offs_n, group, width, depth,
-                                     stride_am, stride_ak, stride_bg, stride_bn, stride_bk,
-                                     BLOCK_K, PRECISE, PROMOTE_K)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = (b_ptr + group.to(tl.int64) * stride_bg + offs_n[:, None] * stride_bn
+                  + offs_k[None, :] * stride_bk)
+        for k in range(0, depth, BLOCK_K):
+            k_mask = offs_k[None, :] < depth - k
+            a = tl.load(a_ptrs, mask=k_mask, other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_n[:, None] < width) & k_mask, other=0.0)
+            acc = _accumulate(a, b, acc, PRECISE, PROMOTE_K)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
         acc = acc * (tl.load(a_scale_ptr + group) * tl.load(b_scale_ptr + group))
     tl.store(out_ptrs, acc.to(OUT_TYPE), mask=out_mask)
 
 
 @triton.jit
-def _reduction_sum_tma(a_desc, b_desc, acc, first_m, first_n, first, last,
-                       BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, PROMOTE_K: tl.constexpr):
-    """The wgrad kernel's products through tensor descriptors of a [W1, R] and b [W2, R]."""
-    for k in range(first, last, BLOCK_K):
-        a = a_desc.load([first_m, k])
-        b = b_desc.load([first_n, k])
-        acc = _accumulate(a, b, acc, PRECISE, PROMOTE_K)
-    return acc
-
-
-@triton.jit
-def _reduction_sum_pointers(a_ptr, b_ptr, acc, offs_m, offs_n, first, last, width_a, width_b,
-                            stride_ai, stride_ar, stride_bj, stride_br, BLOCK_K: tl.constexpr,
-                            PRECISE: tl.constexpr, PROMOTE_K: tl.constexpr):
-    """The wgrad kernel's products through pointers, the output edges masked."""
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m[:, None] * stride_ai + (first + offs_k)[None, :] * stride_ar
-    b_ptrs = b_ptr + offs_n[:, None] * stride_bj + (first + offs_k)[None, :] * stride_br
-    for _ in range(first, last, BLOCK_K):
-        a = tl.load(a_ptrs, mask=offs_m[:, None] < width_a, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_n[:, None] < width_b, other=0.0)
-        acc = _accumulate(a, b, acc, PRECISE, PROMOTE_K)
-        a_ptrs += BLOCK_K * stride_ar
-        b_ptrs += BLOCK_K * stride_br
-    return acc
-
-
-@triton.jit
-def _reduction_kernel(a_src, b_src, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, width_a,
+def _reduction_kernel(a_ptr, b_ptr, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr, width_a,
                       width_b, stride_ai, stride_ar, stride_bj, stride_br, stride_og, stride_oi,
                       stride_oj, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, PRECISE: tl.constexpr, PROMOTE_K: tl.constexpr,
                       OUT_TYPE: tl.constexpr, GROUP_MAJOR: tl.constexpr,
-                      GROUP_M: tl.constexpr, TMA: tl.constexpr):
-    # a_src, b_src: pointers, or with TMA tensor descriptors (TMA_LOADS)
+                      GROUP_M: tl.constexpr):
     if GROUP_MAJOR:  # the blocks of one group run together (REDUCTION_GROUP_MAJOR)
         pid, group = tl.program_id(0), tl.program_id(1)
     else:
@@ -186,15 +123,17 @@ def _reduction_kernel(a_src, b_src, out_ptr, a_scale_ptr, b_scale_ptr, ends_ptr,
     # whole 16-byte vectors along them (without it, an H200 ran this kernel at 21 TFLOP/s)
     first = tl.multiple_of(tl.load(ends_ptr + group - 1, mask=group > 0, other=0), _GROUP_ROWS)
     last = tl.multiple_of(tl.load(ends_ptr + group), _GROUP_ROWS)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_ai + (first + offs_k)[None, :] * stride_ar
+    b_ptrs = b_ptr + offs_n[:, None] * stride_bj + (first + offs_k)[None, :] * stride_br
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     # whole BLOCK_K steps: every group's row count is a multiple of GROUP_ROWS >= BLOCK_K
-    if TMA:
-        acc = _reduction_sum_tma(a_src, b_src, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, first,
-                                 last, BLOCK_K, PRECISE, PROMOTE_K)
-    else:
-        acc = _reduction_sum_pointers(a_src, b_src, acc, offs_m, offs_n, first, last, width_a,
-                                      width_b, stride_ai, stride_ar, stride_bj, stride_br,
-                                      BLOCK_K, PRECISE, PROMOTE_K)
+    for _ in range(first, last, BLOCK_K):
+        a = tl.load(a_ptrs, mask=offs_m[:, None] < width_a, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_n[:, None] < width_b, other=0.0)
+        acc = _accumulate(a, b, acc, PRECISE, PROMOTE_K)
+        a_ptrs += BLOCK_K * stride_ar
+        b_ptrs += BLOCK_K * stride_br
     alpha = tl.load(a_scale_ptr + group) * tl.load(b_scale_ptr + group)
     # an empty group's sum is zero whatever its scales hold
     result = tl.where(last > first, acc * alpha, 0.0)
@@ -225,34 +164,6 @@ REDUCTION_GROUP_MAJOR = True
 # rows) spans one row block and all 112 column blocks, so every wave reads the group's whole
 # x^T (29 MB at 2048 rows) again, from L2 at best; in bands of 8, about 6 MB a wave.
 REDUCTION_GROUP_M = 8
-
-# Operand loads of both kernels through sm90's Tensor Memory Accelerator (host-side tensor
-# descriptors: one bulk copy a tile, no address or mask arithmetic in the loop, fewer registers:
-# 93 against 109 for the forward's tile, 143 against 171 for the split accumulator's, sm_90
-# compiled on the CPU) wherever the operands' layout allows it (_descriptor), else pointer loads.
-# Off until a GPU times it (grouped_gemm_bench.py --tma): a Triton tutorial's persistent FP8
-# GEMM on an H100 gained 5% from TMA loads.
-TMA_LOADS = False
-
-
-def _descriptor(t: torch.Tensor, block: list[int]):
-    """A TMA descriptor of `t` in tiles of `block`, or None where TMA cannot read it: a Triton
-    without host descriptors, a last dim that is not contiguous, a base or a stride that is
-    not a multiple of 16 bytes (the copy engine's rules)."""
-    if TensorDescriptor is None or t.stride(-1) != 1 or t.data_ptr() % 16:
-        return None
-    if any(stride * t.element_size() % 16 for stride in t.stride()[:-1]):
-        return None
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
-
-
-def _sources(a: torch.Tensor, b: torch.Tensor, a_block: list[int], b_block: list[int]):
-    """(a, b, False), or their tensor descriptors and True under TMA_LOADS where both allow."""
-    if TMA_LOADS:
-        a_desc, b_desc = _descriptor(a, a_block), _descriptor(b, b_block)
-        if a_desc is not None and b_desc is not None:
-            return a_desc, b_desc, True
-    return a, b, False
 
 
 def _tiles(device: torch.device, stages: int, element_size: int = 1) -> dict[str, int]:
@@ -293,14 +204,12 @@ def grouped_rows_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tenso
     stages = tiles.pop("num_stages")
     warps = tiles.pop("num_warps")
     grid = (triton.cdiv(rows, tiles["BLOCK_M"]) * triton.cdiv(width, tiles["BLOCK_N"]),)
-    a_src, b_src, tma = _sources(a, b, [tiles["BLOCK_M"], tiles["BLOCK_K"]],
-                                 [1, tiles["BLOCK_N"], tiles["BLOCK_K"]])
-    launch(_rows_kernel, grid, a_src, b_src, out, a_scale_inv, b_scale_inv, ends, rows, width,
-           depth, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
+    launch(_rows_kernel, grid, a, b, out, a_scale_inv, b_scale_inv, ends, rows, width, depth,
+           a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
            out.stride(1), num_warps=warps, options=dict(num_stages=stages), GROUPS=groups,
            GROUPS_POW2=triton.next_power_of_2(groups), **tiles, PRECISE=precise,
            PROMOTE_K=min(tiles["BLOCK_K"], SPLIT_ACCUMULATION),
-           OUT_TYPE=_OUT_TYPES[out_dtype], GROUP_M=ROWS_GROUP_M, TMA=tma)
+           OUT_TYPE=_OUT_TYPES[out_dtype], GROUP_M=ROWS_GROUP_M)
     return out
 
 
@@ -322,12 +231,10 @@ def grouped_reduction_gemm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.
     warps = tiles.pop("num_warps")
     blocks = triton.cdiv(width_a, tiles["BLOCK_M"]) * triton.cdiv(width_b, tiles["BLOCK_N"])
     grid = (blocks, groups) if REDUCTION_GROUP_MAJOR else (groups, blocks)
-    a_src, b_src, tma = _sources(a, b, [tiles["BLOCK_M"], tiles["BLOCK_K"]],
-                                 [tiles["BLOCK_N"], tiles["BLOCK_K"]])
-    launch(_reduction_kernel, grid, a_src, b_src, out, a_scale_inv, b_scale_inv, ends, width_a,
+    launch(_reduction_kernel, grid, a, b, out, a_scale_inv, b_scale_inv, ends, width_a,
            width_b, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
            out.stride(1), out.stride(2), num_warps=warps, options=dict(num_stages=stages),
            **tiles, PRECISE=precise, PROMOTE_K=min(tiles["BLOCK_K"], SPLIT_ACCUMULATION),
            OUT_TYPE=_OUT_TYPES[out_dtype],
-           GROUP_MAJOR=REDUCTION_GROUP_MAJOR, GROUP_M=REDUCTION_GROUP_M, TMA=tma)
+           GROUP_MAJOR=REDUCTION_GROUP_MAJOR, GROUP_M=REDUCTION_GROUP_M)
     return out

@@ -51,10 +51,6 @@ def _argument_key(value: Any) -> tuple:
         return ("int", value == 1, value % 16 == 0, value in _INT32, value >= 0)
     if isinstance(value, float):
         return ("float",)
-    if hasattr(value, "block_shape") and hasattr(value, "base"):  # a TMA tensor descriptor
-        return ("descriptor", value.base.dtype, value.base.data_ptr() % 16 == 0,
-                tuple(value.block_shape), value.padding,
-                tuple(_argument_key(n) for n in (*value.shape, *value.strides)))
     return ("value", value)
 
 
