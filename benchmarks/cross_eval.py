@@ -7,9 +7,10 @@ model under NVFP4 shows the cost of the quantized forward alone; the NVFP4 model
 what training in NVFP4 cost the weights (issue 19).
 
 Usage: python benchmarks/cross_eval.py --out OUT --labels bf16,nvfp4 \\
-           --evals bf16,nvfp4,mxfp8 [--preset tiny] [--seed 0] [--device cpu]
-OUT is a `python -m minifloat compare --out OUT` folder (same preset and seed); the validation
-batches are compare's (seed + 1).
+           --evals bf16,nvfp4,mxfp8 [--preset tiny] [--seed 0] [--data PATH] [--device cpu]
+OUT is a `python -m minifloat compare --out OUT` folder (same preset, seed and --data); the
+validation batches are compare's (seed + 1), so a model evaluated under the recipe it trained
+with scores the val loss compare reported for it.
 """
 
 from __future__ import annotations
@@ -29,22 +30,25 @@ from minifloat.lab.resume import checkpoint_path  # noqa: E402
 from minifloat.models.gpt import GPT  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> dict[str, list[float]]:
+    """Prints the table; returns {trained label: [val loss under each of --evals]}."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--labels", required=True, help="runs of OUT, comma-separated")
     parser.add_argument("--evals", default="bf16,nvfp4", help="forward recipes to evaluate in")
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data", default=None, help="compare's --data, if it was given")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     plan = compare.prepare_comparison("bf16", 1, args.preset, Path("/tmp") / "cross_eval",
-                                      args.seed, None, args.device, None, None,
+                                      args.seed, args.data, args.device, None, None,
                                       compare.DEFAULT_VAL_BATCHES)
     validation = list(itertools.islice(compare._batches(
         plan, plan.corpus.validation, torch.Generator().manual_seed(args.seed + 1)),
         plan.val_batches))
     evals = args.evals.split(",")
+    table: dict[str, list[float]] = {}
     print(f"{'trained under':<24} {'step':>5} " + " ".join(f"{e:>22}" for e in evals))
     for label in args.labels.split(","):
         path = checkpoint_path(args.out, label)
@@ -56,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         losses = [compare._evaluate(model, validation, parse_recipe(
             spec, plan.model.n_layers, head_in_high_precision=True)) for spec in evals]
         print(f"{label:<24} {state['step']:>5} " + " ".join(f"{v:>22.4f}" for v in losses))
-    return 0
+        table[label] = losses
+    return table
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
