@@ -16,7 +16,6 @@ with scores the val loss compare reported for it.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
 
@@ -41,13 +40,12 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     parser.add_argument("--data", default=None, help="compare's --data, if it was given")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
-    plan = compare.prepare_comparison("bf16", 1, args.preset, Path("/tmp") / "cross_eval",
-                                      args.seed, args.data, args.device, None, None,
-                                      compare.DEFAULT_VAL_BATCHES)
-    validation = list(itertools.islice(compare._batches(
-        plan, plan.corpus.validation, torch.Generator().manual_seed(args.seed + 1)),
-        plan.val_batches))
+    plan = compare.prepare_comparison("bf16", 1, args.preset, args.out, args.seed, args.data,
+                                      args.device, None, None, compare.DEFAULT_VAL_BATCHES)
+    validation = compare.validation_batches(plan)
     evals = args.evals.split(",")
+    recipes = [parse_recipe(spec, plan.model.n_layers, head_in_high_precision=True)
+               for spec in evals]
     table: dict[str, list[float]] = {}
     print(f"{'trained under':<24} {'step':>5} " + " ".join(f"{e:>22}" for e in evals))
     for label in args.labels.split(","):
@@ -57,8 +55,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         state = torch.load(path, weights_only=True)
         model = GPT(plan.model, dtype=plan.params_dtype, device=plan.device)
         model.load_state_dict(state["model"])
-        losses = [compare._evaluate(model, validation, parse_recipe(
-            spec, plan.model.n_layers, head_in_high_precision=True)) for spec in evals]
+        losses = [compare.evaluate(model, validation, recipe) for recipe in recipes]
         print(f"{label:<24} {state['step']:>5} " + " ".join(f"{v:>22.4f}" for v in losses))
         table[label] = losses
     return table

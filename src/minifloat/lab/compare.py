@@ -292,7 +292,8 @@ class _PeakMemory:
         return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
-def _evaluate(model: GPT, batches: list[torch.Tensor], recipe: Recipe | None) -> float:
+def evaluate(model: GPT, batches: list[torch.Tensor], recipe: Recipe | None) -> float:
+    """Mean loss over `batches` with the forward under `recipe` (None: high precision)."""
     with torch.no_grad(), autocast(enabled=recipe is not None, recipe=recipe):
         losses = [model.loss(batch).item() for batch in batches]
     return sum(losses) / len(losses)
@@ -303,6 +304,13 @@ def _batches(plan: Plan, data: torch.Tensor, generator: torch.Generator
     while True:
         batch = sample_batch(data, plan.model.batch_size, plan.model.seq_len, generator)
         yield batch.to(plan.device, non_blocking=True)
+
+
+def validation_batches(plan: Plan) -> list[torch.Tensor]:
+    """The fixed validation batches of every run of a plan (drawn from seed + 1)."""
+    return list(itertools.islice(
+        _batches(plan, plan.corpus.validation, torch.Generator().manual_seed(plan.seed + 1)),
+        plan.val_batches))
 
 
 def _fingerprint(plan: Plan, label: str, recipe: Recipe | None) -> str:
@@ -323,9 +331,7 @@ def train_recipe(plan: Plan, label: str, recipe: Recipe | None,
     model = GPT(plan.model, dtype=plan.params_dtype, device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=plan.lr, betas=BETAS,
                                   weight_decay=WEIGHT_DECAY)
-    val_batches = list(itertools.islice(
-        _batches(plan, plan.corpus.validation, torch.Generator().manual_seed(plan.seed + 1)),
-        plan.val_batches))
+    val_batches = validation_batches(plan)
     generator = torch.Generator().manual_seed(plan.seed)
     train_batches = _batches(plan, plan.corpus.train, generator)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -371,7 +377,7 @@ def train_recipe(plan: Plan, label: str, recipe: Recipe | None,
             diverged_at = step + 1
             break
         if step + 1 in eval_steps:
-            val_loss.append((step + 1, _evaluate(model, val_batches, recipe)))
+            val_loss.append((step + 1, evaluate(model, val_batches, recipe)))
             if plan.resume:
                 resume.save(path, fingerprint, step + 1, model, optimizer, generator, recipe,
                             {"train_loss": train_loss, "val_loss": [list(v) for v in val_loss],
