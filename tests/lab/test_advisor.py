@@ -110,7 +110,8 @@ def test_nvfp4_specs_that_keep_one_wgrad_operand_in_high_precision_train(tmp_pat
 def test_stochastically_rounded_copies_are_scored_by_their_mean_over_draws():
     """NVFP4's gradients are stochastically rounded: averaged over draws their noise shrinks
     (the score rises), while round-to-nearest copies (inputs, weights) score the same."""
-    record = advisor.record_operands("tiny", batches=1, seed=0)
+    record = advisor.record_operands(advisor.lab_model("tiny", 0),
+                                     advisor.advisor_batches("tiny", 1, 0))
     recipe = parse_recipes("nvfp4", PRESETS["tiny"].n_layers, head_in_high_precision=True)[0][1]
     torch.manual_seed(0)
     one = {s.pattern: s for s in advisor.score_operands(recipe, record, sr_draws=1)}

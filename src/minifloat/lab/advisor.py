@@ -24,21 +24,37 @@ How:
 The proposal is a recipe spec, `RECIPE@hp=LAYER:OPERAND+...`, that `compare --recipes` takes as
 printed. Delayed scaling is measured as current scaling of the same formats (its scales are
 history, not a property of these batches).
+
+`finer=` (`--finer NAME`) first lets one GEMM use a finer format, chosen end to end (whole-model
+gradient against high precision, advisor_end_to_end.py), and scores the operands under that
+hybrid; `check=` measures the given recipe and the proposal end to end too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..models.gpt import GPT, PRESETS
 from ..quantizers import HybridQuantizer, IdentityQuantizer, Quantizer
 from ..recipe_state import RecipeState
-from ..recipes import CustomRecipe, DelayedScaling, Float8CurrentScaling, QuantizerRole, Recipe
+from ..recipes import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8CurrentScaling,
+    HybridRecipe,
+    QuantizerRole,
+    Recipe,
+)
 from .data import load_corpus, sample_batch
 from .recipe_specs import HEAD_LAYER, parse_recipe
+
+if TYPE_CHECKING:
+    from .advisor_end_to_end import EndToEndScore
 
 # tensor_type -> ((GEMM, columnwise), (GEMM, columnwise)) for the two copies of an operand
 DIRECTIONS = {"input": (("fprop", False), ("wgrad", True)),
@@ -114,6 +130,8 @@ class Advice:
     scores: list[OperandScore]
     chosen: list[OperandScore] = field(default_factory=list)
     high_precision_share: float = 0.0
+    end_to_end: list[EndToEndScore] = field(default_factory=list)
+    finer: str | None = None  # the format one GEMM was offered (advise --finer)
 
     @property
     def spec(self) -> str:
@@ -134,9 +152,15 @@ def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
     return min(10.0 * math.log10(max(signal, 1e-300) / noise), SQNR_CAP_DB)
 
 
-def _measurable(recipe: Recipe) -> Recipe:
+def measurable(recipe: Recipe) -> Recipe:
+    """The recipe with delayed scaling replaced by current scaling of the same formats (in a
+    hybrid's GEMMs too): a delayed scale is history, not a property of the advisor's batches."""
     if isinstance(recipe, DelayedScaling):
         return Float8CurrentScaling(fp8_format=recipe.fp8_format)
+    if isinstance(recipe, HybridRecipe):
+        return dataclasses.replace(recipe, **{
+            gemm: None if getattr(recipe, gemm) is None else measurable(getattr(recipe, gemm))
+            for gemm in ("fprop", "dgrad", "wgrad")})
     return recipe
 
 
@@ -173,7 +197,7 @@ def score_operands(recipe: Recipe, record: OperandRecord, sr_draws: int = SR_DRA
                    ) -> list[OperandScore]:
     """Every recorded operand of every named GEMM but the head, with its SQNR per GEMM
     (stochastically rounded copies: of the mean of `sr_draws` draws, see SR_DRAWS)."""
-    recipe = _measurable(recipe)
+    recipe = measurable(recipe)
     scores = []
     layers = sorted({layer for layer, _ in record.seen if layer != HEAD_LAYER})
     for layer in layers:
@@ -224,26 +248,40 @@ def propose(scores: list[OperandScore], budget: float) -> tuple[list[OperandScor
     return chosen, used / total
 
 
-def record_operands(preset: str, batches: int, seed: int, data: str | None = None,
-                    checkpoint: str | None = None, device: str = "cpu") -> OperandRecord:
-    """Run `batches` forward+backward passes of the lab GPT in high precision, recording."""
-    from ..autocast import autocast
-
+def _require_preset(preset: str) -> None:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-    config = PRESETS[preset]
+
+
+def lab_model(preset: str, seed: int, checkpoint: str | None = None, device: str = "cpu"
+              ) -> GPT:
+    """The preset's lab GPT in fp32: seed's initial weights, or a checkpoint's."""
+    _require_preset(preset)
     torch.manual_seed(seed)
-    model = GPT(config, dtype=torch.float32, device=device)
+    model = GPT(PRESETS[preset], dtype=torch.float32, device=device)
     if checkpoint is not None:
         state = torch.load(checkpoint, map_location=device, weights_only=True)
         model.load_state_dict(state.get("model", state) if isinstance(state, dict) else state)
+    return model
+
+
+def advisor_batches(preset: str, batches: int, seed: int, data: str | None = None,
+                    device: str = "cpu") -> list[torch.Tensor]:
+    """The token batches every measurement of one advice uses (seed's draw of the corpus)."""
+    config = PRESETS[preset]
     corpus = load_corpus(data)
     generator = torch.Generator().manual_seed(seed)
+    return [sample_batch(corpus.train, config.batch_size, config.seq_len, generator).to(device)
+            for _ in range(batches)]
+
+
+def record_operands(model: GPT, batches: list[torch.Tensor]) -> OperandRecord:
+    """Run a forward+backward pass per batch in high precision, recording every operand."""
+    from ..autocast import autocast
+
     record = OperandRecord()
     recipe = CustomRecipe(qfactory=_Recording(record))
-    for _ in range(batches):
-        tokens = sample_batch(corpus.train, config.batch_size, config.seq_len,
-                              generator).to(device)
+    for tokens in batches:
         with autocast(recipe=recipe):
             loss = model.loss(tokens)
         loss.backward()
@@ -254,26 +292,61 @@ def record_operands(preset: str, batches: int, seed: int, data: str | None = Non
 def advise(preset: str, recipe_spec: str, budget: float = 0.1, batches: int = 2, seed: int = 0,
            data: str | None = None, checkpoint: str | None = None,
            record: OperandRecord | None = None, device: str = "cpu",
-           sr_draws: int = SR_DRAWS) -> Advice:
+           sr_draws: int = SR_DRAWS, finer: str | None = None, check: bool = False) -> Advice:
     """Score every operand of the preset's model under the recipe and propose a spec (on
-    `device`: the recorded operands stay where the model ran)."""
+    `device`: the recorded operands stay where the model ran).
+
+    finer: a named recipe that one GEMM may use instead (advisor_end_to_end.py): the three
+    hybrids that move one GEMM to it are measured end to end, and the best one, if it beats the
+    recipe as given, becomes the recipe the operands are scored under. check: also measure the
+    given recipe and the proposed spec end to end."""
+    from .advisor_end_to_end import choose_finer, end_to_end_scores, finer_candidates
+
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"--budget is a share of GEMM FLOPs in [0, 1], got {budget}")
-    recipe = parse_recipe(recipe_spec, PRESETS[preset].n_layers, head_in_high_precision=True)
-    if recipe is None:
-        raise ValueError("the advisor needs a quantized recipe; bf16 has nothing to advise")
-    if record is None:
-        record = record_operands(preset, batches, seed, data, checkpoint, device)
     if sr_draws < 1:
         raise ValueError(f"--sr-draws must be at least 1, got {sr_draws}")
+    _require_preset(preset)
+    n_layers = PRESETS[preset].n_layers
+    if parse_recipe(recipe_spec, n_layers, head_in_high_precision=True) is None:
+        raise ValueError("the advisor needs a quantized recipe; bf16 has nothing to advise")
+    candidates = finer_candidates(recipe_spec, finer) if finer is not None else []
+    model = lab_model(preset, seed, checkpoint, device)
+    tokens = advisor_batches(preset, batches, seed, data, device)
+    end_to_end = []
+    if candidates or check:
+        end_to_end = end_to_end_scores(model, tokens, [(recipe_spec, "")] + candidates,
+                                       n_layers, sr_draws)
+    scored_spec = recipe_spec
+    if candidates:
+        scored_spec = choose_finer(end_to_end[0], end_to_end[1:]).spec
+    if record is None:
+        record = record_operands(model, tokens)
+    recipe = parse_recipe(scored_spec, n_layers, head_in_high_precision=True)
     scores = score_operands(recipe, record, sr_draws)
     chosen, share = propose(scores, budget)
-    return Advice(recipe_spec, budget, scores, chosen, share)
+    advice = Advice(scored_spec, budget, scores, chosen, share, end_to_end, finer)
+    if check and advice.spec not in {score.spec for score in end_to_end}:
+        advice.end_to_end += end_to_end_scores(model, tokens, [(advice.spec, "")], n_layers,
+                                               sr_draws)
+    return advice
 
 
 def format_advice(advice: Advice, rows: int = 20) -> str:
-    """The worst operands as a table, then the proposed spec."""
-    lines = [f"operand SQNR under {advice.recipe_spec} (dB, higher is better; each operand "
+    """The end-to-end rows (if measured), the worst operands as a table, then the spec."""
+    from .advisor_end_to_end import format_end_to_end
+
+    lines = []
+    if advice.end_to_end:
+        lines += format_end_to_end(advice.end_to_end, advice.finer) + [""]
+    if advice.finer is not None:
+        moved = advice.recipe_spec != advice.end_to_end[0].spec
+        lines += [f"--finer {advice.finer}: " + (
+            f"{advice.recipe_spec} moves one GEMM to {advice.finer} (best gradient SQNR); "
+            "the operands below are scored under it" if moved else
+            f"no GEMM in {advice.finer} improved the gradient SQNR; the recipe stays as given"),
+            ""]
+    lines += [f"operand SQNR under {advice.recipe_spec} (dB, higher is better; each operand "
              "quantized alone, the GEMM against high precision)", "",
              "| layer | operand | fprop | dgrad | wgrad | kept |", "|---|---|---:|---:|---:|---|"]
     chosen = {id(score) for score in advice.chosen}

@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="stochastically rounded copies are scored as the mean of this "
                              "many draws (their noise averages out over steps; default "
                              "advisor.SR_DRAWS, 8; 1: one draw)")
+    advise.add_argument("--finer", default=None, metavar="NAME",
+                        help="a named recipe one GEMM may use instead (e.g. --recipe nvfp4 "
+                             "--finer mxfp8): the three hybrids that move fprop, dgrad or "
+                             "wgrad to it are measured end to end and the best is proposed")
+    advise.add_argument("--check", action="store_true",
+                        help="also measure the given recipe and the proposed spec end to end "
+                             "(whole-model gradient SQNR and loss against high precision)")
     advise.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where the model runs and the operands are scored (default cpu)")
     return parser
@@ -129,7 +136,8 @@ def _advise(args: argparse.Namespace) -> int:
     try:
         advice = advise(args.preset, args.recipe, args.budget, args.batches, args.seed,
                         args.data, args.checkpoint, device=args.device,
-                        sr_draws=SR_DRAWS if args.sr_draws is None else args.sr_draws)
+                        sr_draws=SR_DRAWS if args.sr_draws is None else args.sr_draws,
+                        finer=args.finer, check=args.check)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
