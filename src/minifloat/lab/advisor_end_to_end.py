@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..recipes import HybridRecipe, NVFP4BlockScaling, Recipe
+from ..recipes import CustomRecipe, HybridRecipe, NVFP4BlockScaling, Recipe
 from .advisor import measurable, sqnr_db
 from .recipe_specs import BASELINE, NAMED_RECIPES, parse_recipe
 
@@ -78,7 +78,7 @@ def _rounds_stochastically(recipe: Recipe) -> bool:
                    for sub in (recipe.fprop, recipe.dgrad, recipe.wgrad))
     if isinstance(recipe, NVFP4BlockScaling):
         return not recipe.disable_stochastic_rounding
-    return type(recipe).__name__ == "CustomRecipe"
+    return isinstance(recipe, CustomRecipe)
 
 
 def _gradient(model: torch.nn.Module, recipe: Recipe | None, tokens: torch.Tensor, draws: int
