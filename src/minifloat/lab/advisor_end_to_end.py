@@ -89,11 +89,8 @@ def _gradient(model: torch.nn.Module, recipe: Recipe | None, tokens: torch.Tenso
     total, loss_value = None, 0.0
     for _ in range(draws):
         model.zero_grad(set_to_none=True)
-        if recipe is None:
+        with autocast(enabled=recipe is not None, recipe=recipe):
             loss = model.loss(tokens)
-        else:
-            with autocast(recipe=recipe):
-                loss = model.loss(tokens)
         loss.backward()
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in model.parameters()]).double()
