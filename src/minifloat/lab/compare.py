@@ -38,6 +38,7 @@ from ..models.gpt import GPT, PRESETS, GPTConfig
 from ..recipes import Recipe
 from . import resume
 from .data import Corpus, load_corpus, sample_batch
+from .noise_control import CONTROL, nudge_weights
 from .recipe_specs import parse_recipes
 
 DEMO_RECIPES = "bf16,fp8-current,mxfp8,nvfp4,hybrid:mxfp8/nvfp4"
@@ -329,6 +330,8 @@ def train_recipe(plan: Plan, label: str, recipe: Recipe | None,
     memory = _PeakMemory(device)
     torch.manual_seed(plan.seed)
     model = GPT(plan.model, dtype=plan.params_dtype, device=device)
+    if label == CONTROL:  # the bf16 run whose gap measures chaos alone (lab.noise_control)
+        nudge_weights(model, plan.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=plan.lr, betas=BETAS,
                                   weight_decay=WEIGHT_DECAY)
     val_batches = validation_batches(plan)

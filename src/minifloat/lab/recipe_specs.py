@@ -3,7 +3,7 @@
 A comparison is asked for on the command line, so every recipe needs a name that fits in a
 comma-separated list. The grammar (also printed by `--recipes help`, see `recipes_help`):
 
-    SPEC     := NAME [SUFFIX...] | hybrid:PARTS [SUFFIX...] | FACTORY
+    SPEC     := NAME [SUFFIX...] | hybrid:PARTS [SUFFIX...] | FACTORY | bf16-nudged
     NAME     := bf16 | fp8-delayed | fp8-current | fp8-block | mxfp8 | nvfp4
     PARTS    := FWD/BWD                  fprop=FWD, dgrad=wgrad=BWD
               | FPROP/DGRAD/WGRAD        one NAME per GEMM (bf16 = that GEMM in high precision)
@@ -25,7 +25,9 @@ CustomRecipe quantizer factory, `fn(role: QuantizerRole) -> Quantizer`. Both are
 with one probe call, so a broken factory fails before any training starts.
 
 "bf16" is the high-precision baseline: autocast disabled, no quantization (bf16 parameters on
-a GPU, fp32 on the CPU, where the comparison runs in fp32).
+a GPU, fp32 on the CPU, where the comparison runs in fp32). "bf16-nudged" is the same baseline
+with its initial weights moved by one bf16 step (lab.noise_control): a control whose gap to
+bf16 measures how far chaos alone moves a same-seed run.
 
 The LM head: `parse_recipe(..., head_in_high_precision=True)` (what `compare` asks for) keeps
 the layer named "head" in high precision in every named or hybrid spec, as Megatron-LM and
@@ -56,6 +58,7 @@ from ..recipes import (
     QuantizerRole,
     Recipe,
 )
+from .noise_control import CONTROL
 
 BASELINE = "bf16"
 
@@ -84,7 +87,7 @@ def recipe_names() -> list[str]:
 
 
 def _valid_hint() -> str:
-    return (f"valid names: {', '.join(NAMED_RECIPES)}; also hybrid:FWD/BWD, "
+    return (f"valid names: {', '.join(NAMED_RECIPES)}; also {CONTROL}, hybrid:FWD/BWD, "
             "hybrid:FPROP/DGRAD/WGRAD, NAME@last2, NAME@hp=GLOB+GLOB, module:function, "
             "path/file.py:function (see --recipes help)")
 
@@ -218,7 +221,11 @@ def parse_recipe(token: str, n_layers: int, head_in_high_precision: bool = False
     token = token.strip()
     if not token:
         raise ValueError(f"empty recipe name; {_valid_hint()}")
+    if token == CONTROL:  # the bf16 run with nudged initial weights (lab.noise_control)
+        return None
     body, *suffixes = token.split("@")
+    if body == CONTROL:
+        raise ValueError(f"{token!r}: {CONTROL} is the bf16 control and takes no @ suffix")
     quantize_head = QUANTIZE_HEAD in suffixes
     suffixes = [suffix for suffix in suffixes if suffix != QUANTIZE_HEAD]
     if head_in_high_precision and not quantize_head and ":" not in body.removeprefix(
@@ -269,6 +276,10 @@ def recipes_help() -> str:
     lines += [f"  {name:<{width}}  {description}"
               for name, (_, description) in NAMED_RECIPES.items()]
     lines += [
+        "",
+        "A control (a measured noise floor for same-seed gaps):",
+        f"  {CONTROL}                 bf16 with each initial weight moved to an adjacent bf16",
+        "                              value: its gap to bf16 is what chaos alone does",
         "",
         "Hybrids (one recipe per GEMM; bf16 = that GEMM in high precision):",
         "  hybrid:FWD/BWD              fprop=FWD, dgrad=wgrad=BWD   e.g. hybrid:mxfp8/nvfp4",

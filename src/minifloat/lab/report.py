@@ -25,6 +25,7 @@ from typing import Any
 
 from .compare import COST_STEPS, Comparison, RunResult
 from .health import loss_flags, moving_average
+from .noise_control import CONTROL
 from .recipe_specs import BASELINE
 
 MATPLOTLIB_FIX = "pip install 'minifloat[lab]' (or pip install matplotlib==3.11.2)"
@@ -86,6 +87,9 @@ def format_table(comparison: Comparison) -> str:
              f"{plan.val_batches} fixed validation batches after the last step",
              "gap to bf16: val loss relative to the bf16 run (+ = worse); "
              f"peak MiB: {memory}"]
+    if any(run.label == CONTROL for run in comparison.runs):
+        notes.append(f"{CONTROL}: bf16 with its initial weights nudged by one bf16 step; its "
+                     "gap is what chaos alone does to this seed, so read the others against it")
     if comparison.deterministic_cost is not None:
         notes.append(f"deterministic algorithms on: the bf16 step took "
                      f"{comparison.deterministic_cost:.2f}x its time without them "

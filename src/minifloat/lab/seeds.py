@@ -16,6 +16,12 @@ H100 (small preset, 2000 steps, seeds 0-2) bf16's final losses spread 7% over th
 unpaired rule called NVFP4's +6.3% "within noise", while NVFP4 was worse than the same-seed
 bf16 run in every seed (+4.9% to +7.7%). A gap is therefore within noise only when it is
 inside bf16's spread and the recipe is not worse (or better) than bf16 in every seed.
+
+The paired gaps have a noise floor of their own: chaos moves even a recipe that costs nothing
+away from its bf16 twin. With the `bf16-nudged` control among the recipes (lab.noise_control:
+bf16 with its initial weights moved by one bf16 step), the largest of its same-seed gaps over
+the seeds is that floor, and a recipe whose mean paired gap is no larger is marked "within the
+control's".
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 
 from .compare import Comparison
 from .health import moving_average
+from .noise_control import CONTROL
 from .recipe_specs import BASELINE
 
 
@@ -67,7 +74,22 @@ def summarise(comparisons: list[Comparison]) -> dict[str, Any]:
             "within_noise": ((abs(gap) < noise and consistent in (None, "mixed"))
                              if math.isfinite(gap) and math.isfinite(noise) else None),
         }
+    _mark_within_control(summary)
     return summary
+
+
+def _mark_within_control(summary: dict[str, Any]) -> None:
+    """The control's largest same-seed gap as the floor; each recipe's mean paired gap
+    against it (None everywhere when the control did not run or a gap is not finite)."""
+    control = summary["recipes"].get(CONTROL)
+    gaps = control["paired_gaps_percent"] if control else []
+    floor = (max(abs(g) for g in gaps) if gaps and all(g is not None for g in gaps)
+             else None)
+    summary["paired_noise_floor_percent"] = floor
+    for label, row in summary["recipes"].items():
+        mean = row["paired_gap_mean"]
+        row["within_control"] = (abs(mean) <= floor if floor is not None and mean is not None
+                                 and label not in (BASELINE, CONTROL) else None)
 
 
 def _consistent_sign(paired: list[float]) -> str:
@@ -90,13 +112,21 @@ def format_summary(summary: dict[str, Any]) -> str:
                      f"{_cell(row['min'], 3)}..{_cell(row['max'], 3)}",
                      "baseline" if label == BASELINE else (f"{gap:+.2f}%" if gap is not None
                                                            else "—"),
-                     "within noise" if row["within_noise"] else "",
+                     ", ".join(flag for flag, on in (("within noise", row["within_noise"]),
+                                                     ("within the control's",
+                                                      row.get("within_control"))) if on),
                      " ".join("nan" if g is None else f"{g:+.2f}%" for g in paired)
                      + (f" ({row['paired_verdict']})" if row.get("paired_verdict") else "")))
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
     lines = [f"{len(summary['seeds'])} seeds {summary['seeds']}; bf16 spread (max - min over "
              f"its mean): {_cell(noise, 2)}%; a gap smaller than that is within noise unless "
-             "the recipe is worse (or better) than bf16 in every seed", "",
+             "the recipe is worse (or better) than bf16 in every seed"]
+    floor = summary.get("paired_noise_floor_percent")
+    if floor is not None:
+        lines.append(f"{CONTROL} (bf16, initial weights nudged by one bf16 step) ended within "
+                     f"{floor:.2f}% of the same-seed bf16 run: a mean same-seed gap no larger "
+                     "is within the control's noise")
+    lines += ["",
              "  ".join(cell.ljust(width) for cell, width in zip(header, widths, strict=True))]
     lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
               .rstrip() for row in rows]
