@@ -16,7 +16,9 @@ Usage:
   python benchmarks/recipe_seeds.py --preset small --steps 2000 --seeds 0,1,2 \\
       --recipes bf16,fp8-current,fp8-delayed,fp8-block,mxfp8,nvfp4 [--jobs 16] \\
       [--device cuda] --out DIR
-Recipe specs as `compare --recipes` takes them ('help' lists them), separated by commas.
+Recipe specs as `compare --recipes` takes them ('help' lists them), separated by commas. Add
+`bf16-nudged` (bf16 with its initial weights nudged by one bf16 step, lab.noise_control) to
+measure how far a same-seed gap moves by chance: it costs one bf16 run per seed.
 """
 
 from __future__ import annotations
