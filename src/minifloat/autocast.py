@@ -190,10 +190,6 @@ def autocast_state_scope(state: AutocastState) -> Iterator[None]:
         _activate(previous)
 
 
-def is_quantization_enabled() -> bool:
-    return _STATE.enabled
-
-
 @contextlib.contextmanager
 def autocast(
     enabled: bool = True,

@@ -82,10 +82,6 @@ QUANTIZE_HEAD = "quantize-head"
 _BLOCK_SUFFIX = re.compile(r"(first|last)(\d+)")
 
 
-def recipe_names() -> list[str]:
-    return list(NAMED_RECIPES)
-
-
 def _valid_hint() -> str:
     return (f"valid names: {', '.join(NAMED_RECIPES)}; also {CONTROL}, hybrid:FWD/BWD, "
             "hybrid:FPROP/DGRAD/WGRAD, NAME@last2, NAME@hp=GLOB+GLOB, module:function, "
