@@ -107,3 +107,29 @@ def test_without_the_control_there_is_no_floor():
     assert summary["paired_noise_floor_percent"] is None
     assert summary["recipes"]["mxfp8"]["within_control"] is None
     assert "nudged" not in format_summary(summary)
+
+
+def test_the_plot_draws_each_same_seed_gap_inside_or_outside_the_controls_band():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minifloat.lab.seeds import _plot_paired_gaps
+
+    finals = {"bf16": [1.00, 2.00], CONTROL: [1.01, 1.98], "mxfp8": [1.03, 2.02]}
+    comparisons = [SimpleNamespace(plan=SimpleNamespace(seed=seed), runs=[
+        SimpleNamespace(label=label, final_val_loss=values[seed])
+        for label, values in finals.items()]) for seed in range(2)]
+    figure, axis = plt.subplots()
+    _plot_paired_gaps(axis, summarise(comparisons), {})
+    (band,) = axis.patches
+    corners = band.get_path().transformed(band.get_patch_transform()).vertices[:, 1]
+    assert (corners.min(), corners.max()) == pytest.approx((-1.0, 1.0))  # +-max |1%, -1%|
+    from matplotlib.collections import PathCollection
+
+    dots = [list(points.get_offsets()[:, 1]) for points in axis.collections
+            if isinstance(points, PathCollection)]
+    assert dots == [pytest.approx([1.0, -1.0]), pytest.approx([3.0, 1.0])]
+    plt.close(figure)

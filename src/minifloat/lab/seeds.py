@@ -147,9 +147,9 @@ def write_summary(comparisons: list[Comparison], out_dir: Path) -> list[Path]:
 
 def _plot_bands(comparisons: list[Comparison], summary: dict[str, Any], path: Path) -> Path:
     """Left: each recipe's training loss (moving average, as the single-seed plot) as the mean
-    over the seeds with a min..max band. Right: each recipe's final validation loss against
-    bf16's mean, in per cent (mean and min..max over the seeds), beside the bf16 runs' own
-    spread: the comparison the table makes, drawn."""
+    over the seeds with a min..max band. Right: each recipe's final validation loss against the
+    bf16 run of the same seed, per seed and their mean, beside the bf16-nudged control's noise
+    floor when it ran: the comparison the verdicts make, drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,28 +175,37 @@ def _plot_bands(comparisons: list[Comparison], summary: dict[str, Any], path: Pa
     left.set(xlabel="step", ylabel=f"training loss, moving average of {window}",
              title="mean and min..max over the seeds")
     left.legend()
-    base = summary["recipes"].get(BASELINE)
-    if base is not None and base["mean"]:
-        mean = base["mean"]
-        right.axhspan((base["min"] / mean - 1) * 100, (base["max"] / mean - 1) * 100,
-                      color="grey", alpha=0.2, label="bf16 runs' spread")
-        for position, (label, row) in enumerate(summary["recipes"].items()):
-            if row["mean"] is None:
-                continue
-            centre = (row["mean"] / mean - 1) * 100
-            error = [[centre - (row["min"] / mean - 1) * 100],
-                     [(row["max"] / mean - 1) * 100 - centre]]
-            right.errorbar([position], [centre], yerr=error, fmt="o", capsize=4,
-                           color=colors.get(label))
-        names = [_short(label) for label in summary["recipes"]]
-        right.set_xticks(range(len(names)), names, rotation=30, ha="right")
-        right.axhline(0.0, color="black", linewidth=0.6)
-        right.set(ylabel="final val loss vs bf16 mean (%)")
-        right.legend(loc="upper left")
+    if BASELINE in summary["recipes"]:
+        _plot_paired_gaps(right, summary, colors)
     figure.tight_layout()
     figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
     return path
+
+
+def _plot_paired_gaps(axis: Any, summary: dict[str, Any], colors: dict[str, str]) -> None:
+    """Each recipe's same-seed gaps (dots, one per seed) and their mean (a bar), and the band
+    of +-the control's largest gap: what chance alone does to a same-seed gap."""
+    floor = summary.get("paired_noise_floor_percent")
+    if floor is not None:
+        axis.axhspan(-floor, floor, color="grey", alpha=0.2,
+                     label=f"{CONTROL}: chance alone (\u00b1{floor:.2f}%)")
+    labels = [label for label in summary["recipes"] if label != BASELINE]
+    for position, label in enumerate(labels):
+        gaps = [gap for gap in summary["recipes"][label]["paired_gaps_percent"]
+                if gap is not None]
+        if not gaps:
+            continue
+        axis.scatter([position] * len(gaps), gaps, s=16, color=colors.get(label))
+        axis.hlines(statistics.fmean(gaps), position - 0.3, position + 0.3,
+                    color=colors.get(label), linewidth=2)
+    axis.set_xticks(range(len(labels)), [_short(label) for label in labels], rotation=30,
+                    ha="right")
+    axis.axhline(0.0, color="black", linewidth=0.6)
+    axis.set(ylabel="final val loss vs the same-seed bf16 run (%)",
+             title="per seed (dots) and mean (bar)")
+    if floor is not None:
+        axis.legend(loc="upper left")
 
 
 def _short(label: str, width: int = 24) -> str:
