@@ -202,13 +202,14 @@ def _plot_paired_gaps(axis: Any, summary: dict[str, Any], colors: dict[str, str]
     axis.set_xticks(range(len(labels)), [_short(label) for label in labels], rotation=30,
                     ha="right")
     axis.axhline(0.0, color="black", linewidth=0.6)
+    axis.margins(y=0.2)  # room for the legend beside the dots
     axis.set(ylabel="final val loss vs the same-seed bf16 run (%)",
              title="per seed (dots) and mean (bar)")
     if floor is not None:
-        axis.legend(loc="upper left")
+        axis.legend(loc="best")
 
 
-def _short(label: str, width: int = 24) -> str:
+def _short(label: str, width: int = 34) -> str:
     """A recipe label short enough for a legend: an advisor spec's operand list becomes its
     count (nvfp4@hp=a:x+b:y -> nvfp4@hp(2 operands)), anything else longer is cut."""
     if "@hp=" in label:
