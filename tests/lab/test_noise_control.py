@@ -19,6 +19,15 @@ def _model(dtype: torch.dtype) -> torch.nn.Module:
     return model.to(dtype)
 
 
+def _comparisons(finals: dict[str, list[float]]) -> list[SimpleNamespace]:
+    """What seeds.summarise reads of a comparison per seed: its seed and each run's final
+    validation loss ({label: [loss of seed 0, seed 1, ...]})."""
+    seeds = range(len(next(iter(finals.values()))))
+    return [SimpleNamespace(plan=SimpleNamespace(seed=seed), runs=[
+        SimpleNamespace(label=label, final_val_loss=values[seed])
+        for label, values in finals.items()]) for seed in seeds]
+
+
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.bfloat16).view(torch.int16).to(torch.int32)
 
@@ -83,10 +92,7 @@ def test_the_controls_largest_same_seed_gap_is_the_floor():
     mean paired gap is inside it is marked, one outside is not."""
     finals = {"bf16": [1.00, 2.00, 0.50], CONTROL: [1.01, 1.96, 0.505],
               "inside": [1.02, 2.02, 0.505], "outside": [1.03, 2.06, 0.515]}
-    comparisons = [SimpleNamespace(plan=SimpleNamespace(seed=seed), runs=[
-        SimpleNamespace(label=label, final_val_loss=values[seed])
-        for label, values in finals.items()]) for seed in range(3)]
-    summary = summarise(comparisons)
+    summary = summarise(_comparisons(finals))
     assert summary["paired_noise_floor_percent"] == pytest.approx(2.0)
     assert summary["recipes"]["inside"]["paired_gap_mean"] == pytest.approx(4 / 3)
     assert summary["recipes"]["inside"]["within_control"] is True
@@ -100,10 +106,7 @@ def test_the_controls_largest_same_seed_gap_is_the_floor():
 
 
 def test_without_the_control_there_is_no_floor():
-    comparisons = [SimpleNamespace(plan=SimpleNamespace(seed=seed), runs=[
-        SimpleNamespace(label="bf16", final_val_loss=1.0 + seed),
-        SimpleNamespace(label="mxfp8", final_val_loss=1.01 + seed)]) for seed in range(2)]
-    summary = summarise(comparisons)
+    summary = summarise(_comparisons({"bf16": [1.0, 2.0], "mxfp8": [1.01, 2.01]}))
     assert summary["paired_noise_floor_percent"] is None
     assert summary["recipes"]["mxfp8"]["within_control"] is None
     assert "nudged" not in format_summary(summary)
@@ -119,11 +122,8 @@ def test_the_plot_draws_each_same_seed_gap_inside_or_outside_the_controls_band()
     from minifloat.lab.seeds import _plot_paired_gaps
 
     finals = {"bf16": [1.00, 2.00], CONTROL: [1.01, 1.98], "mxfp8": [1.03, 2.02]}
-    comparisons = [SimpleNamespace(plan=SimpleNamespace(seed=seed), runs=[
-        SimpleNamespace(label=label, final_val_loss=values[seed])
-        for label, values in finals.items()]) for seed in range(2)]
     figure, axis = plt.subplots()
-    _plot_paired_gaps(axis, summarise(comparisons), {})
+    _plot_paired_gaps(axis, summarise(_comparisons(finals)), {})
     (band,) = axis.patches
     corners = band.get_path().transformed(band.get_patch_transform()).vertices[:, 1]
     assert (corners.min(), corners.max()) == pytest.approx((-1.0, 1.0))  # +-max |1%, -1%|
