@@ -19,6 +19,9 @@ Usage:
 Recipe specs as `compare --recipes` takes them ('help' lists them), separated by commas. Add
 `bf16-nudged` (bf16 with its initial weights nudged by one bf16 step, lab.noise_control) to
 measure how far a same-seed gap moves by chance: it costs one bf16 run per seed.
+--deterministic trains every run with torch's deterministic algorithms where they exist (as
+`compare --deterministic` does), to tell the kernels' run-to-run differences apart from the
+chaos the control measures; what that costs in speed, `compare --deterministic` reports.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from datetime import datetime, timezone
 from multiprocessing import get_context
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from minifloat.lab import compare, seeds  # noqa: E402
@@ -40,18 +45,25 @@ from minifloat.lab.health import loss_flags  # noqa: E402
 from minifloat.lab.report import write_reports  # noqa: E402
 
 
-def _plan(specs: str, preset: str, steps: int, seed: int, out: Path, device: str
-          ) -> compare.Plan:
+def _plan(specs: str, preset: str, steps: int, seed: int, out: Path, device: str,
+          deterministic: bool = False) -> compare.Plan:
     return compare.prepare_comparison(specs, steps, preset, out / f"seed{seed}", seed,
-                                      None, device, None, None, compare.DEFAULT_VAL_BATCHES)
+                                      None, device, None, None, compare.DEFAULT_VAL_BATCHES,
+                                      deterministic)
 
 
-def train_one(spec: str, preset: str, steps: int, seed: int, out: str, device: str
-              ) -> compare.RunResult:
-    """One recipe and seed, as compare trains it (in a worker process)."""
-    plan = _plan(spec, preset, steps, seed, Path(out), device)
+def train_one(spec: str, preset: str, steps: int, seed: int, out: str, device: str,
+              deterministic: bool = False) -> compare.RunResult:
+    """One recipe and seed, as compare trains it (in a worker process), with torch's
+    deterministic algorithms on for the run when asked (compare.run_plan does the same)."""
+    plan = _plan(spec, preset, steps, seed, Path(out), device, deterministic)
     (label, recipe), = plan.recipes
-    run = compare.train_recipe(plan, label, recipe)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(plan.deterministic, warn_only=True)
+    try:
+        run = compare.train_recipe(plan, label, recipe)
+    finally:
+        torch.use_deterministic_algorithms(previous)
     # each run on disk as soon as it ends: a pool stopped at a time limit keeps what finished
     finished = Path(out) / "runs"
     finished.mkdir(parents=True, exist_ok=True)
@@ -61,14 +73,15 @@ def train_one(spec: str, preset: str, steps: int, seed: int, out: str, device: s
 
 
 def train_all(specs: list[str], preset: str, steps: int, seed_list: list[int], out: Path,
-              device: str, jobs: int) -> dict[tuple[str, int], compare.RunResult]:
+              device: str, jobs: int, deterministic: bool = False
+              ) -> dict[tuple[str, int], compare.RunResult]:
     """Every (recipe, seed) run in parallel processes; also written to out/runs.json."""
     tasks = [(spec, seed) for spec in specs for seed in seed_list]
     # the slow formats first (NVFP4 is emulated on Hopper), so the pool ends together
     tasks.sort(key=lambda task: "nvfp4" not in task[0])
     with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
         futures = {task: pool.submit(train_one, task[0], preset, steps, task[1], str(out),
-                                     device) for task in tasks}
+                                     device, deterministic) for task in tasks}
         results = {task: future.result() for task, future in futures.items()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "runs.json").write_text(json.dumps(
@@ -91,11 +104,11 @@ def load_runs(out: Path) -> dict[tuple[str, int], compare.RunResult]:
 
 def summarise(results: dict[tuple[str, int], compare.RunResult], specs: list[str],
               preset: str, steps: int, seed_list: list[int], out: Path, device: str,
-              jobs: int) -> dict:
+              jobs: int, deterministic: bool = False) -> dict:
     """Per seed compare's reports (out/seed{N}), over the seeds lab.seeds' summary."""
     comparisons, flags = [], []
     for seed in seed_list:
-        plan = _plan(",".join(specs), preset, steps, seed, out, device)
+        plan = _plan(",".join(specs), preset, steps, seed, out, device, deterministic)
         comparison = compare.Comparison(plan)
         for spec, (label, _) in zip(specs, plan.recipes, strict=True):
             run = results[(spec, seed)]
@@ -109,8 +122,8 @@ def summarise(results: dict[tuple[str, int], compare.RunResult], specs: list[str
     summary = seeds.summarise(comparisons)
     return {"benchmark": "recipe_seeds", "date": datetime.now(timezone.utc).isoformat(),
             "preset": preset, "steps": steps, "seeds": seed_list, "recipes": specs,
-            "jobs": jobs, "summary": summary, "health_flags": flags,
-            "config": comparisons[0].plan.describe()}
+            "jobs": jobs, "deterministic": deterministic, "summary": summary,
+            "health_flags": flags, "config": comparisons[0].plan.describe()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,18 +136,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=0, help="parallel runs (default: one per "
                         "run, at most the CPU count)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch's deterministic algorithms in every run, where they exist")
     parser.add_argument("--summarise-only", action="store_true",
                         help="train nothing: summarise OUT/runs.json again (e.g. to plot)")
     args = parser.parse_args(argv)
     specs = [spec for spec in args.recipes.split(",") if spec]
     seed_list = [int(value) for value in args.seeds.split(",")]
     jobs = args.jobs or min(len(specs) * len(seed_list), os.cpu_count() or 1)
+    if args.deterministic:  # cuBLAS reads it when its first handle is made; workers inherit it
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if args.summarise_only:
         runs = load_runs(args.out)
     else:
-        runs = train_all(specs, args.preset, args.steps, seed_list, args.out, args.device, jobs)
+        runs = train_all(specs, args.preset, args.steps, seed_list, args.out, args.device, jobs,
+                         args.deterministic)
     result = summarise(runs, specs, args.preset, args.steps, seed_list, args.out, args.device,
-                       jobs)
+                       jobs, args.deterministic)
     print((args.out / "seeds.txt").read_text())
     for flag in result["health_flags"]:
         print(f"health: {flag}")
