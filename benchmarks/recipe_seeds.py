@@ -36,8 +36,6 @@ from datetime import datetime, timezone
 from multiprocessing import get_context
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from minifloat.lab import compare, seeds  # noqa: E402
@@ -58,12 +56,8 @@ def train_one(spec: str, preset: str, steps: int, seed: int, out: str, device: s
     deterministic algorithms on for the run when asked (compare.run_plan does the same)."""
     plan = _plan(spec, preset, steps, seed, Path(out), device, deterministic)
     (label, recipe), = plan.recipes
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(plan.deterministic, warn_only=True)
-    try:
+    with compare.deterministic_algorithms(plan.deterministic):
         run = compare.train_recipe(plan, label, recipe)
-    finally:
-        torch.use_deterministic_algorithms(previous)
     # each run on disk as soon as it ends: a pool stopped at a time limit keeps what finished
     finished = Path(out) / "runs"
     finished.mkdir(parents=True, exist_ok=True)
@@ -144,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     specs = [spec for spec in args.recipes.split(",") if spec]
     seed_list = [int(value) for value in args.seeds.split(",")]
     jobs = args.jobs or min(len(specs) * len(seed_list), os.cpu_count() or 1)
-    if args.deterministic:  # cuBLAS reads it when its first handle is made; workers inherit it
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if args.deterministic:
+        compare.request_deterministic_cublas()
     if args.summarise_only:
         runs = load_runs(args.out)
     else:

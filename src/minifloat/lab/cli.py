@@ -14,7 +14,6 @@ SystemExit, so tests and other Python callers can call it directly.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -146,11 +145,11 @@ def _advise(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from .compare import ComparisonError, prepare_comparison
+    from .compare import ComparisonError, prepare_comparison, request_deterministic_cublas
     from .recipe_specs import recipes_help
 
-    if args.deterministic:  # cuBLAS reads it when its first handle is made: set it early
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if args.deterministic:
+        request_deterministic_cublas()
     if args.recipes.strip().lower() == "help":
         print(recipes_help())
         return 0

@@ -22,11 +22,13 @@ from __future__ import annotations
 import gc
 import itertools
 import math
+import os
 import platform
 import resource
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -435,11 +437,9 @@ def run_plan(plan: Plan, progress: bool = True) -> Comparison:
     from .report import write_reports
 
     comparison = Comparison(plan)
-    previous = torch.are_deterministic_algorithms_enabled()
     if plan.deterministic:
         comparison.deterministic_cost = deterministic_cost(plan)
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    with deterministic_algorithms(True) if plan.deterministic else nullcontext():
         for index, (label, recipe) in enumerate(plan.recipes, start=1):
             bar = _Progress(f"[{index}/{len(plan.recipes)}] {label}", plan.steps, progress)
             try:
@@ -447,8 +447,6 @@ def run_plan(plan: Plan, progress: bool = True) -> Comparison:
             finally:
                 bar.close()
             write_reports(comparison, plot=False)  # a partial record if a later one stops
-    finally:
-        torch.use_deterministic_algorithms(previous)
     write_reports(comparison)
     return comparison
 
@@ -456,21 +454,35 @@ def run_plan(plan: Plan, progress: bool = True) -> Comparison:
 COST_STEPS = 6
 
 
+@contextmanager
+def deterministic_algorithms(enabled: bool) -> Iterator[None]:
+    """torch's deterministic algorithms on or off (warning, not failing, where an op has none)
+    for the block, the previous setting restored after it."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(enabled, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def request_deterministic_cublas() -> None:
+    """cuBLAS's deterministic workspace, which it reads when its first handle is made: call
+    before any CUDA work (spawned workers inherit it). A value the user set is kept."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
 def deterministic_cost(plan: Plan) -> float:
     """What --deterministic costs: the bf16 model's step time over COST_STEPS steps (the
     first untimed) with torch's deterministic algorithms, over the same without. Why measured
     here: the cost depends on the device and the kernels each recipe reaches, so a constant
-    would mislead. On CUDA, cuBLAS also needs CUBLAS_WORKSPACE_CONFIG (set by the CLI)."""
+    would mislead. On CUDA, cuBLAS also needs request_deterministic_cublas() (the CLI calls it)."""
     probe = replace(plan, steps=COST_STEPS, eval_every=0, val_batches=1, resume=False)
-    previous = torch.are_deterministic_algorithms_enabled()
     times = []
-    try:
-        for enabled in (False, True):
-            torch.use_deterministic_algorithms(enabled, warn_only=True)
+    for enabled in (False, True):
+        with deterministic_algorithms(enabled):
             run = train_recipe(probe, "cost probe", None)
-            times.append(1.0 / run.tokens_per_second)
-    finally:
-        torch.use_deterministic_algorithms(previous)
+        times.append(1.0 / run.tokens_per_second)
     return times[1] / times[0]
 
 
